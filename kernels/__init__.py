@@ -1,0 +1,30 @@
+"""DCP attention backend: Triton kernels and their exact torch references (name / name_ref, same signature).
+
+Set TRITON_INTERPRET=1 before importing this package to run the Triton kernels on CPU (tests only).
+"""
+
+from __future__ import annotations
+
+from kernels._triton import HAS_TRITON
+from kernels.combine import combine_lse, combine_lse_ref
+from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.exchange import DcpAttentionExchange
+from kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.store_kv import store_kv, store_kv_ref
+
+__all__ = [
+    "HAS_TRITON",
+    "DcpAttentionExchange",
+    "combine_lse",
+    "combine_lse_ref",
+    "dcp_local_seq_lens",
+    "dcp_slot_mapping",
+    "dcp_token_owner",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "store_kv",
+    "store_kv_ref",
+]
