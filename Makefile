@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Two workers: the Triton interpreter is single-threaded Python, so the suite scales with cores.
-PYTEST_ARGS ?= -n auto
+PYTEST_ARGS ?= -n auto --dist loadgroup
 
 .PHONY: test install bench-kernels clean
 

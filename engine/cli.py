@@ -2,15 +2,28 @@
 
     dcpserve layout --tokens 9 --dcp 2 [--block-size 2] [--interleave 1]
         which DCP rank holds each token of a sequence, at which page and slot (docs/dcp.md)
+    dcpserve tiny-model DIR [--seed 0] [--force]
+        write the embedded default model (tiny random Llama, one KV head, byte-level BPE tokenizer)
+    dcpserve plan --model DIR --gpus-per-node 8 --gpu-memory 80GiB --context 128k [--dtype bfloat16] ...
+        KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout
+    dcpserve generate --model DIR [--tp 2 --dcp 2] --prompt "..." [--max-tokens 32 --temperature 0 ...]
+        run the engine on one or more prompts and print the completions (tp > 1 runs a Ray worker group)
+
+Each command is one `_cmd_<name>` function and one add_parser block in build_parser. Keep transformers out of
+the module-level imports (tiny_model imports it when writing weights), so `layout`, `plan` and `--help` stay fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 import torch
 
+from cluster.planner import PlanRequest, format_plan, parse_bytes, parse_tokens, plan_layouts
+from engine.config import DTYPES, ModelConfig
+from engine.tiny_model import write_tiny_model
 from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from kernels.layout import check_dcp_args
 
@@ -56,6 +69,82 @@ def _cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    try:
+        write_tiny_model(args.directory, seed=args.seed, force=args.force, log=lambda line: print(line, flush=True))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"dcpserve tiny-model: {err}") from err
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        model = ModelConfig.from_pretrained(args.model)
+        request = PlanRequest(
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_bytes=args.gpu_memory,
+            context_len=args.context,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"dcpserve plan: {err}") from err
+    print(format_plan(model, request, plan_layouts(model, request), model_name=args.model))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=tuple(args.stop) if args.stop else None,
+        )
+        print(f"loading {args.model} (tp={args.tp}, dcp={args.dcp})...", file=sys.stderr, flush=True)
+        llm = LLM(
+            args.model,
+            tensor_parallel_size=args.tp,
+            decode_context_parallel_size=args.dcp,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
+        )
+    except (OSError, ValueError, RuntimeError) as err:
+        raise SystemExit(f"dcpserve generate: {err}") from err
+    with llm:
+        print(f"KV capacity: {llm.kv_capacity_tokens} tokens per replica", file=sys.stderr, flush=True)
+        try:
+            outputs = llm.generate(args.prompt, params)
+        except ValueError as err:
+            raise SystemExit(f"dcpserve generate: {err}") from err
+        for prompt, output in zip(args.prompt, outputs):
+            completion = output.outputs[0]
+            print(f"--- prompt: {prompt!r}")
+            print(f"{completion.text}")
+            print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
+    return 0
+
+
+def _parsed(parse: Callable[[str], int]) -> Callable[[str], int]:
+    """An argparse `type` that reports the parser's own message (argparse would say only "invalid value")."""
+
+    def convert(text: str) -> int:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcpserve", description="Long-context LLM serving with decode context parallelism.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +154,45 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--block-size", type=int, default=16, help="tokens per physical page on a rank (default 16)")
     layout.add_argument("--interleave", type=int, default=1, help="consecutive tokens per rank turn (default 1)")
     layout.set_defaults(func=_cmd_layout)
+
+    tiny = commands.add_parser("tiny-model", help="write the embedded default model (tiny random Llama + tokenizer)")
+    tiny.add_argument("directory", help="where to write it (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives identical files (default 0)")
+    tiny.add_argument("--force", action="store_true", help="overwrite model files in a non-empty directory")
+    tiny.set_defaults(func=_cmd_tiny_model)
+
+    plan = commands.add_parser("plan", help="KV capacity of every valid TP x DCP layout for a model and GPU")
+    plan.add_argument("--model", required=True, help="model directory or its config.json")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node (default 8)")
+    plan.add_argument("--gpu-memory", type=_parsed(parse_bytes), required=True,
+                      help="memory of one GPU: 80GiB, 80GB (10^9), 141G (= GiB) or bytes")
+    plan.add_argument("--context", type=_parsed(parse_tokens), required=True,
+                      help="tokens per sequence: 128k (= 131072), 1M or a number")
+    plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                      help="weights and KV cache dtype (default bfloat16)")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="fraction of GPU memory for weights + KV (default 0.9)")
+    plan.set_defaults(func=_cmd_plan)
+
+    gen = commands.add_parser("generate", help="generate completions with the engine (tp > 1 uses Ray)")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    gen.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size, divides tp (default 1)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off (default 0)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="a stop string; repeat for several")
+    gen.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                     help="auto = the checkpoint's dtype on CUDA, float32 on CPU")
+    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
+    gen.add_argument("--kv-cache-memory", type=_parsed(parse_bytes), default=None,
+                     help="KV cache bytes per rank, e.g. 2GiB (default: 90%% of free GPU memory; 128MiB on CPU)")
+    gen.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -20,3 +20,31 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - yields the ray module
+    """A Ray cluster of this test session's own (4 logical GPUs on CPU machines), stopped at the end.
+
+    Tests that use it carry @pytest.mark.xdist_group("ray") so one xdist worker runs them all on one cluster.
+    """
+    import tempfile
+
+    import ray
+
+    # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
+    temp_dir = tempfile.mkdtemp(prefix="dcpray-", dir="/tmp")
+    # Logical GPUs on CPU machines; the real count where there are GPUs (tests needing more skip themselves).
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 4
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=gpus,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

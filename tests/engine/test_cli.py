@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -33,3 +34,84 @@ def test_layout_rejects_bad_values_clearly(args, message) -> None:
     result = dcpserve("layout", *args)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+LLAMA_70B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+}
+
+TinyModelRun = tuple[Path, subprocess.CompletedProcess[str]]  # the directory and the `tiny-model` run that wrote it
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModelRun:
+    directory = tmp_path_factory.mktemp("cli") / "tiny"
+    return directory, dcpserve("tiny-model", str(directory))
+
+
+def test_tiny_model_writes_a_model_and_reports_progress(tiny_model: TinyModelRun) -> None:
+    directory, result = tiny_model
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("training tokenizer")
+    assert lines[1].startswith("writing weights")
+    assert f"wrote {directory}" in lines
+    assert "410,240 parameters" in result.stdout
+    assert (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file()
+    again = dcpserve("tiny-model", str(directory))  # a tiny model may be rewritten without --force
+    assert again.returncode == 0, again.stderr
+
+
+def test_tiny_model_refuses_a_foreign_directory_without_force(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    result = dcpserve("tiny-model", str(tmp_path))
+    assert result.returncode != 0
+    assert f"dcpserve tiny-model: {tmp_path} is not empty and is not a dcpserve tiny model" in result.stderr
+    assert "--force" in result.stderr
+    forced = dcpserve("tiny-model", str(tmp_path), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_plan_for_the_tiny_model(tiny_model: TinyModelRun) -> None:
+    directory, _ = tiny_model
+    result = dcpserve("plan", "--model", str(directory), "--gpus-per-node", "8", "--gpu-memory", "80GiB",
+                      "--context", "128k")
+    assert result.returncode == 0, result.stderr
+    rows = {tuple(line.split()[:2]): line.split() for line in result.stdout.splitlines() if line[:4].strip().isdigit()}
+    assert list(rows) == [("1", "1"), ("2", "1"), ("2", "2"), ("4", "1"), ("4", "2"), ("4", "4")]
+    tokens = {key: int(cells[5].replace(",", "")) for key, cells in rows.items()}
+    assert tokens[("4", "4")] == 4 * tokens[("4", "1")]
+    assert "131,072 tokens per sequence" in result.stdout
+
+
+def test_plan_for_a_70b_config(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_70B_CONFIG))
+    result = dcpserve("plan", "--model", str(config), "--gpu-memory", "80GiB", "--context", "128k")
+    assert result.returncode == 0, result.stderr
+    assert "70.55B parameters" in result.stdout
+    one = next(line for line in result.stdout.splitlines() if line.split()[:2] == ["1", "1"])
+    assert one.endswith("weights do not fit")
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--gpu-memory", "80XB", "--context", "128k"), "argument --gpu-memory: memory size '80XB' has unknown unit 'XB'"),
+    (("--gpu-memory", "80GiB", "--context", "lots"), "argument --context: cannot parse token count 'lots'"),
+    (("--gpu-memory", "80GiB", "--context", "0.3k"), "must be a positive whole number of tokens"),
+    (("--gpu-memory", "80GiB", "--context", "128k", "--gpu-memory-utilization", "2"),
+     "dcpserve plan: gpu_memory_utilization must be in (0, 1], got 2.0"),
+])
+def test_plan_rejects_bad_values_clearly(tiny_model: TinyModelRun, args: tuple[str, ...], message: str) -> None:
+    directory, _ = tiny_model
+    result = dcpserve("plan", "--model", str(directory), *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_plan_without_a_model_config(tmp_path: Path) -> None:
+    result = dcpserve("plan", "--model", str(tmp_path), "--gpu-memory", "80GiB", "--context", "128k")
+    assert result.returncode != 0
+    assert "dcpserve plan: no config.json at" in result.stderr

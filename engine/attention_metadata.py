@@ -1,0 +1,32 @@
+"""Per-step attention inputs of one rank, built once by the model runner and passed to every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Rows of the step's token batch: decode tokens first (one per decoding sequence), then prefill chunks.
+
+    Every rank of a DCP group gets the same rows and block tables; slot_mapping and the local lengths are its own.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: this rank's cache slot for each new token, -1 if not owned
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are decodes
+    decode_block_table: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_local_seq_lens: torch.Tensor  # [num_decodes] int32: tokens on this rank, including the new one
+    prefill_block_table: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets into the prefill rows
+    prefill_local_context_lens: torch.Tensor  # [num_prefills] int32: cached tokens on this rank before the chunk
+    prefill_max_query_len: int
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_query_start_loc.numel() - 1
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_decode_tokens

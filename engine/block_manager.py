@@ -1,0 +1,113 @@
+"""KV cache blocks, counted in logical blocks of block_size * dcp tokens.
+
+A logical block is one physical page of block_size slots on every rank of the DCP group, so one block table
+serves every rank. Everything above the kernels (scheduler, admission, metrics, planning) counts KV with
+blocks_needed(); nothing else rounds tokens to blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
+    """Logical blocks that hold num_tokens tokens (tokens_per_block = block_size * dcp)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return -(-num_tokens // tokens_per_block)
+
+
+def num_blocks_for_budget(kv_bytes_per_rank: int, block_size: int, kv_bytes_per_token_per_rank: int) -> int:
+    """Pages that fit a per-rank KV memory budget; one page per rank is one logical block of the group."""
+    return kv_bytes_per_rank // (block_size * kv_bytes_per_token_per_rank)
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """A snapshot of the block pool (all in logical blocks)."""
+
+    total: int
+    used: int  # allocated to requests
+    reserved: int  # committed at admission: allocated plus promised but not yet allocated
+    tokens_per_block: int
+
+    @property
+    def free(self) -> int:
+        """Blocks nobody holds or was promised: what admission may still hand out."""
+        return self.total - self.reserved
+
+
+class BlockManager:
+    """Hands out logical blocks; tracks what admission promised so that a promise can always be kept."""
+
+    def __init__(self, num_blocks: int, block_size: int, dcp_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache has no room for a single block (num_blocks={num_blocks}): raise the KV memory budget")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dcp_size = dcp_size
+        self.tokens_per_block = block_size * dcp_size
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._promised = 0  # sum over requests of reserved_blocks - allocated, where positive
+
+    @property
+    def capacity_tokens(self) -> int:
+        """pages per rank * block_size * dcp."""
+        return self.num_blocks * self.tokens_per_block
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Unallocated and unpromised."""
+        return len(self._free_block_ids) - self._promised
+
+    def usage(self) -> BlockUsage:
+        used = self.num_blocks - len(self._free_block_ids)
+        return BlockUsage(self.num_blocks, used, used + self._promised, self.tokens_per_block)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_needed(num_tokens, self.tokens_per_block)
+
+    @staticmethod
+    def _outstanding(request: Request) -> int:
+        return max(0, request.reserved_blocks - len(request.block_ids))
+
+    def can_reserve(self, request: Request, num_tokens: int) -> bool:
+        """Whether reserving KV for num_tokens tokens of this request would fit now."""
+        target = self.blocks_for(num_tokens)
+        held = max(request.reserved_blocks, len(request.block_ids))
+        return target - held <= self.num_free_blocks
+
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Promises the request blocks for num_tokens tokens (admission). False, changing nothing, if they don't fit."""
+        if not self.can_reserve(request, num_tokens):
+            return False
+        target = self.blocks_for(num_tokens)
+        if target > request.reserved_blocks:
+            self._promised -= self._outstanding(request)
+            request.reserved_blocks = target
+            self._promised += self._outstanding(request)
+        return True
+
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Makes the request hold blocks for its first num_tokens tokens, drawing on its promise first.
+        False, changing nothing, when the pool cannot provide them."""
+        needed = self.blocks_for(num_tokens) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        from_promise = min(needed, self._outstanding(request))
+        if needed - from_promise > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            request.block_ids.append(self._free_block_ids.popleft())
+        self._promised -= from_promise
+        return True
+
+    def free(self, request: Request) -> None:
+        """Returns every block the request holds or was promised."""
+        self._promised -= self._outstanding(request)
+        self._free_block_ids.extend(request.block_ids)
+        request.block_ids = []
+        request.reserved_blocks = 0

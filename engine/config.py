@@ -1,0 +1,259 @@
+"""Engine configuration: frozen dataclasses, read once (model directory, user arguments), validated up front.
+
+ModelConfig comes from a Hugging Face model directory's config.json; ParallelConfig holds the TP x DCP layout
+and its rules (docs/dcp.md); CacheConfig and SchedulerConfig hold the KV and batching knobs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (rope_type "llama3"); None in ModelConfig means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a Llama-family decoder-only model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    torch_dtype: str  # the checkpoint's dtype
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path) -> ModelConfig:
+        """Reads config.json (and generation_config.json for EOS ids) from a model directory or a config path."""
+        path = Path(model)
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise FileNotFoundError(
+                f"no config.json at {config_path}: pass a Hugging Face model directory (or its config.json); "
+                f"`dcpserve tiny-model DIR` writes a small one"
+            )
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+        generation = {}
+        generation_path = config_path.parent / "generation_config.json"
+        if generation_path.is_file():
+            generation = json.loads(generation_path.read_text())
+        return cls.from_dict(raw, generation, source=str(config_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config") -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"{source}: architectures {architectures} are not supported; dcpserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise ValueError(f"{source}: missing required fields {missing}")
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        hidden = int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads != 0:
+            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        rope_params = raw.get("rope_parameters") or {}
+        rope_scaling_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+        rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        scaling = None
+        if rope_scaling_raw:
+            kind = rope_scaling_raw.get("rope_type") or rope_scaling_raw.get("type")
+            if kind == "llama3":
+                scaling = RopeScaling(
+                    factor=float(rope_scaling_raw["factor"]),
+                    low_freq_factor=float(rope_scaling_raw["low_freq_factor"]),
+                    high_freq_factor=float(rope_scaling_raw["high_freq_factor"]),
+                    original_max_position_embeddings=int(rope_scaling_raw["original_max_position_embeddings"]),
+                )
+            elif kind not in (None, "default"):
+                raise ValueError(f"{source}: rope scaling {kind!r} is not supported (supported: default, llama3)")
+        eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            torch_dtype=dtype if dtype in DTYPES else "float32",
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    def kv_bytes_per_token_per_rank(self, tp: int, dtype: torch.dtype) -> int:
+        """K and V bytes one token takes on one rank, all layers (before DCP sharding)."""
+        kv_heads_per_rank = max(1, self.num_key_value_heads // tp)
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * kv_heads_per_rank * self.head_dim * element
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor-parallel size and decode-context-parallel size of one replica (DCP reuses the TP ranks)."""
+
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def dcp(self) -> int:
+        return self.decode_context_parallel_size
+
+    def validate(self, model: ModelConfig) -> None:
+        """Layout rules of docs/dcp.md, with errors that name the values and the fix."""
+        tp, dcp = self.tp, self.dcp
+        heads, kv = model.num_attention_heads, model.num_key_value_heads
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if not isinstance(dcp, int) or dcp < 1:
+            raise ValueError(f"decode_context_parallel_size must be a positive integer, got {dcp!r}")
+        if heads % tp != 0:
+            raise ValueError(f"tp={tp} must divide the model's {heads} attention heads; choose tp among its divisors")
+        if tp < kv and kv % tp != 0:
+            raise ValueError(f"tp={tp} must divide the model's {kv} KV heads (or be a multiple of it)")
+        if tp > kv and tp % kv != 0:
+            raise ValueError(f"tp={tp} must be a multiple of the model's {kv} KV heads when it exceeds them")
+        if dcp == 1:
+            return
+        if tp % dcp != 0:
+            raise ValueError(f"dcp={dcp} must divide tp={tp}: DCP groups are runs of dcp consecutive TP ranks")
+        if tp <= kv:
+            raise ValueError(
+                f"dcp={dcp} needs tp > kv_heads: model has {kv} KV heads, tp={tp}. With tp <= kv_heads no KV "
+                f"head is duplicated, so there is nothing to shard: use dcp=1 or raise tp above {kv}"
+            )
+        if dcp > tp // kv:
+            raise ValueError(
+                f"dcp={dcp} must be <= tp // kv_heads = {tp} // {kv} = {tp // kv}: only ranks holding copies of "
+                f"the same KV head can shard it; use dcp <= {tp // kv}"
+            )
+        if (heads // kv) % dcp != 0:
+            raise ValueError(
+                f"dcp={dcp} must divide the {heads // kv} query heads per KV head ({heads} heads / {kv} KV heads)"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: page size on each rank and the per-rank memory budget."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # per rank; None: a fraction of free memory on CUDA
+    gpu_memory_utilization: float = 0.9  # of free device memory after loading, when no byte budget is set
+    cpu_default_kv_bytes: int = 128 << 20  # per rank on CPU when no byte budget is set
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and the KV admission policy."""
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # "full": reserve prompt + max_tokens blocks at admission, never preempt.
+    # "prompt": reserve the prompt only; when blocks run out, preempt the newest request (recompute).
+    reserve: Literal["full", "prompt"] = "full"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill off: a long prompt could never be scheduled. "
+                f"Increase max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
+            )
+        if self.reserve not in ("full", "prompt"):
+            raise ValueError(f"reserve must be 'full' or 'prompt', got {self.reserve!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one replica needs, validated together."""
+
+    model: str
+    model_config: ModelConfig
+    parallel: ParallelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def resolve_dtype(requested: str, model: ModelConfig, device: str) -> str:
+    """'auto' means the checkpoint's dtype on CUDA and float32 on CPU."""
+    if requested == "auto":
+        return model.torch_dtype if device.startswith("cuda") else "float32"
+    if requested not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {requested!r}")
+    return requested

@@ -1,0 +1,90 @@
+"""A request's state inside the engine, and what the engine returns for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped (OpenAI's finish_reason values)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    Invariant (vLLM's): num_computed_tokens <= num_tokens = len(prompt) + len(output). Each step the scheduler
+    gives a running request min(num_tokens - num_computed_tokens, remaining budget) tokens to compute; prefill,
+    chunked prefill, decode and recompute after preemption all fall out of that.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_ids: list[int] = field(default_factory=list)  # logical blocks (= page ids on every DCP rank)
+    reserved_blocks: int = 0  # blocks promised at admission, allocated or not
+    num_preemptions: int = 0
+    prompt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the request may reach: prompt + max_tokens (the KV it can ever need)."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+
+@dataclass
+class CompletionOutput:
+    """The generated part of a request (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """What LLM.generate returns per prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool

@@ -1,0 +1,258 @@
+"""Continuous batching under a token budget, with KV admission and (optionally) preemption.
+
+Invariant (vLLM's): every request has num_computed_tokens and num_tokens (prompt + output). Each step a
+running request gets min(num_tokens - num_computed_tokens, remaining budget) tokens, oldest first; then
+waiting requests are admitted in FIFO order while their KV fits. Chunked prefill, decode and recompute after
+preemption all fall out of that. The scheduler never touches tensors: schedule() returns a plain dataclass,
+the model runner executes it, update() applies the sampled tokens.
+
+Admission policies (SchedulerConfig.reserve):
+- "full": admission reserves blocks for prompt + max_tokens, so a running request never waits for KV and
+  nothing is preempted. Capacity is committed, not guessed.
+- "prompt": admission reserves the prompt (plus outputs so far); decode growth takes free blocks, and when
+  none are left the newest running request is preempted (its blocks freed, recomputed later, first in line).
+The waiting queue is FIFO and its head blocks the rest, so a big request is never starved by small ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, BlockUsage
+from engine.config import SchedulerConfig
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that could never be served with this configuration (never-fits); nothing was queued."""
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: list[int]  # the request's block table (covers start_position + len(token_ids) tokens)
+    sample: bool  # this chunk reaches the end of the sequence: sample the next token
+    sampling_params: SamplingParams
+    num_output_tokens: int  # outputs so far (the sampler uses it for per-request seeds)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's work: single-token rows (decodes) first, then prefill chunks."""
+
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenUpdate:
+    """A sampled token applied to a request, and whether that finished it."""
+
+    request: Request
+    token_id: int
+    finished: bool
+
+
+class Scheduler:
+    """Decides which requests compute which tokens each step, within the token budget and the KV pool."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises RequestRejected when prompt + max_tokens could never be served, naming the numbers."""
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty: send at least one token")
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len={self.config.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        capacity = self.block_manager.capacity_tokens
+        needed = self.block_manager.blocks_for(total)
+        if needed > self.block_manager.num_blocks:
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens needs "
+                f"{needed} KV blocks of {self.block_manager.tokens_per_block} tokens but the replica holds "
+                f"{self.block_manager.num_blocks} ({capacity} tokens); shorten the request or give the KV "
+                f"cache more memory (or raise dcp)"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request wherever it is and frees its KV. False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
+        """Finishes a request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Frees the request's KV and puts it first in line; it will recompute prompt + outputs so far."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- one step --------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if count <= 0:
+                continue
+            if not self._allocate_or_preempt(request, request.num_computed_tokens + count, preempted):
+                continue
+            scheduled.append(self._entry(request, count))
+            budget -= count
+
+        # Admission: FIFO, head-of-line blocking (no starvation); none after a preemption this step.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            count = min(remaining, budget)
+            if count < remaining and not self.config.enable_chunked_prefill:
+                break
+            reserve_tokens = request.max_total_tokens if self.config.reserve == "full" else request.num_tokens
+            if not self.block_manager.reserve(request, reserve_tokens):
+                break
+            if not self.block_manager.allocate(request, request.num_computed_tokens + count):
+                self.block_manager.free(request)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._entry(request, count))
+            budget -= count
+
+        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first; stable otherwise
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(scheduled, finished, preempted)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+        """Blocks for num_tokens tokens of a running request, preempting the newest requests if needed.
+        Under reserve="full" the promise always covers it; False means the request itself was preempted."""
+        while not self.block_manager.allocate(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _entry(self, request: Request, count: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + count]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tokens,
+            start_position=start,
+            block_ids=list(request.block_ids),
+            sample=start + count == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=len(request.output_token_ids),
+        )
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[TokenUpdate]:
+        """Applies a step's results: advances computed tokens, appends sampled tokens, finishes requests."""
+        updates: list[TokenUpdate] = []
+        for entry in output.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran: its blocks are already free
+            request.num_computed_tokens += len(entry.token_ids)
+            if not entry.sample:
+                continue
+            token = sampled[entry.request_id]
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            updates.append(TokenUpdate(request, token, reason is not None))
+        return updates
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def has_pending_finishes(self) -> bool:
+        return bool(self._finished_since_last_step)
+
+    def usage(self) -> BlockUsage:
+        return self.block_manager.usage()

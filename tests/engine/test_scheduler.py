@@ -1,0 +1,149 @@
+"""The scheduler with hand-made runner outputs: budgets, admission, preemption, finishing, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
+
+EOS = 0
+
+
+def make(num_blocks: int = 16, block_size: int = 4, dcp: int = 1, **config: object) -> Scheduler:
+    settings = {"max_model_len": 4096, "max_num_batched_tokens": 64, **config}
+    return Scheduler(SchedulerConfig(**settings), BlockManager(num_blocks, block_size, dcp), frozenset({EOS}))
+
+
+def req(name: str, prompt: int, max_tokens: int = 4, **params: object) -> Request:
+    return Request(name, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, **params))
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    """One step with a fake runner that samples `token` for every row that samples."""
+    output = scheduler.schedule()
+    scheduler.update(output, {s.request_id: token for s in output.scheduled if s.sample})
+    check_invariants(scheduler)
+    return output
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    usage = scheduler.usage()
+    assert usage.used <= usage.reserved <= usage.total  # never over-committed
+    held = [b for r in scheduler.running for b in r.block_ids]
+    assert len(held) == len(set(held)) == usage.used  # no double allocation, no leak
+    for r in scheduler.running:
+        assert r.num_computed_tokens <= r.num_tokens
+        assert len(r.block_ids) * scheduler.block_manager.tokens_per_block >= r.num_computed_tokens
+    for r in scheduler.waiting:
+        assert r.block_ids == [] and r.status == RequestStatus.WAITING
+
+
+def test_chunked_prefill_then_decode_follows_the_invariant() -> None:
+    scheduler = make(max_num_batched_tokens=8)
+    scheduler.add_request(req("a", prompt=20, max_tokens=3))
+    chunks = [run_step(scheduler).scheduled[0] for _ in range(3)]
+    assert [(c.start_position, len(c.token_ids), c.sample) for c in chunks] == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    decode = run_step(scheduler).scheduled[0]
+    assert decode.is_decode and decode.start_position == 20 and decode.token_ids == [7]
+    run_step(scheduler)
+    assert not scheduler.has_unfinished  # 3 tokens: length
+    assert scheduler.usage().used == 0
+
+
+def test_decodes_come_first_and_budget_is_shared() -> None:
+    scheduler = make(max_num_batched_tokens=10)
+    scheduler.add_request(req("a", prompt=3, max_tokens=10))
+    run_step(scheduler)  # a prefilled
+    scheduler.add_request(req("b", prompt=30, max_tokens=2))
+    output = run_step(scheduler)
+    assert [s.request_id for s in output.scheduled] == ["a", "b"]
+    assert output.scheduled[0].is_decode and len(output.scheduled[1].token_ids) == 9
+
+
+def test_full_reservation_never_over_commits_and_queues_fifo() -> None:
+    scheduler = make(num_blocks=10, block_size=4)  # 40 tokens
+    scheduler.add_request(req("a", prompt=12, max_tokens=12))  # 6 blocks reserved
+    scheduler.add_request(req("big", prompt=16, max_tokens=8))  # 6 blocks: must wait
+    scheduler.add_request(req("small", prompt=2, max_tokens=2))  # 1 block: fits, but must not jump the queue
+    output = run_step(scheduler)
+    assert [s.request_id for s in output.scheduled] == ["a"]
+    assert scheduler.usage().reserved == 6
+    while "a" in scheduler.requests:
+        run_step(scheduler)
+    output = run_step(scheduler)
+    assert {s.request_id for s in output.scheduled} == {"big", "small"}
+
+
+def test_never_fits_is_rejected_at_once() -> None:
+    scheduler = make(num_blocks=4, block_size=4, max_model_len=100)  # 16 tokens of KV
+    with pytest.raises(RequestRejected, match=r"exceeds max_model_len=100"):
+        scheduler.add_request(req("x", prompt=90, max_tokens=20))
+    with pytest.raises(RequestRejected, match=r"needs 5 KV blocks of 4 tokens but the replica holds 4 \(16 tokens\)"):
+        scheduler.add_request(req("y", prompt=10, max_tokens=10))
+    with pytest.raises(RequestRejected, match="prompt is empty"):
+        scheduler.add_request(Request("z", [], SamplingParams()))
+    assert not scheduler.has_unfinished
+
+
+def test_prompt_reservation_preempts_newest_and_recomputes() -> None:
+    scheduler = make(num_blocks=6, block_size=2, reserve="prompt")  # 12 tokens
+    scheduler.add_request(req("old", prompt=4, max_tokens=6))
+    scheduler.add_request(req("new", prompt=4, max_tokens=6))
+    run_step(scheduler)  # both prefilled: 4 blocks used
+    preempted = []
+    for _ in range(12):
+        output = run_step(scheduler)
+        preempted += output.preempted_request_ids
+        if not scheduler.has_unfinished:
+            break
+    assert preempted and preempted[0] == "new"
+    assert not scheduler.has_unfinished
+    assert scheduler.usage().used == 0 and scheduler.usage().reserved == 0
+
+
+def test_finish_on_eos_stop_token_and_ignore_eos() -> None:
+    scheduler = make()
+    scheduler.add_request(req("eos", prompt=2, max_tokens=10))
+    scheduler.add_request(req("stop", prompt=2, max_tokens=10, stop_token_ids=(9,)))
+    scheduler.add_request(req("ignore", prompt=2, max_tokens=2, ignore_eos=True))
+    output = scheduler.schedule()
+    updates = scheduler.update(output, {"eos": EOS, "stop": 9, "ignore": EOS})
+    assert {u.request.request_id: u.request.finish_reason for u in updates if u.finished} == {
+        "eos": FinishReason.STOP, "stop": FinishReason.STOP}
+    run_step(scheduler, token=EOS)
+    assert not scheduler.has_unfinished  # "ignore" ran to max_tokens
+
+
+def test_abort_frees_blocks_wherever_the_request_is() -> None:
+    scheduler = make(num_blocks=4, block_size=4)
+    scheduler.add_request(req("run", prompt=8, max_tokens=4))
+    scheduler.add_request(req("wait", prompt=8, max_tokens=8))
+    output = scheduler.schedule()
+    assert scheduler.abort_request("run")  # aborted while its step is in flight
+    scheduler.update(output, {"run": 5})
+    assert scheduler.abort_request("wait")
+    assert not scheduler.abort_request("wait")
+    assert scheduler.usage().used == 0 and scheduler.usage().reserved == 0
+    assert scheduler.schedule().finished_request_ids == ["run", "wait"]
+
+
+@pytest.mark.parametrize("reserve", ["full", "prompt"])
+def test_random_workload_never_leaks_or_over_commits(reserve: str) -> None:
+    rng = random.Random(reserve)
+    scheduler = make(num_blocks=12, block_size=2, dcp=2, reserve=reserve, max_num_batched_tokens=16, max_num_seqs=5)
+    names = iter(range(10**6))
+    for _ in range(300):
+        if rng.random() < 0.3:
+            scheduler.add_request(req(f"r{next(names)}", prompt=rng.randint(1, 20), max_tokens=rng.randint(1, 20)))
+        if rng.random() < 0.05 and scheduler.requests:
+            scheduler.abort_request(rng.choice(list(scheduler.requests)))
+        run_step(scheduler, token=rng.choice([EOS, 3, 4, 5, 6]))
+    for name in list(scheduler.requests):
+        scheduler.abort_request(name)
+    assert scheduler.usage().used == 0 and scheduler.usage().reserved == 0
