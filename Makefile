@@ -7,8 +7,9 @@ PYTEST_ARGS ?= -n auto --dist loadgroup
 
 .PHONY: test install bench-kernels clean
 
-# The stamp file re-runs the install whenever pyproject.toml changes.
-$(VENV)/.installed: pyproject.toml
+# The stamp file re-runs the install when pyproject.toml changes or a top-level package appears (the editable
+# install's finder lists packages by name).
+$(VENV)/.installed: pyproject.toml $(wildcard */__init__.py)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -24,3 +25,10 @@ bench-kernels: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The embedded default on this machine: a local Ray head with logical GPUs, the tiny model, TP=2 x DCP=2, served at
+# http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see deployments/local_cluster.py.
+.PHONY: serve
+DCPSERVE_PORT ?= 8000
+serve: $(VENV)/.installed
+	DCPSERVE_PORT=$(DCPSERVE_PORT) $(PY) -m deployments.local_cluster

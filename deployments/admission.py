@@ -1,0 +1,317 @@
+"""KV admission for the whole app: one FIFO, exact per-replica KV accounting, grants of a replica per request.
+
+Every request asks for `need` logical blocks (blocks_needed(prompt + max_tokens, block_size * dcp)). The queue
+grants a replica that can hold it now, preferring the most free KV, and counts the grant against that replica
+until the caller releases it. Invariants:
+
+- never over-commit: for every replica, granted + external <= capacity, where `external` is what the replica
+  itself reports holding for requests this queue did not grant (direct handle calls, or grants lost when this
+  queue restarted). Replicas report what they hold every kv_report_period_s and also refuse what they cannot hold
+  (the authority), so stale knowledge here delays requests but never overfills a replica;
+- strict FIFO: a request waits while anyone is ahead of it, so the head is never starved by smaller requests
+  behind it; a request a replica refused goes back to the head;
+- bounded: at most `max_queued` wait; more get QueueFull at once; a wait past its timeout gets QueueTimeout;
+- never-fits: a request larger than every replica's whole capacity gets NeverFits at once (400, with numbers).
+
+AdmissionQueue is plain asyncio (tested without Ray); KvAdmission (below) serves it as a one-replica deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+
+class AdmissionError(Exception):
+    """A request the queue did not grant; `kind` maps to the HTTP status the ingress answers with."""
+
+    kind = "error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class QueueFull(AdmissionError):
+    kind = "queue_full"  # 429 + Retry-After
+
+
+class QueueTimeout(AdmissionError):
+    kind = "queue_timeout"  # 429 + Retry-After
+
+
+class NeverFits(AdmissionError):
+    kind = "never_fits"  # 400
+
+
+class NoReplica(AdmissionError):
+    kind = "no_replica"  # 503
+
+
+@dataclass
+class ReplicaKv:
+    """What the queue knows of one replica's KV, in logical blocks."""
+
+    replica_id: str
+    capacity: int
+    tokens_per_block: int
+    grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
+    external: int = 0  # blocks the replica holds for tickets not granted here
+    healthy: bool = True
+    last_report: float = 0.0
+
+    @property
+    def granted(self) -> int:
+        return sum(blocks for blocks, _ in self.grants.values())
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.granted - self.external
+
+
+@dataclass
+class _Waiter:
+    ticket: str
+    need: int
+    future: asyncio.Future[str]
+
+
+class AdmissionQueue:
+    """One app's admission: replicas' KV, grants, and the bounded FIFO of waiting requests."""
+
+    def __init__(
+        self,
+        max_queued: int,
+        replica_ttl_s: float = 10.0,
+        leak_grace_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_queued = max_queued
+        self.replica_ttl_s = replica_ttl_s  # a replica silent this long gets no more grants
+        self.leak_grace_s = leak_grace_s  # a grant its replica never saw this long is dropped (caller died)
+        self._clock = clock
+        self.replicas: dict[str, ReplicaKv] = {}
+        self._waiters: deque[_Waiter] = deque()
+        self._ticket_replica: dict[str, str] = {}
+        self.num_granted = 0
+        self.num_timeouts = 0
+        self.num_rejected_full = 0
+        self.num_refusals = 0
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False) -> str:
+        """Returns the replica id that holds `need` blocks for this ticket until release(ticket).
+        front=True (a replica refused it) puts it at the head of the line."""
+        if need < 1:
+            raise ValueError(f"need must be >= 1 block, got {need}")
+        if ticket in self._ticket_replica:
+            raise ValueError(f"ticket {ticket!r} already holds a grant")
+        if self.replicas and not self._healthy_replicas():
+            raise NoReplica(f"no healthy engine replica ({len(self.replicas)} known, all failing); retry later")
+        self._check_fits_somewhere(need)
+        if not self._waiters:
+            replica = self._pick(need)
+            if replica is not None:
+                return self._grant(ticket, need, replica)
+        if len(self._waiters) >= self.max_queued and not front:
+            self.num_rejected_full += 1
+            raise QueueFull(
+                f"the admission queue is full ({len(self._waiters)} requests wait for KV, max_queued_requests="
+                f"{self.max_queued}); retry later"
+            )
+        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future())
+        if front:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                return waiter.future.result()  # granted at the last moment
+            self.num_timeouts += 1
+            if not self._healthy_replicas():
+                raise NoReplica(f"no healthy engine replica became available within {timeout_s:.1f}s") from None
+            raise QueueTimeout(
+                f"no replica had {need} free KV blocks within {timeout_s:.1f}s (queue_timeout_s); retry later"
+            ) from None
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(ticket)  # granted while the caller went away
+            raise
+        finally:
+            waiter.future.cancel()  # no-op once granted; otherwise _fulfill skips it
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:
+                pass
+            self._fulfill()
+
+    def release(self, ticket: str) -> None:
+        """Ends a grant (request finished, failed or was cancelled). Unknown tickets are ignored: idempotent."""
+        replica_id = self._ticket_replica.pop(ticket, None)
+        for waiter in self._waiters:
+            if waiter.ticket == ticket and not waiter.future.done():
+                waiter.future.cancel()
+        if replica_id is not None and replica_id in self.replicas:
+            self.replicas[replica_id].grants.pop(ticket, None)
+        self._fulfill()
+
+    def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
+        """The replica refused the ticket's request (it holds less free KV than we thought): drop the grant and
+        believe the replica's number until its next report."""
+        self.num_refusals += 1
+        self._ticket_replica.pop(ticket, None)
+        replica = self.replicas.get(replica_id)
+        if replica is not None:
+            replica.grants.pop(ticket, None)
+            replica.external = max(replica.external, replica.capacity - replica.granted - max(free_blocks, 0))
+        self._fulfill()
+
+    # ---- replicas -------------------------------------------------------------------------------------------
+
+    def report(
+        self,
+        replica_id: str,
+        capacity: int,
+        tokens_per_block: int,
+        held: dict[str, int],
+        healthy: bool = True,
+    ) -> None:
+        """A replica's truth: its capacity and the blocks it holds per ticket. Reconciles grants with it."""
+        now = self._clock()
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            replica = self.replicas[replica_id] = ReplicaKv(replica_id, capacity, tokens_per_block)
+        replica.capacity = capacity
+        replica.tokens_per_block = tokens_per_block
+        replica.healthy = healthy
+        replica.last_report = now
+        for ticket, (_, granted_at) in list(replica.grants.items()):
+            if ticket not in held and now - granted_at > self.leak_grace_s:
+                del replica.grants[ticket]  # granted long ago, never arrived or never released: the caller died
+                self._ticket_replica.pop(ticket, None)
+        replica.external = sum(blocks for ticket, blocks in held.items() if ticket not in replica.grants)
+        self._fulfill()
+
+    def remove_replica(self, replica_id: str) -> None:
+        replica = self.replicas.pop(replica_id, None)
+        if replica is not None:
+            for ticket in replica.grants:
+                self._ticket_replica.pop(ticket, None)
+
+    def expire(self) -> None:
+        """Marks replicas that stopped reporting as unhealthy (no grants) and forgets long-dead ones."""
+        now = self._clock()
+        for replica in list(self.replicas.values()):
+            silent = now - replica.last_report
+            if silent > 6 * self.replica_ttl_s:
+                self.remove_replica(replica.replica_id)
+            elif silent > self.replica_ttl_s:
+                replica.healthy = False
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_queued": len(self._waiters),
+            "queued_blocks": sum(w.need for w in self._waiters),
+            "num_granted": self.num_granted,
+            "num_timeouts": self.num_timeouts,
+            "num_rejected_full": self.num_rejected_full,
+            "num_refusals": self.num_refusals,
+            "replicas": {
+                r.replica_id: {"capacity": r.capacity, "granted": r.granted, "external": r.external,
+                               "free": r.free, "healthy": r.healthy, "num_grants": len(r.grants)}
+                for r in self.replicas.values()
+            },
+        }
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _healthy_replicas(self) -> list[ReplicaKv]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def _check_fits_somewhere(self, need: int) -> None:
+        replicas = self._healthy_replicas() or list(self.replicas.values())
+        if not replicas:
+            return  # nothing known yet: wait (503 if none shows up in time)
+        largest = max(replicas, key=lambda r: r.capacity)
+        if need > largest.capacity:
+            tokens = largest.tokens_per_block
+            raise NeverFits(
+                f"this request needs {need} KV blocks ({need * tokens} tokens of {tokens}-token blocks: prompt + "
+                f"max_tokens) but a replica holds {largest.capacity} blocks ({largest.capacity * tokens} tokens); "
+                f"shorten the prompt or lower max_tokens"
+            )
+
+    def _pick(self, need: int) -> ReplicaKv | None:
+        best: ReplicaKv | None = None
+        for replica in self._healthy_replicas():
+            if replica.free >= need and (best is None or replica.free > best.free):
+                best = replica
+        return best
+
+    def _grant(self, ticket: str, need: int, replica: ReplicaKv) -> str:
+        replica.grants[ticket] = (need, self._clock())
+        self._ticket_replica[ticket] = replica.replica_id
+        self.num_granted += 1
+        return replica.replica_id
+
+    def _fulfill(self) -> None:
+        """Grants waiters strictly in order while the head fits somewhere."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():
+                self._waiters.popleft()
+                continue
+            replica = self._pick(head.need)
+            if replica is None:
+                return
+            self._waiters.popleft()
+            head.future.set_result(self._grant(head.ticket, head.need, replica))
+
+
+@serve.deployment(max_ongoing_requests=100_000, num_replicas=1, ray_actor_options={"num_cpus": 0})
+class KvAdmission:
+    """The app's admission queue as a one-replica deployment: the ingress acquires and releases, engine replicas
+    report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
+
+    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0) -> None:
+        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s)
+        self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.queue.expire()
+
+    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False) -> dict[str, Any]:
+        try:
+            return {"replica_id": await self.queue.acquire(ticket, need, timeout_s, front)}
+        except AdmissionError as err:
+            return {"error": err.kind, "message": err.message}
+
+    def release(self, ticket: str) -> None:
+        self.queue.release(ticket)
+
+    def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
+        self.queue.refused(ticket, replica_id, free_blocks)
+
+    def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
+               healthy: bool = True) -> dict[str, int]:
+        """Returns the queue length, which replicas pass on to the autoscaler."""
+        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy)
+        stats = self.queue.stats()
+        return {"num_queued": stats["num_queued"], "queued_blocks": stats["queued_blocks"]}
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.queue.remove_replica(replica_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.queue.stats()

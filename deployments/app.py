@@ -1,0 +1,74 @@
+"""build_app(args): the Serve application `serve deploy serve_config.yaml` runs (import_path deployments.app:build_app).
+
+Three deployments: OpenAIIngress (HTTP, route_prefix /), EngineReplica (one engine per replica, autoscaled by
+SequenceAutoscalingPolicy, routed by KvAwareRouter) and KvAdmission (one replica: the app's admission queue).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from deployments.admission import KvAdmission
+from deployments.config import AppArgs, parse_args
+from deployments.ingress import OpenAIIngress
+from deployments.replica import EngineReplica, replica_bundles
+
+
+def engine_deployment(args: AppArgs) -> Any:
+    """EngineReplica with its placement group, router, autoscaling policy and health checks."""
+    tp = args.tensor_parallel_size
+    scaling = args.autoscaling
+    actor_options: dict[str, Any] = {"num_cpus": 1}
+    if tp == 1:
+        actor_options["num_gpus"] = 1
+    return serve.deployment(
+        EngineReplica,
+        name="EngineReplica",
+        ray_actor_options=actor_options,
+        placement_group_bundles=replica_bundles(tp),
+        placement_group_strategy="STRICT_PACK",
+        # Admission bounds what a replica holds by KV; this only has to exceed what KV could ever admit.
+        max_ongoing_requests=max(args.max_num_seqs * 4, 1024),
+        health_check_period_s=args.health_check_period_s,
+        health_check_timeout_s=max(30.0, args.health_check_period_s * 3),
+        graceful_shutdown_timeout_s=5,
+        request_router_config=RequestRouterConfig(
+            request_router_class="deployments.router:KvAwareRouter",
+            request_routing_stats_period_s=args.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, args.routing_stats_period_s * 5),
+        ),
+        autoscaling_config=AutoscalingConfig(
+            min_replicas=scaling.min_replicas,
+            max_replicas=scaling.max_replicas,
+            initial_replicas=scaling.initial_replicas,
+            upscale_delay_s=scaling.upscale_delay_s,
+            downscale_delay_s=scaling.downscale_delay_s,
+            look_back_period_s=scaling.look_back_period_s,
+            policy=AutoscalingPolicy(
+                policy_function="deployments.autoscaling:SequenceAutoscalingPolicy",
+                policy_kwargs={
+                    "target_sequences_per_replica": scaling.target_sequences_per_replica,
+                    "kv_usage_scale_up": scaling.kv_usage_scale_up,
+                },
+            ),
+        ),
+    )
+
+
+def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
+    """Validates the args (every problem named) and the engine layout, then binds the three deployments."""
+    args = parse_args(raw_args)
+    args.engine_config()  # fails the deploy now, with the engine's message, on a bad model dir or TP x DCP layout
+    admission = KvAdmission.options(name="KvAdmission").bind(args.max_queued_requests)
+    engine = engine_deployment(args).bind(args, admission)
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name="OpenAIIngress",
+        num_replicas=args.num_ingress_replicas,
+        ray_actor_options={"num_cpus": 0.5},
+        max_ongoing_requests=max(args.max_queued_requests * 2, 256),
+    )
+    return ingress.bind(args, engine, admission)

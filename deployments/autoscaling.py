@@ -1,0 +1,63 @@
+"""Custom Serve autoscaling policy: replicas by concurrent sequences, earlier when KV fills up.
+
+desired = ceil((sum over replicas of their sequences + requests waiting in the admission queue)
+               / target_sequences_per_replica)
+and, while the mean KV usage (held / capacity) is above kv_usage_scale_up, at least one more than now. Serve
+wraps the policy with min/max replicas, upscale_delay_s / downscale_delay_s and the scaling factors
+(ray.serve.autoscaling_policy._apply_autoscaling_config), so a decision must hold for its delay before it acts.
+
+Inputs are the replicas' record_autoscaling_stats() values, averaged by Serve over look_back_period_s:
+`sequences` (running + waiting in the engine), `kv_usage`, `admission_queued` (the app's queue length, which
+every replica passes on, so the policy takes the maximum rather than the sum).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def desired_replicas(
+    sequences_per_replica: list[float],
+    kv_usage_per_replica: list[float],
+    admission_queued: float,
+    current_replicas: int,
+    target_sequences_per_replica: float,
+    kv_usage_scale_up: float,
+) -> int:
+    """The policy's arithmetic, separate from Serve's context object so it can be tested directly."""
+    demand = sum(sequences_per_replica) + admission_queued
+    desired = math.ceil(demand / target_sequences_per_replica - 1e-9) if demand > 0 else 0
+    if kv_usage_per_replica:
+        mean_usage = sum(kv_usage_per_replica) / len(kv_usage_per_replica)
+        if mean_usage > kv_usage_scale_up:
+            desired = max(desired, current_replicas + 1)
+    return desired
+
+
+class SequenceAutoscalingPolicy:
+    """Serve instantiates this once with policy_kwargs and calls it every control-loop period."""
+
+    def __init__(self, target_sequences_per_replica: float = 8.0, kv_usage_scale_up: float = 0.85) -> None:
+        if target_sequences_per_replica <= 0:
+            raise ValueError(f"target_sequences_per_replica must be > 0, got {target_sequences_per_replica}")
+        if not 0 < kv_usage_scale_up <= 1:
+            raise ValueError(f"kv_usage_scale_up must be in (0, 1], got {kv_usage_scale_up}")
+        self.target_sequences_per_replica = target_sequences_per_replica
+        self.kv_usage_scale_up = kv_usage_scale_up
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        metrics = ctx.aggregated_metrics or {}
+        running = set(ctx.running_replicas)
+        sequences = [v for r, v in metrics.get("sequences", {}).items() if r in running]
+        usage = [v for r, v in metrics.get("kv_usage", {}).items() if r in running]
+        queued = max(metrics.get("admission_queued", {}).values(), default=0.0)
+        if not sequences and not queued:
+            # No reports yet (replicas starting): keep the current target.
+            return ctx.target_num_replicas, {}
+        desired = desired_replicas(
+            sequences, usage, queued, ctx.current_num_replicas,
+            self.target_sequences_per_replica, self.kv_usage_scale_up,
+        )
+        low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+        return max(low, min(high, desired)), {"demand": sum(sequences) + queued}

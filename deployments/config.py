@@ -1,0 +1,113 @@
+"""The app's arguments (`args:` in serve_config.yaml), validated with pydantic before anything is deployed.
+
+Every knob has a default; unknown keys are refused by name. `AppArgs.engine_config()` runs the engine's own
+validation (model directory, TP x DCP layout rules, max_model_len), so a bad layout fails `serve deploy` with the
+engine's message instead of failing inside a replica later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.config import EngineConfig
+
+
+class AutoscalingArgs(BaseModel):
+    """Replica autoscaling by concurrent sequences (deployments/autoscaling.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=1, description="replicas kept running (the admission queue needs one to drain)")
+    max_replicas: int = Field(1, ge=1, description="upper bound; each replica takes tp GPUs")
+    initial_replicas: int | None = Field(None, ge=1, description="replicas at deploy time (default: min_replicas)")
+    target_sequences_per_replica: float = Field(
+        8.0, gt=0, description="desired replicas = ceil(running + waiting + queued sequences / this)"
+    )
+    kv_usage_scale_up: float = Field(
+        0.85, gt=0, le=1, description="add a replica when the mean KV usage (reserved / capacity) passes this"
+    )
+    upscale_delay_s: float = Field(5.0, ge=0, description="a scale-up decision must hold this long (Serve's delay)")
+    downscale_delay_s: float = Field(30.0, ge=0, description="a scale-down decision must hold this long")
+    look_back_period_s: float = Field(5.0, gt=0, description="window Serve averages the replica stats over")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingArgs:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"autoscaling.max_replicas ({self.max_replicas}) is smaller than min_replicas ({self.min_replicas})"
+            )
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(
+                f"autoscaling.initial_replicas ({self.initial_replicas}) must lie in "
+                f"[min_replicas={self.min_replicas}, max_replicas={self.max_replicas}]"
+            )
+        return self
+
+
+class AppArgs(BaseModel):
+    """Arguments of build_app: the engine of every replica, admission, autoscaling and the ingress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- engine (one replica) ----
+    model: str = Field(description="local Hugging Face model directory, present on every node")
+    served_model_name: str | None = Field(None, description="the `model` name clients send (default: the directory name)")
+    tensor_parallel_size: int = Field(1, ge=1, description="TP ranks (= GPUs) per replica")
+    decode_context_parallel_size: int = Field(1, ge=1, description="DCP group size; divides tp, adds no GPUs")
+    dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
+    block_size: int = Field(16, ge=1, description="tokens per KV page on one rank; a logical block is block_size*dcp")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV budget per rank (default: the engine's)")
+    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's)")
+    max_num_seqs: int = Field(256, ge=1, description="sequences one engine step may batch")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of a step (default: engine's)")
+    seed: int = Field(0, description="engine seed for requests without their own")
+    device: Literal["cuda", "cpu"] | None = Field(None, description="default: cuda where available")
+    # ---- admission ----
+    max_queued_requests: int = Field(64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue; past it -> 429")
+    retry_after_s: int = Field(5, ge=1, description="the Retry-After header of a 429")
+    # ---- serving ----
+    num_ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas (tokenize, admit, stream)")
+    routing_stats_period_s: float = Field(1.0, gt=0, description="how often replicas report KV to the routers")
+    kv_report_period_s: float = Field(0.5, gt=0, description="how often replicas reconcile KV with the admission queue")
+    health_check_period_s: float = Field(10.0, gt=0, description="Serve health checks (they ping every TP rank)")
+    autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's validation of these arguments (raises ValueError / FileNotFoundError naming the fix)."""
+        from engine.engine import make_engine_config
+
+        return make_engine_config(
+            self.model,
+            tensor_parallel_size=self.tensor_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            reserve="full",  # admission counts prompt + max_tokens: the engine must commit the same
+            device=self.device,
+        )
+
+
+def parse_args(raw: dict[str, object] | AppArgs) -> AppArgs:
+    """AppArgs from serve_config.yaml's `args`, with every problem named in one ValueError."""
+    if isinstance(raw, AppArgs):
+        return raw
+    try:
+        return AppArgs.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in err.errors()
+        )
+        raise ValueError(f"invalid dcpserve app args: {problems}") from None

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP front (FastAPI through Serve): validate, tokenize, count KV, admit, stream.
+
+Request path: parse and validate the body (400) -> tokenize (chat template for chat) -> check max_model_len
+(400) -> need = blocks_needed(prompt + max_tokens, block_size * dcp) -> KvAdmission.acquire: a granted replica,
+or 400 never-fits / 429 queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the
+KV-aware router to that replica -> a refusal re-queues at the head -> deltas back as JSON or SSE. Whatever
+ends the request (finish, error, client disconnect) cancels the engine stream (which aborts the request and
+frees its KV) and releases the grant.
+"""
+
+# No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
+# must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from deployments import protocol
+from deployments.config import AppArgs
+from deployments.replica import EngineRequest
+from engine.block_manager import blocks_needed
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger("ray.serve")
+
+api = FastAPI(title="dcpserve", docs_url=None, redoc_url=None)
+
+_STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_replica": 503}
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(protocol.error_body(self.status, self.message, self.param, self.code),
+                            status_code=self.status, headers=headers)
+
+
+def _validation_message(err: ValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    messages = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
+    return messages, param
+
+
+# Decorated here, at import, not in build_app: Serve pickles `api` by reference, so each replica re-imports this
+# module, and the routes must be bound to the class there too.
+@serve.ingress(api)
+class OpenAIIngress:
+    """Serve deployment class (build_app wraps it with serve.deployment): the OpenAI HTTP API."""
+
+    def __init__(self, args: AppArgs, engine: Any, admission: Any) -> None:
+        self.args = args
+        self.engine = engine
+        self.admission = admission
+        config = args.engine_config()
+        self.model_name = args.name
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.tokens_per_block = config.cache.block_size * config.parallel.dcp
+        self.tokenizer = load_tokenizer(config.model, config.model_config.eos_token_ids)
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- routes ---------------------------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        stats = await self.admission.stats.remote()
+        healthy = [r for r in stats["replicas"].values() if r["healthy"]]
+        if not healthy:
+            return ApiError(503, "no healthy engine replica", code="no_replica").response()
+        return JSONResponse({"status": "ok", "healthy_replicas": len(healthy), "queued": stats["num_queued"],
+                             "replicas": stats["replicas"]})
+
+    @api.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dcpserve",
+             "max_model_len": self.max_model_len},
+        ]})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._parse(request, protocol.CompletionRequest)
+            if isinstance(body.prompt, str):
+                token_ids = self._encode(body.prompt)
+            elif all(isinstance(p, str) for p in body.prompt):
+                token_ids = self._encode(body.prompt[0])  # type: ignore[arg-type]
+            else:
+                token_ids = list(body.prompt)  # type: ignore[arg-type]
+            return await self._serve(body, token_ids, chat=False)
+        except ApiError as err:
+            return err.response()
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await self._parse(request, protocol.ChatCompletionRequest)
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: chat needs one; use /v1/completions with token ids")
+            try:
+                token_ids = self.tokenizer.apply_chat_template(body.chat_messages())
+            except ValueError as err:
+                raise ApiError(400, str(err), param="messages") from None
+            return await self._serve(body, token_ids, chat=True)
+        except ApiError as err:
+            return err.response()
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> Any:
+        try:
+            raw = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as err:
+            message, param = _validation_message(err)
+            raise ApiError(400, message, param=param) from None
+        if body.model != self.model_name:
+            raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return body
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def _check(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Never-fits by length (400 naming the numbers) and bad token ids; returns the KV need in blocks."""
+        if not token_ids:
+            raise ApiError(400, "the prompt is empty: send at least one token", param="prompt")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
+                           param="prompt")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ApiError(
+                400,
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return blocks_needed(total, self.tokens_per_block)
+
+    async def _serve(self, body: Any, token_ids: list[int], chat: bool) -> Response:
+        try:
+            params = body.sampling_params()
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+        need = self._check(token_ids, params)
+        ticket = uuid.uuid4().hex
+        session = self._session(ticket, token_ids, params, need)
+        await session.__anext__()  # admission: raises ApiError (400 / 429 / 503) before any byte is sent
+        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return StreamingResponse(
+                self._sse(session, request_id, chat, body.include_usage), media_type="text/event-stream"
+            )
+        text: list[str] = []
+        finish, used = None, protocol.usage(len(token_ids), 0)
+        async for delta in session:
+            text.append(delta["new_text"])
+            used = protocol.usage(delta["num_prompt_tokens"], delta["num_output_tokens"])
+            finish = delta["finish_reason"] if delta["finished"] else finish
+        build = protocol.chat_body if chat else protocol.completion_body
+        return JSONResponse(build(request_id, self.model_name, "".join(text), finish, used))
+
+    async def _sse(self, session: AsyncIterator[dict[str, Any]], request_id: str, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        used = None
+        try:
+            if chat:
+                first = protocol.chat_chunk(request_id, self.model_name, {"role": "assistant", "content": ""}, None)
+                yield f"data: {json.dumps(first)}\n\n"
+            async for delta in session:
+                used = protocol.usage(delta["num_prompt_tokens"], delta["num_output_tokens"])
+                finish = delta["finish_reason"] if delta["finished"] else None
+                if not delta["new_text"] and finish is None:
+                    continue
+                if chat:
+                    chunk = protocol.chat_chunk(request_id, self.model_name,
+                                                {"content": delta["new_text"]} if delta["new_text"] else {}, finish)
+                else:
+                    chunk = protocol.completion_chunk(request_id, self.model_name, delta["new_text"], finish)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if include_usage and used is not None:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield f"data: {json.dumps(protocol.usage_chunk(request_id, self.model_name, obj, used))}\n\n"
+        except ApiError as err:
+            yield f"data: {json.dumps(protocol.error_body(err.status, err.message, err.param, err.code))}\n\n"
+        finally:
+            await session.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def _session(self, ticket: str, token_ids: list[int], params: SamplingParams,
+                       need: int) -> AsyncIterator[dict[str, Any]]:
+        """Admits the request (first, empty yield once a replica accepted it), then yields its deltas.
+        Its finally frees everything, whichever way the request ends."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.args.queue_timeout_s
+        stream = None
+        finished = False
+        try:
+            front = False
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise ApiError(429, f"no replica could take the request within {self.args.queue_timeout_s}s",
+                                   code="queue_timeout", retry_after=self.args.retry_after_s)
+                reply = await self.admission.acquire.remote(ticket, need, remaining, front)
+                if "error" in reply:
+                    status = _STATUS_OF[reply["error"]]
+                    raise ApiError(status, reply["message"], code=reply["error"],
+                                   retry_after=self.args.retry_after_s if status in (429, 503) else None)
+                replica_id = reply["replica_id"]
+                request = EngineRequest(ticket, token_ids, params, need, target_replica=replica_id)
+                stream = self.engine.options(stream=True).generate.remote(request)
+                try:
+                    first = await asyncio.wait_for(stream.__anext__(), timeout=max(remaining, 1.0))
+                except (asyncio.TimeoutError, StopAsyncIteration):
+                    stream.cancel()
+                    stream = None
+                    raise ApiError(503, f"engine replica {replica_id} did not answer", code="no_replica",
+                                   retry_after=self.args.retry_after_s) from None
+                if first.get("accepted"):
+                    break
+                stream = None
+                await self.admission.refused.remote(ticket, replica_id, int(first.get("free_blocks", 0)))
+                front = True  # a refused request keeps its place at the head of the line
+            yield {}
+            async for delta in stream:
+                yield delta
+                if delta["finished"]:
+                    finished = True
+                    break
+        except ApiError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an engine failure becomes an OpenAI error
+            logger.exception("request %s failed", ticket)
+            raise ApiError(500 if stream is not None else 503, f"the engine failed: {err}") from None
+        finally:
+            if stream is not None and not finished:
+                stream.cancel()  # the replica's generator ends; AsyncEngine aborts the request and frees its KV
+            self._release(ticket)
+
+    def _release(self, ticket: str) -> None:
+        """Fire-and-forget release that survives the caller's cancellation."""
+        task = asyncio.get_running_loop().create_task(self._release_async(ticket))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_async(self, ticket: str) -> None:
+        try:
+            await self.admission.release.remote(ticket)
+        except Exception as err:  # noqa: BLE001 - the queue's leak reconciliation reclaims the grant
+            logger.warning("releasing ticket %s failed: %r", ticket, err)

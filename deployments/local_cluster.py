@@ -1,0 +1,266 @@
+"""`make serve`: the whole system on one CPU machine, with the embedded tiny model.
+
+1. writes the tiny model once under .dcpserve/ (git-ignored);
+2. starts a Ray head of its own on loopback with logical GPUs (`ray start --head --block`, own ports, own short
+   temp dir, token auth with a token file of its own), in a new session so Ctrl-C reaches only this script;
+3. `serve deploy`s serve_config.local.yaml (model path and HTTP port filled in) and waits for RUNNING, printing
+   progress; then prints the endpoint, a curl and an openai-client example and the dashboard address;
+4. on Ctrl-C (or any failure) stops the Ray processes it started (its own process group) and nothing else.
+
+Environment knobs (all optional): DCPSERVE_PORT (HTTP, 8000), DCPSERVE_RAY_PORT (GCS, 6390),
+DCPSERVE_DASHBOARD_PORT (8265), DCPSERVE_NUM_GPUS (logical GPUs, 4), DCPSERVE_STATE_DIR (.dcpserve),
+DCPSERVE_CONFIG (serve_config.local.yaml), DCPSERVE_DEPLOY_TIMEOUT_S (600).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Everything `make serve` reads from the environment, once."""
+
+    http_port: int
+    ray_port: int
+    dashboard_port: int
+    num_gpus: int
+    state_dir: Path
+    config: Path
+    deploy_timeout_s: float
+
+    @classmethod
+    def from_env(cls) -> LocalSettings:
+        env = os.environ
+        return cls(
+            http_port=int(env.get("DCPSERVE_PORT", "8000")),
+            ray_port=int(env.get("DCPSERVE_RAY_PORT", "6390")),
+            dashboard_port=int(env.get("DCPSERVE_DASHBOARD_PORT", "8265")),
+            num_gpus=int(env.get("DCPSERVE_NUM_GPUS", "4")),
+            state_dir=Path(env.get("DCPSERVE_STATE_DIR", REPO / ".dcpserve")).resolve(),
+            config=Path(env.get("DCPSERVE_CONFIG", REPO / "serve_config.local.yaml")).resolve(),
+            deploy_timeout_s=float(env.get("DCPSERVE_DEPLOY_TIMEOUT_S", "600")),
+        )
+
+
+def say(line: str) -> None:
+    print(f"[make serve] {line}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ensure_tiny_model(state_dir: Path) -> Path:
+    from engine.tiny_model import is_tiny_model_dir, write_tiny_model
+
+    model_dir = state_dir / "tiny-model"
+    if is_tiny_model_dir(model_dir) and (model_dir / "model.safetensors").is_file():
+        say(f"tiny model: {model_dir} (already there)")
+        return model_dir
+    say(f"writing the tiny model to {model_dir} (once)")
+    return write_tiny_model(model_dir, log=lambda line: say(f"  {line}"))
+
+
+def ray_env(state_dir: Path) -> dict[str, str]:
+    """Token auth with this cluster's own token file (never the user's ~/.ray/auth_token)."""
+    token_path = state_dir / "ray_auth_token"
+    if not token_path.is_file():
+        token_path.write_text(secrets.token_hex(32))
+        token_path.chmod(0o600)
+    env = dict(os.environ)
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_ADDRESS": ""})
+    return env
+
+
+def ray_bin(name: str) -> str:
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else (shutil.which(name) or name)
+
+
+def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path) -> subprocess.Popen[bytes]:
+    for port, what in ((settings.ray_port, "DCPSERVE_RAY_PORT"), (settings.dashboard_port, "DCPSERVE_DASHBOARD_PORT"),
+                       (settings.http_port, "DCPSERVE_PORT")):
+        if port_in_use(port):
+            raise SystemExit(f"port {port} is in use on 127.0.0.1: set {what} to a free port")
+    command = [
+        ray_bin("ray"), "start", "--head", "--block",
+        "--node-ip-address", "127.0.0.1", "--port", str(settings.ray_port),
+        "--num-gpus", str(settings.num_gpus), "--num-cpus", str(max(8, os.cpu_count() or 1)),
+        "--temp-dir", str(temp_dir), "--include-dashboard", "true",
+        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(settings.dashboard_port),
+        "--ray-client-server-port", str(free_port()),
+        "--dashboard-agent-listen-port", str(free_port()),
+        "--dashboard-agent-grpc-port", str(free_port()),
+        "--runtime-env-agent-port", str(free_port()),
+        "--metrics-export-port", str(free_port()),
+        "--disable-usage-stats",
+    ]
+    log = open(settings.state_dir / "ray_head.log", "wb")  # noqa: SIM115 - lives as long as the head
+    say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, temp dir {temp_dir}); "
+        f"log: {log.name}")
+    # A session of its own: Ctrl-C goes to this script only, and stopping means signalling exactly this group.
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_dashboard(settings: LocalSettings, head: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise SystemExit(f"ray start exited with {head.returncode}; see {settings.state_dir / 'ray_head.log'}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{settings.dashboard_port}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # it answers (401 without the token): it is up
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"the Ray dashboard did not come up within {timeout_s:.0f}s")
+
+
+def write_config(settings: LocalSettings, model_dir: Path) -> Path:
+    config = yaml.safe_load(settings.config.read_text())
+    config.setdefault("http_options", {}).update({"host": "127.0.0.1", "port": settings.http_port})
+    for app in config["applications"]:
+        app.setdefault("args", {})["model"] = str(model_dir)
+    out = settings.state_dir / "serve_config.generated.yaml"
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def serve_status(settings: LocalSettings, env: dict[str, str]) -> dict:
+    result = subprocess.run(
+        [ray_bin("serve"), "status", "--address", f"http://127.0.0.1:{settings.dashboard_port}"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    if result.returncode != 0:
+        return {}
+    return yaml.safe_load(result.stdout) or {}
+
+
+def deploy_and_wait(settings: LocalSettings, env: dict[str, str], config_path: Path,
+                    head: subprocess.Popen[bytes]) -> None:
+    address = f"http://127.0.0.1:{settings.dashboard_port}"
+    say(f"serve deploy {config_path}")
+    subprocess.run([ray_bin("serve"), "deploy", str(config_path), "--address", address], env=env, check=True)
+    deadline = time.monotonic() + settings.deploy_timeout_s
+    start = time.monotonic()
+    last = ""
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise SystemExit(f"the Ray head exited ({head.returncode}); see {settings.state_dir / 'ray_head.log'}")
+        status = serve_status(settings, env)
+        apps = status.get("applications", {})
+        app = next(iter(apps.values()), {})
+        app_status = app.get("status", "NOT_STARTED")
+        parts = [f"{name}: {info.get('status')} {info.get('replica_states', {})}"
+                 for name, info in app.get("deployments", {}).items()]
+        line = f"{app_status} ({time.monotonic() - start:.0f}s) " + "; ".join(parts)
+        if line.split("(")[0] + "; ".join(parts) != last:
+            say(line)
+            last = line.split("(")[0] + "; ".join(parts)
+        if app_status == "RUNNING":
+            return
+        if app_status == "DEPLOY_FAILED":
+            raise SystemExit(f"deploy failed: {app.get('message', '')}")
+        time.sleep(2)
+    raise SystemExit(f"the app was not RUNNING within {settings.deploy_timeout_s:.0f}s")
+
+
+def print_banner(settings: LocalSettings, model_name: str) -> None:
+    base = f"http://127.0.0.1:{settings.http_port}/v1"
+    print(f"""
+dcpserve is serving {model_name!r} (tiny random-weight model: the text is gibberish, the system is real)
+
+  endpoint   {base}
+  dashboard  http://127.0.0.1:{settings.dashboard_port}
+
+  curl {base}/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model_name}", "prompt": "def hello", "max_tokens": 16}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{base}', api_key='none'); \\
+print(c.chat.completions.create(model='{model_name}', messages=[{{'role': 'user', 'content': 'hi'}}], \\
+max_tokens=16).choices[0].message.content)"
+
+Ctrl-C stops this Ray head and everything it started (and nothing else).
+""", flush=True)
+
+
+def stop_head(head: subprocess.Popen[bytes]) -> None:
+    """Stops the Ray processes of our own session: SIGTERM, then SIGKILL after a grace period."""
+    if head.poll() is None or _group_alive(head.pid):
+        say("stopping the Ray head this command started...")
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(head.pid):
+                time.sleep(0.5)
+            if not _group_alive(head.pid):
+                break
+    try:
+        head.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    say("stopped")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def main() -> None:
+    settings = LocalSettings.from_env()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_tiny_model(settings.state_dir)
+    env = ray_env(settings.state_dir)
+    temp_dir = Path(f"/tmp/dcpserve-{os.getuid()}-{settings.ray_port}")
+    config_path = write_config(settings, model_dir)
+    model_name = yaml.safe_load(config_path.read_text())["applications"][0]["args"].get("served_model_name") or \
+        model_dir.name
+    head = start_head(settings, env, temp_dir)
+    try:
+        wait_for_dashboard(settings, head)
+        deploy_and_wait(settings, env, config_path, head)
+        print_banner(settings, model_name)
+        while head.poll() is None:
+            time.sleep(1)
+        say(f"the Ray head exited ({head.returncode}); see {settings.state_dir / 'ray_head.log'}")
+    except KeyboardInterrupt:
+        print()
+    finally:
+        stop_head(head)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""OpenAI wire format: request bodies (validated), response and stream-chunk bodies, error bodies.
+
+Supported: completions and chat completions with max_tokens, temperature, top_p, top_k (extension), seed, stop,
+stream (+ stream_options.include_usage), ignore_eos (extension). Parameters OpenAI defines that this server does
+not implement are accepted only at their neutral value (n=1, logprobs null, echo false, penalties 0, ...), so a
+client never silently gets something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    # OpenAI parameters accepted only at their neutral value.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _neutral(self) -> _SamplingFields:
+        if self.n != 1:
+            raise ValueError(f"n={self.n} is not supported: this server returns one choice per request (n=1)")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def output_limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 16
+
+    def sampling_params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.output_limit(),
+            seed=self.seed,
+            stop=tuple(stop) if stop else None,
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(v, str) for v in value) and len(value) != 1:
+                raise ValueError(f"send one prompt per request (got a batch of {len(value)})")
+        elif not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ... are not used by the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs is not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return self
+
+    def output_limit(self) -> int:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return limit if limit is not None else 16
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- responses ------------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The engine's reasons (stop, length, abort) in OpenAI's vocabulary."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def completion_body(request_id: str, model: str, text: str, finish: str | None, used: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish)}],
+        "usage": used,
+    }
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish)}],
+    }
+
+
+def chat_body(request_id: str, model: str, text: str, finish: str | None, used: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": openai_finish_reason(finish),
+        }],
+        "usage": used,
+    }
+
+
+def chat_chunk(request_id: str, model: str, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": openai_finish_reason(finish)}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, obj: str, used: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": used}
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}

@@ -1,0 +1,85 @@
+"""KV-aware request router for the engine deployment (a ray.serve.request_router.RequestRouter).
+
+It runs in every caller process (each ingress replica). A request carries its KV need in logical blocks and,
+normally, the replica the admission queue granted it (`target_replica`): the router sends it only there. A
+request without a grant (a direct handle call) goes to a replica whose reported free KV, minus what this router
+has sent it since that report, holds the request, the most free first; when none does, the router backs off and
+tries again (Serve's routing loop) until the caller gives up. Either way the replica re-checks and may refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+
+def request_of(pending_request: PendingRequest | None) -> Any | None:
+    """The EngineRequest of a generate() call (its first argument), if this is one."""
+    if pending_request is None:
+        return None
+    for value in list(pending_request.args) + list(pending_request.kwargs.values()):
+        if hasattr(value, "kv_blocks") and hasattr(value, "target_replica"):
+            return value
+    return None
+
+
+def free_blocks(replica: RunningReplica) -> int | None:
+    """The replica's last reported free KV in logical blocks; None before its first report."""
+    value = (replica.routing_stats or {}).get("kv_free_blocks")
+    return int(value) if value is not None else None
+
+
+def rank_by_free_kv(
+    candidates: list[RunningReplica], need: int, sent_since_report: dict[ReplicaID, int]
+) -> list[list[RunningReplica]]:
+    """Replicas that can hold `need` blocks by their reports, most free first, one per rank."""
+    scored = []
+    for replica in candidates:
+        free = free_blocks(replica)
+        if free is None or not (replica.routing_stats or {}).get("healthy", True):
+            continue
+        free -= sent_since_report.get(replica.replica_id, 0)
+        if free >= need:
+            scored.append((free, replica))
+    scored.sort(key=lambda item: -item[0])
+    return [[replica] for _, replica in scored]
+
+
+class KvAwareRouter(RequestRouter):
+    """Routes each request to its granted replica, or to the replica with the most free KV that can hold it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Blocks sent per replica since its last routing-stats report; a new report resets its count.
+        self._sent_blocks: dict[ReplicaID, int] = {}
+        self._last_stats: dict[ReplicaID, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        for replica in replicas:
+            stats = replica.routing_stats
+            if self._last_stats.get(replica.replica_id) is not stats:
+                self._last_stats[replica.replica_id] = stats
+                self._sent_blocks.pop(replica.replica_id, None)
+        for gone in set(self._last_stats) - {r.replica_id for r in replicas}:
+            self._last_stats.pop(gone, None)
+            self._sent_blocks.pop(gone, None)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        request = request_of(pending_request)
+        if request is None:
+            return [candidate_replicas]  # not a generate() call (stats, health): any replica
+        if request.target_replica is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == request.target_replica]]
+        return rank_by_free_kv(candidate_replicas, request.kv_blocks, self._sent_blocks)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        request = request_of(pending_request)
+        if request is None:
+            return
+        self._sent_blocks[replica_id] = self._sent_blocks.get(replica_id, 0) + request.kv_blocks

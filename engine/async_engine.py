@@ -1,0 +1,177 @@
+"""asyncio front of an LLMEngine, for the serving layer.
+
+One background task owns the engine. Callers never touch it directly: generate() and abort() queue their
+change, and the task applies queued changes between steps, then runs step() in a worker thread (a step may
+block on the worker group, which must not stall the event loop). Token deltas go back through one
+asyncio.Queue per request. A generate() whose consumer goes away (client disconnect, cancellation) aborts its
+request, which frees its KV at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, RequestDelta
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's loop failed; requests in flight were ended with this error."""
+
+
+class AsyncEngine:
+    """Streams token deltas per request from a background engine loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self._queues: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
+        self._pending_adds: list[tuple[Request, str | None]] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._stats: dict[str, Any] = self.engine.stats()
+        self.dead_error: BaseException | None = None
+
+    # ---- public API ------------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - engine.tokenizer.Tokenizer | None
+        return self.engine.tokenizer
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.engine.kv_capacity_tokens
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises RequestRejected if a request of this size could never be served here."""
+        self.engine.scheduler.check_fits(num_prompt_tokens, max_tokens)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Yields a RequestDelta per generated token until the request finishes. Invalid or never-fitting
+        requests raise before anything is queued."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        params = sampling_params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("pass a prompt or prompt_token_ids")
+            prompt_token_ids = self.engine.tokenize(prompt)
+        self.check_request(len(prompt_token_ids), params.max_tokens)
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending_adds.append((Request(request_id, list(prompt_token_ids), params), prompt))
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request (if still running) and frees its KV at the next loop turn."""
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step, plus requests accepted but not yet handed to the scheduler."""
+        stats = dict(self._stats)
+        stats["num_pending"] = len(self._pending_adds)
+        stats["healthy"] = self.dead_error is None
+        return stats
+
+    def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        self.engine.executor.check_health()
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await asyncio.to_thread(self.engine.shutdown)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for request, prompt in adds:
+            if request.request_id in aborts:
+                continue
+            try:
+                self.engine.add_request(prompt, request.sampling_params, request.prompt_token_ids, request.request_id)
+            except Exception as err:  # noqa: BLE001 - delivered to the caller that made the request
+                queue = self._queues.get(request.request_id)
+                if queue is not None:
+                    queue.put_nowait(err)
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
+    async def _run(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests() and not self.engine.scheduler.has_pending_finishes:
+                    self._stats = self.engine.stats()
+                    self._wakeup.clear()
+                    if not self._pending_adds and not self._pending_aborts:
+                        await self._wakeup.wait()
+                    continue
+                deltas = await asyncio.to_thread(self.engine.step)
+                self._stats = self.engine.stats()
+                for delta in deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+                    elif not delta.finished:
+                        self._pending_aborts.append(delta.request_id)  # nobody is listening any more
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - every waiting caller must hear about it
+            self.dead_error = err
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(f"the engine failed: {err!r}"))
+            raise

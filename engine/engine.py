@@ -1,0 +1,274 @@
+"""The inner loop of one replica: step() = schedule -> execute -> update.
+
+LLMEngine owns the scheduler (and its block manager), the executor (in-process runner or Ray worker group)
+and per-request detokenization with stop strings. LLM (batch) and AsyncEngine (serving) drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
+from engine.executor import Executor, create_executor
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from kernels import dcp_local_seq_lens
+
+
+def make_engine_config(
+    model: str | Path,
+    tensor_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    dtype: str = "auto",
+    block_size: int = 16,
+    kv_cache_memory_bytes: int | None = None,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    reserve: str = "full",
+    device: str | None = None,
+) -> EngineConfig:
+    """Validates user-facing engine arguments into an EngineConfig (errors name the value and the fix)."""
+    model_path = Path(model)
+    if not model_path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(model)!r} does not exist: pass a local Hugging Face model directory "
+            f"(config.json + *.safetensors); `dcpserve tiny-model DIR` writes a small one"
+        )
+    model_config = ModelConfig.from_pretrained(model_path)
+    parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size)
+    parallel.validate(model_config)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved_dtype = resolve_dtype(dtype, model_config, device)
+    limit = model_config.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; use at most {limit}"
+        )
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
+    return EngineConfig(
+        model=str(model_path),
+        model_config=model_config,
+        parallel=parallel,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes),
+        scheduler=SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            reserve=reserve,  # type: ignore[arg-type]
+        ),
+        dtype=resolved_dtype,
+        device=device,
+        seed=seed,
+    )
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to a request: new tokens, newly completed text, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class _TextState:
+    """Per-request detokenization and stop-string state."""
+
+    detokenizer: IncrementalDetokenizer | None
+    stop: tuple[str, ...]
+    emitted: int = 0  # characters of text already sent
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """One replica: scheduler + executor + detokenization."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.model, self.model_config.eos_token_ids)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.executor: Executor = create_executor(config)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size, config.parallel.dcp)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, frozenset(eos))
+        self._text: dict[str, _TextState] = {}
+        self._ids = itertools.count()
+        self.num_tokens_computed = 0  # prompt, recompute and decode tokens run through the model
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+        self.last_step_seconds = 0.0
+
+    # ---- requests --------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"the model directory {self.config.model} has no tokenizer: pass prompt_token_ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a request; raises (RequestRejected, ValueError) at once if it could never be served."""
+        params = sampling_params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("pass a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
+        self.scheduler.add_request(request)
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer is not None else None
+        )
+        self._text[request_id] = _TextState(detokenizer, params.stop or ())
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees its KV; the next step tells the workers to drop its state."""
+        self._text.pop(request_id, None)
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- one step --------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """schedule -> execute -> update. Returns the deltas of requests that produced a token this step."""
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        if output.is_empty and not output.finished_request_ids:
+            return []
+        sampled = self.executor.execute(output)
+        updates = self.scheduler.update(output, sampled)
+        self.num_tokens_computed += output.num_tokens
+        self.num_generation_tokens += len(updates)
+        deltas = [self._delta(u.request, u.token_id, u.finished) for u in updates]
+        self.num_steps += 1
+        self.last_step_seconds = time.perf_counter() - start
+        return deltas
+
+    def _delta(self, request: Request, token: int, finished: bool) -> RequestDelta:
+        state = self._text.get(request.request_id)
+        new_text = ""
+        if state is not None:
+            state.token_ids.append(token)
+            if state.detokenizer is not None:
+                state.detokenizer.push(token)
+                if finished:
+                    state.detokenizer.flush()
+                state.text = state.detokenizer.text
+            stop_at = min((i for i in (state.text.find(s) for s in state.stop) if i >= 0), default=-1)
+            if stop_at >= 0 and not finished:
+                self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+                finished = True
+            if stop_at >= 0:
+                state.text = state.text[:stop_at]
+            # Hold back a possible stop-string prefix until it is decided.
+            hold = 0 if finished else max((len(s) - 1 for s in state.stop), default=0)
+            upto = max(state.emitted, len(state.text) - hold)
+            new_text = state.text[state.emitted : upto]
+            state.emitted = upto
+            if finished:
+                del self._text[request.request_id]
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            new_text=new_text,
+            finished=finished,
+            finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+        )
+
+    # ---- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.capacity_tokens
+
+    def stats(self) -> dict[str, Any]:
+        """KV blocks (replica and per rank), sequences, and token counters, for the serving layer."""
+        usage = self.block_manager.usage()
+        dcp = self.config.parallel.dcp
+        running = self.scheduler.running
+        computed = torch.tensor([r.num_computed_tokens for r in running], dtype=torch.int64)
+        block_size = self.config.cache.block_size
+        per_rank = []
+        for rank in range(self.config.parallel.tp):
+            dcp_rank = rank % dcp
+            held = int(dcp_local_seq_lens(computed, dcp, dcp_rank).sum()) if running else 0
+            per_rank.append({
+                "rank": rank,
+                "dcp_rank": dcp_rank,
+                "pages_total": usage.total,
+                "pages_used": usage.used,
+                "tokens_capacity": usage.total * block_size,
+                "tokens_used": held,
+            })
+        return {
+            "kv_blocks_total": usage.total,
+            "kv_blocks_used": usage.used,
+            "kv_blocks_reserved": usage.reserved,
+            "kv_blocks_free": usage.free,
+            "kv_block_size_tokens": usage.tokens_per_block,
+            "kv_capacity_tokens": usage.total * usage.tokens_per_block,
+            "kv_used_tokens": usage.used * usage.tokens_per_block,
+            "kv_reserved_tokens": usage.reserved * usage.tokens_per_block,
+            "kv_free_tokens": usage.free * usage.tokens_per_block,
+            "kv_usage": usage.used / usage.total if usage.total else 0.0,
+            "per_rank": per_rank,
+            "num_running": len(running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "tokens_computed": self.num_tokens_computed,
+            "generation_tokens": self.num_generation_tokens,
+            "num_steps": self.num_steps,
+            "last_step_seconds": self.last_step_seconds,
+            "tp": self.config.parallel.tp,
+            "dcp": dcp,
+            "num_kv_heads": self.model_config.num_key_value_heads,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,54 @@
+"""Where a replica's model runs: in this process (tp = 1) or on a Ray worker group (tp > 1)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.parallel import ParallelState
+from engine.scheduler import SchedulerOutput
+
+
+class Executor(Protocol):
+    """Runs steps on every rank and returns the driver rank's sampled tokens."""
+
+    num_blocks: int
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """tp = 1: one model runner in this process, no Ray and no torch.distributed."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.model_runner import ModelRunner
+
+        parallel = ParallelState.single(config.model_config.num_key_value_heads)
+        self.runner = ModelRunner(config, parallel, torch.device(config.device))
+        self.num_blocks = self.runner.available_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        result = self.runner.execute(output)
+        return result if result is not None else {}
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches = []
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The in-process runner for tp = 1; the Ray worker group (imported only then) for tp > 1."""
+    if config.parallel.tp == 1:
+        return InProcessExecutor(config)
+    from cluster.worker_group import RayWorkerGroup
+
+    return RayWorkerGroup.in_current_placement(config)

@@ -1,0 +1,173 @@
+"""Paged attention of one layer on one rank, exact when the KV cache is sharded over a DCP group (docs/dcp.md).
+
+Rows of a step: decode tokens first (one per decoding sequence), then the prefill chunks.
+
+dcp = 1: store K/V, then decode rows attend over their cached sequence (new token included) and prefill rows
+attend over their cached context plus the chunk itself (causal), each with one kernel call.
+
+dcp > 1 (every rank of the group sees the same rows; each holds one shard of the group's KV head):
+  1. store this step's K/V at slot_mapping (only the owner of a token stores it);
+  2. gather the group's query heads;
+  3. decode rows over the local shard, prefill rows over their local cached context (no new tokens);
+  4. one exchange.combine merges (out, lse) of all rows exactly over the group -> this rank's own heads;
+  5. prefill rows over the chunk's own tokens, locally (every rank has all new K/V), merged with step 4's
+     partial by combine_lse.
+Every collective runs on every rank of the group whatever the mix of rows, with the same shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.parallel import ParallelState
+from kernels import (
+    DcpAttentionExchange,
+    combine_lse,
+    combine_lse_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    store_kv,
+    store_kv_ref,
+)
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V and runs paged decode / prefill attention, merging DCP shards exactly."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        parallel: ParallelState,
+        device: torch.device,
+    ) -> None:
+        """num_heads / num_kv_heads are this rank's (query heads per rank, KV heads held by this rank)."""
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} per rank must be a multiple of num_kv_heads={num_kv_heads}")
+        if parallel.dcp_size > 1 and num_kv_heads != 1:
+            raise ValueError(
+                f"dcp={parallel.dcp_size} needs exactly one KV head per rank (tp > kv_heads), got "
+                f"{num_kv_heads}: use dcp=1 or raise tp above the model's KV heads"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.dcp_size = parallel.dcp_size
+        self.parallel = parallel
+        self.exchange: DcpAttentionExchange | None = None
+        # The Triton kernels on CUDA; the torch references elsewhere (Triton's interpreter is for tests only).
+        self.select_kernels(use_triton=torch.device(device).type == "cuda")
+
+    def select_kernels(self, use_triton: bool) -> None:
+        """Triton kernels or their torch references (tests run Triton on CPU under TRITON_INTERPRET=1)."""
+        self.use_triton = use_triton
+        self.store = store_kv if use_triton else store_kv_ref
+        self.decode = paged_decode_attention if use_triton else paged_decode_attention_ref
+        self.prefill = paged_prefill_attention if use_triton else paged_prefill_attention_ref
+        self.combine = combine_lse if use_triton else combine_lse_ref
+        if self.parallel.dcp_size > 1:
+            self.exchange = DcpAttentionExchange(self.parallel.dcp_group, use_triton=use_triton)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, heads, D], k / v [T, kv_heads, D]; caches [num_blocks, block_size, kv_heads, D] -> [T, heads, D]."""
+        num_tokens = q.shape[0]
+        if k.shape[0] != num_tokens or metadata.slot_mapping.shape != (num_tokens,):
+            raise ValueError(
+                f"q has {num_tokens} rows, k {k.shape[0]}, slot_mapping {tuple(metadata.slot_mapping.shape)}: "
+                f"the metadata was built for another batch"
+            )
+        num_decodes = metadata.num_decode_tokens
+        if not 0 <= num_decodes <= num_tokens:
+            raise ValueError(f"num_decode_tokens={num_decodes} must be in [0, num_tokens={num_tokens}]")
+        self.store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if self.exchange is None:
+            return self._forward_local(q, k, v, k_cache, v_cache, metadata)
+        return self._forward_dcp(q, k, v, k_cache, v_cache, metadata)
+
+    def _forward_local(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """No DCP: this rank's cache holds whole sequences."""
+        num_decodes = metadata.num_decode_tokens
+        out = torch.empty_like(q)
+        if num_decodes:
+            self.decode(
+                q[:num_decodes], k_cache, v_cache, metadata.decode_block_table, metadata.decode_local_seq_lens,
+                self.scale, out=out[:num_decodes],
+            )
+        if num_decodes < q.shape[0]:
+            self.prefill(
+                q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache,
+                metadata.prefill_block_table, metadata.prefill_query_start_loc,
+                metadata.prefill_local_context_lens, self.scale, metadata.prefill_max_query_len,
+                out=out[num_decodes:],
+            )
+        return out
+
+    def _forward_dcp(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """DCP: partials over the local shard, merged over the group; the chunk's own tokens merged locally."""
+        if self.exchange is None:
+            raise RuntimeError("_forward_dcp needs the DCP exchange (dcp > 1)")
+        num_tokens = q.shape[0]
+        num_decodes = metadata.num_decode_tokens
+        has_prefill = num_decodes < num_tokens
+        q_group = self.exchange.gather_queries(q)  # [T, dcp * heads, D]
+        group_heads = q_group.shape[1]
+        shard_out = torch.empty_like(q_group)
+        shard_lse = torch.empty((num_tokens, group_heads), dtype=torch.float32, device=q.device)
+        if num_decodes:
+            self.decode(
+                q_group[:num_decodes], k_cache, v_cache, metadata.decode_block_table,
+                metadata.decode_local_seq_lens, self.scale,
+                out=shard_out[:num_decodes], lse_out=shard_lse[:num_decodes],
+            )
+        if has_prefill:
+            self.prefill(
+                q_group[num_decodes:], None, None, k_cache, v_cache, metadata.prefill_block_table,
+                metadata.prefill_query_start_loc, metadata.prefill_local_context_lens, self.scale,
+                metadata.prefill_max_query_len,
+                out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:],
+            )
+        out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
+        if not has_prefill:
+            return out
+        new_out, new_lse = self.prefill(
+            q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache, metadata.prefill_block_table,
+            metadata.prefill_query_start_loc, torch.zeros_like(metadata.prefill_local_context_lens), self.scale,
+            metadata.prefill_max_query_len,
+        )
+        self.combine(
+            torch.stack([out[num_decodes:], new_out]),
+            torch.stack([lse[num_decodes:], new_lse]),
+            out=out[num_decodes:],
+        )
+        return out

@@ -1,0 +1,27 @@
+"""RMSNorm exactly as transformers computes it: normalize in fp32, cast back, then scale in the input dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.weights import new_parameter
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (replicated on every rank)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = new_parameter((hidden_size,), dtype, device)
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        normed = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * normed.to(input_dtype)

@@ -1,0 +1,131 @@
+"""One rank's model, KV cache shard and per-step inputs.
+
+execute() turns a SchedulerOutput into tensors (token ids, positions, this rank's AttentionMetadata), runs the
+model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence. Every rank of
+a worker group runs execute() with the same SchedulerOutput; only the slot mapping and local lengths differ.
+The model runner never changes scheduler state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.block_manager import num_blocks_for_budget
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.parallel import ParallelState
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from kernels import dcp_local_seq_lens, dcp_slot_mapping
+
+
+class ModelRunner:
+    """Runs the model for one TP rank and owns that rank's paged KV cache."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelState, device: torch.device) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.dtype = config.torch_dtype
+        self.model = load_model(config.model, config.model_config, parallel, self.dtype, device)
+        self.sampler = Sampler(config.seed) if parallel.is_driver else None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # ---- KV cache --------------------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take on this rank across all layers."""
+        mc = self.config.model_config
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.parallel.kv_heads_per_rank * mc.head_dim * element
+
+    def kv_budget_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * cache.gpu_memory_utilization)
+        return cache.cpu_default_kv_bytes
+
+    def available_blocks(self) -> int:
+        """Pages this rank could hold; the worker group takes the minimum over its ranks."""
+        return num_blocks_for_budget(self.kv_budget_bytes(), self.block_size, self.kv_bytes_per_token)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        mc = self.config.model_config
+        shape = (num_blocks, self.block_size, self.parallel.kv_heads_per_rank, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    # ---- one step --------------------------------------------------------------------------------------------
+
+    def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """(input_ids [T], positions [T], metadata, rows of the hidden states to sample)."""
+        scheduled = output.scheduled
+        dcp, dcp_rank = self.parallel.dcp_size, self.parallel.dcp_rank
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_index: list[int] = []
+        sample_rows: list[int] = []
+        for i, entry in enumerate(scheduled):
+            count = len(entry.token_ids)
+            input_ids.extend(entry.token_ids)
+            positions.extend(range(entry.start_position, entry.start_position + count))
+            seq_index.extend([i] * count)
+            if entry.sample:
+                sample_rows.append(len(input_ids) - 1)
+        width = max((len(e.block_ids) for e in scheduled), default=0)
+        table = torch.zeros((len(scheduled), max(width, 1)), dtype=torch.int32)
+        for i, entry in enumerate(scheduled):
+            table[i, : len(entry.block_ids)] = torch.tensor(entry.block_ids, dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        slot_mapping = dcp_slot_mapping(
+            table, torch.tensor(seq_index, dtype=torch.int64), positions_t, self.block_size, dcp, dcp_rank
+        )
+        num_decodes = sum(1 for e in scheduled if e.is_decode)  # the scheduler puts them first
+        decode_lens = torch.tensor([e.start_position + 1 for e in scheduled[:num_decodes]], dtype=torch.int32)
+        prefills = scheduled[num_decodes:]
+        chunk_lens = [len(e.token_ids) for e in prefills]
+        query_start_loc = torch.tensor([0] + chunk_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        context = torch.tensor([e.start_position for e in prefills], dtype=torch.int32)
+        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_block_table=to_device(table[:num_decodes]),
+            decode_local_seq_lens=to_device(dcp_local_seq_lens(decode_lens, dcp, dcp_rank)),
+            prefill_block_table=to_device(table[num_decodes:]),
+            prefill_query_start_loc=to_device(query_start_loc),
+            prefill_local_context_lens=to_device(dcp_local_seq_lens(context, dcp, dcp_rank)),
+            prefill_max_query_len=max(chunk_lens, default=0),
+        )
+        ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
+        return ids, to_device(positions_t), metadata, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, int] | None:
+        """Runs one step. The driver returns {request_id: sampled token}; other ranks return None."""
+        if self.sampler is not None and output.finished_request_ids:
+            self.sampler.forget(output.finished_request_ids)
+        if output.is_empty:
+            return {} if self.parallel.is_driver else None
+        input_ids, positions, metadata, sample_rows = self.prepare(output)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
+        if not sample_rows:
+            return {} if self.parallel.is_driver else None
+        # Every rank takes part in the vocab-parallel gather; only the driver samples.
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+        if self.sampler is None:
+            return None
+        sampling = [e for e in output.scheduled if e.sample]
+        tokens = self.sampler.sample(logits, [(e.request_id, e.sampling_params) for e in sampling])
+        return {e.request_id: t for e, t in zip(sampling, tokens)}

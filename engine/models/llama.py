@@ -1,0 +1,232 @@
+"""Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) with TP-sharded layers and DCP
+attention over a paged KV cache.
+
+The differences inside the family are three flags of ModelConfig: attention_bias (q/k/v bias; Qwen2 has no
+o_proj bias, Llama and Qwen3 put it on o_proj too), qk_norm (Qwen3: per-head RMSNorm on q and k before RoPE)
+and tie_word_embeddings (the LM head shares the embedding). Module names follow transformers', with q/k/v and
+gate/up merged, so checkpoint names map one to one (STACKED_PARAMS).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.weights import WeightSource, as_weight_source
+from engine.parallel import ParallelState
+
+# (our merged module, the checkpoint's module, shard id)
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+# Checkpoint entries that are not parameters (old checkpoints saved the RoPE buffer).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention block: merged QKV projection, optional q/k norm, RoPE, paged DCP attention, o_proj."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            parallel, bias=config.attention_bias, dtype=dtype, device=device,
+        )
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, parallel, bias=o_bias, dtype=dtype,
+            device=device,
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.attn = Attention(
+            self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank, config.head_dim, parallel, device
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], metadata)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: merged gate/up (column parallel), down (row parallel)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, parallel, bias=False, dtype=dtype, device=device
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, parallel, bias=False, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, parallel, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(config, parallel, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm (transformers' `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, parallel, dtype, device) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} (k_cache, v_cache) pairs for {len(self.layers)} layers")
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(
+                f"input_ids and positions must be 1-D of the same length, got {tuple(input_ids.shape)} and "
+                f"{tuple(positions.shape)}"
+            )
+        cos, sin = self.rotary_emb.cos_sin(positions)
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus a vocabulary-parallel LM head; what the model runner drives."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if parallel.num_kv_heads != config.num_key_value_heads:
+            raise ValueError(
+                f"ParallelState was built for {parallel.num_kv_heads} KV heads but the model has "
+                f"{config.num_key_value_heads}: pass config.num_key_value_heads to init_parallel_state"
+            )
+        self.config = config
+        self.parallel = parallel
+        self.model = LlamaModel(config, parallel, dtype, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 (decode rows first, then prefill chunks) -> final hidden [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden)
+
+    def checkpoint_names(self) -> set[str]:
+        """The Hugging Face tensor names this model loads (q/k/v and gate/up unmerged; no lm_head when tied)."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():  # a tied lm_head.weight is listed once, as the embedding
+            unmerged = [name.replace(ours, theirs) for ours, theirs, _ in STACKED_PARAMS if ours in name]
+            names.update(unmerged or [name])
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource | torch.Tensor]]) -> None:
+        """Copies this rank's shard of every checkpoint tensor (Hugging Face names) into the parameters.
+
+        Raises ValueError naming the tensors when some are missing or unexpected, or a shape does not match."""
+        params = dict(self.named_parameters())
+        expected = self.checkpoint_names()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, weight in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the LM head; some checkpoints store both copies
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            if name in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} appears twice (in two files of a sharded checkpoint?)")
+            param_name, shard_id = name, None
+            for ours, theirs, shard in STACKED_PARAMS:
+                if theirs in name:
+                    param_name, shard_id = name.replace(theirs, ours), shard
+                    break
+            param = params[param_name]
+            param.weight_loader(param, as_weight_source(weight), name, shard_id)
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing or unexpected:
+            problems = []
+            if missing:
+                problems.append(f"missing {len(missing)} tensors: {_preview(missing)}")
+            if unexpected:
+                problems.append(f"unexpected {len(unexpected)} tensors: {_preview(sorted(unexpected))}")
+            raise ValueError(
+                f"checkpoint does not match {self.config.architecture} as config.json describes it "
+                f"({self.config.num_hidden_layers} layers, attention_bias={self.config.attention_bias}, "
+                f"qk_norm={self.config.qk_norm}, tie_word_embeddings={self.config.tie_word_embeddings}): "
+                + "; ".join(problems)
+            )
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,144 @@
+"""AdmissionQueue: exact KV accounting, strict FIFO, bounds, timeouts, refusals and reconciliation (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from deployments.admission import AdmissionQueue, NeverFits, NoReplica, QueueFull, QueueTimeout
+
+
+def make_queue(capacities: dict[str, int], max_queued: int = 8) -> AdmissionQueue:
+    queue = AdmissionQueue(max_queued=max_queued)
+    for replica_id, capacity in capacities.items():
+        queue.report(replica_id, capacity, 32, {})
+    return queue
+
+
+def test_grants_the_replica_with_most_free_kv_and_counts_it() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 10, "b": 8})
+        assert await queue.acquire("t1", 4, 1.0) == "a"  # a: 6 free, b: 8 free
+        assert await queue.acquire("t2", 4, 1.0) == "b"
+        assert queue.replicas["a"].free == 6 and queue.replicas["b"].free == 4
+        queue.release("t1")
+        queue.release("t1")  # idempotent
+        assert queue.replicas["a"].free == 10
+
+    asyncio.run(run())
+
+
+def test_never_fits_is_refused_at_once_with_numbers() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 10})
+        with pytest.raises(NeverFits, match=r"needs 11 KV blocks .* holds 10 blocks \(320 tokens\)"):
+            await queue.acquire("t", 11, 5.0)
+
+    asyncio.run(run())
+
+
+def test_strict_fifo_head_is_not_starved_by_small_requests() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 10})
+        assert await queue.acquire("small0", 6, 1.0) == "a"
+        big = asyncio.create_task(queue.acquire("big", 8, 5.0))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(queue.acquire("small1", 2, 5.0))  # would fit now, but big is ahead
+        await asyncio.sleep(0.05)
+        assert not big.done() and not small.done()
+        queue.release("small0")
+        assert await big == "a"
+        await asyncio.sleep(0.05)
+        assert await small == "a"  # 8 + 2 = 10: fits after big
+        assert queue.replicas["a"].free == 0
+
+    asyncio.run(run())
+
+
+def test_bounded_queue_and_timeout() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 4}, max_queued=1)
+        await queue.acquire("t0", 4, 1.0)
+        waiting = asyncio.create_task(queue.acquire("t1", 2, 0.2))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="max_queued_requests=1"):
+            await queue.acquire("t2", 1, 1.0)
+        with pytest.raises(QueueTimeout, match="within 0.2s"):
+            await waiting
+        assert queue.stats()["num_queued"] == 0
+        queue.release("t0")
+        assert await queue.acquire("t3", 4, 1.0) == "a"
+
+    asyncio.run(run())
+
+
+def test_no_healthy_replica() -> None:
+    async def run() -> None:
+        empty = AdmissionQueue(max_queued=4)
+        with pytest.raises(NoReplica):
+            await empty.acquire("t", 1, 0.1)  # nothing ever registered
+        queue = make_queue({"a": 4})
+        queue.report("a", 4, 32, {}, healthy=False)
+        with pytest.raises(NoReplica):
+            await queue.acquire("t", 1, 5.0)  # known but failing: at once
+
+    asyncio.run(run())
+
+
+def test_refusal_requeues_at_head_and_trusts_the_replica() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 10, "b": 10})
+        first = await queue.acquire("t", 6, 1.0)
+        other = "b" if first == "a" else "a"
+        queue.refused("t", first, free_blocks=2)  # the replica knows better: only 2 free
+        assert queue.replicas[first].free == 2
+        assert await queue.acquire("t", 6, 1.0, front=True) == other
+
+    asyncio.run(run())
+
+
+def test_reports_reconcile_external_and_leaked_grants() -> None:
+    now = [0.0]
+    queue = AdmissionQueue(max_queued=4, leak_grace_s=10.0, clock=lambda: now[0])
+    queue.report("a", 10, 32, {"direct": 3})  # a request that did not come through the queue
+    assert queue.replicas["a"].free == 7
+
+    async def run() -> None:
+        assert await queue.acquire("t", 5, 1.0) == "a"
+
+    asyncio.run(run())
+    queue.report("a", 10, 32, {"direct": 3})  # not yet arrived at the replica: kept
+    assert queue.replicas["a"].free == 2
+    now[0] = 20.0
+    queue.report("a", 10, 32, {})  # never arrived, long ago: the caller died, the grant is dropped
+    assert queue.replicas["a"].free == 10
+
+
+def test_random_load_never_over_commits_and_answers_everyone() -> None:
+    async def run() -> None:
+        rng = random.Random(0)
+        queue = make_queue({"a": 16, "b": 12}, max_queued=6)
+        outcomes: dict[str, str] = {}
+
+        async def client(i: int) -> None:
+            ticket = f"t{i}"
+            try:
+                await queue.acquire(ticket, rng.randint(1, 12), timeout_s=0.3)
+                for replica in queue.replicas.values():
+                    assert replica.granted + replica.external <= replica.capacity
+                await asyncio.sleep(rng.uniform(0, 0.05))
+                outcomes[ticket] = "ok"
+            except (QueueFull, QueueTimeout) as err:
+                outcomes[ticket] = err.kind
+            finally:
+                queue.release(ticket)
+
+        await asyncio.gather(*(client(i) for i in range(60)))
+        assert len(outcomes) == 60  # every client got exactly one answer
+        assert sum(v == "ok" for v in outcomes.values()) >= 5
+        assert all(r.granted == 0 for r in queue.replicas.values())
+        assert queue.stats()["num_queued"] == 0
+
+    asyncio.run(run())

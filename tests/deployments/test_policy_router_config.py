@@ -1,0 +1,77 @@
+"""Autoscaling arithmetic, router ranking by reported KV, and build_app's argument validation (no Ray cluster)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from deployments.autoscaling import desired_replicas
+from deployments.config import parse_args
+from deployments.router import rank_by_free_kv
+
+
+def test_desired_replicas_by_sequences_and_kv() -> None:
+    assert desired_replicas([3, 4], [0.1, 0.2], 0, 2, 8, 0.85) == 1
+    assert desired_replicas([8, 8], [0.1, 0.2], 9, 2, 8, 0.85) == 4  # 25 sequences / 8
+    assert desired_replicas([1], [0.9], 0, 1, 8, 0.85) == 2  # KV nearly full: one more
+    assert desired_replicas([0, 0], [0.0, 0.0], 0, 2, 8, 0.85) == 0  # idle: Serve clamps to min_replicas
+
+
+@dataclass
+class FakeReplicaId:
+    unique_id: str
+
+    def __hash__(self) -> int:
+        return hash(self.unique_id)
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+
+    @property
+    def replica_id(self) -> FakeReplicaId:
+        return FakeReplicaId(self.name)
+
+
+def test_rank_by_free_kv_filters_and_orders() -> None:
+    a = FakeReplica("a", {"kv_free_blocks": 10, "healthy": True})
+    b = FakeReplica("b", {"kv_free_blocks": 30, "healthy": True})
+    c = FakeReplica("c", {"kv_free_blocks": 50, "healthy": False})
+    d = FakeReplica("d", {})  # no report yet
+    ranked = rank_by_free_kv([a, b, c, d], need=8, sent_since_report={FakeReplicaId("b"): 25})
+    assert [[r.name for r in rank] for rank in ranked] == [["a"]]  # b: 30 - 25 sent = 5 < 8
+    ranked = rank_by_free_kv([a, b], need=8, sent_since_report={})
+    assert [[r.name for r in rank] for rank in ranked] == [["b"], ["a"]]
+
+
+def test_args_name_unknown_and_invalid_keys(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_queue_size: Extra inputs are not permitted"):
+        parse_args({"model": str(tmp_path), "max_queue_size": 3})
+    with pytest.raises(ValueError, match="autoscaling.max_replicas"):
+        parse_args({"model": str(tmp_path), "autoscaling": {"min_replicas": 3, "max_replicas": 2}})
+    with pytest.raises(ValueError, match="queue_timeout_s"):
+        parse_args({"model": str(tmp_path), "queue_timeout_s": -1})
+    args = parse_args({"model": str(tmp_path)})
+    assert args.max_queued_requests == 64 and args.autoscaling.target_sequences_per_replica == 8.0
+
+
+def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:
+    from deployments.app import build_app
+
+    with pytest.raises(ValueError, match="dcp|DCP|decode_context"):
+        build_app({"model": str(tiny_model_dir), "tensor_parallel_size": 2, "decode_context_parallel_size": 4})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_app({"model": "/nonexistent/model"})
+    app = build_app({"model": str(tiny_model_dir), "tensor_parallel_size": 2, "decode_context_parallel_size": 2})
+    assert app is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")

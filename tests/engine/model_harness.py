@@ -1,0 +1,209 @@
+"""Drives a dcpserve model on one rank the way the model runner does, without the scheduler.
+
+Paged KV caches per layer (poisoned with NaN so any over-read shows), block tables in logical blocks of
+block_size * dcp tokens taken from a shuffled free list (the same on every rank: same seed, same steps),
+slot mappings from kernels.dcp_slot_mapping and local lengths from kernels.dcp_local_seq_lens, greedy decoding
+with chunked prefill. Rows of a step: decodes first, then prefill chunks, as AttentionMetadata requires.
+
+Imports no transformers, so spawned ranks start fast; `run_rank` is the body of one spawned rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers.attention import Attention
+from engine.loader import load_model
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel import ParallelState, destroy_parallel_state, init_parallel_state
+from kernels import dcp_local_seq_lens, dcp_slot_mapping
+
+
+@dataclass
+class Sequence:
+    """One request: its tokens so far, how many have K/V cached, its logical blocks, and its step logits."""
+
+    tokens: list[int]
+    prompt_len: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # logits that chose each generated token
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Prompts generated together in one batch, with the per-sequence prefill chunk size."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    prefill_chunk: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """One checkpoint and the scenarios a rank runs on it; each rank saves its results to out_dir/result_file(rank)."""
+
+    name: str
+    model_dir: str
+    scenarios: tuple[Scenario, ...]
+    use_triton: bool = False  # Triton kernels even off CUDA (under TRITON_INTERPRET=1)
+    device: str = "cpu"
+
+    def result_file(self, rank: int) -> str:
+        return f"{self.name}{'_triton' if self.use_triton else ''}_rank{rank}.pt"
+
+
+class PagedRunner:
+    """Per-rank paged KV caches and the metadata construction of one step."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        parallel: ParallelState,
+        block_size: int,
+        num_blocks: int,
+        interleave: int = 1,
+        seed: int = 0,
+    ) -> None:
+        config = model.config
+        dtype = model.model.norm.weight.dtype
+        device = model.model.norm.weight.device
+        shape = (num_blocks, block_size, parallel.kv_heads_per_rank, config.head_dim)
+        self.kv_caches = [
+            (torch.full(shape, float("nan"), dtype=dtype, device=device),
+             torch.full(shape, float("nan"), dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.model = model
+        self.parallel = parallel
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.interleave = interleave
+        self.device = device
+        # Shuffled pages, identical on every rank: block tables are shared by the whole DCP group.
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> None:
+        tokens_per_block = self.block_size * self.parallel.dcp_size
+        while len(seq.blocks) * tokens_per_block < num_tokens:
+            if not self.free_blocks:
+                raise RuntimeError("the test KV cache is full: raise num_blocks")
+            seq.blocks.append(self.free_blocks.pop())
+
+    def build_metadata(self, work: list[tuple[Sequence, int]], num_decodes: int) -> AttentionMetadata:
+        """work: (sequence, new tokens) with the decodes first. Positions are [num_computed, num_computed + n)."""
+        dcp, rank, interleave = self.parallel.dcp_size, self.parallel.dcp_rank, self.interleave
+        width = max(len(seq.blocks) for seq, _ in work)
+        # Unused columns hold an out-of-range page id: a kernel that reads past a sequence's blocks fails.
+        table = torch.full((len(work), width), self.num_blocks + 7, dtype=torch.int32)
+        for row, (seq, _) in enumerate(work):
+            table[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        seq_idx = torch.cat([torch.full((n,), row, dtype=torch.int64) for row, (_, n) in enumerate(work)])
+        positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n) for s, n in work])
+        slots = dcp_slot_mapping(table, seq_idx, positions, self.block_size, dcp, rank, interleave)
+        decode_lens = torch.tensor([s.num_computed + 1 for s, _ in work[:num_decodes]], dtype=torch.int32)
+        prefill_context = torch.tensor([s.num_computed for s, _ in work[num_decodes:]], dtype=torch.int32)
+        chunk_lens = [n for _, n in work[num_decodes:]]
+        query_start_loc = torch.tensor([0, *chunk_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+        to = self.device
+        return AttentionMetadata(
+            slot_mapping=slots.to(to),
+            num_decode_tokens=num_decodes,
+            decode_block_table=table[:num_decodes].to(to),
+            decode_local_seq_lens=dcp_local_seq_lens(decode_lens, dcp, rank, interleave).to(to),
+            prefill_block_table=table[num_decodes:].to(to),
+            prefill_query_start_loc=query_start_loc.to(to),
+            prefill_local_context_lens=dcp_local_seq_lens(prefill_context, dcp, rank, interleave).to(to),
+            prefill_max_query_len=max(chunk_lens, default=0),
+        )
+
+    def step(self, work: list[tuple[Sequence, int]]) -> None:
+        """Runs one forward over the scheduled tokens; sequences whose tokens are all computed get a greedy token."""
+        decodes = [(s, n) for s, n in work if s.num_computed >= s.prompt_len]
+        prefills = [(s, n) for s, n in work if s.num_computed < s.prompt_len]
+        if any(n != 1 for _, n in decodes):
+            raise AssertionError("a decode row schedules exactly one token")
+        ordered = decodes + prefills
+        for seq, n in ordered:
+            self._allocate(seq, seq.num_computed + n)
+        metadata = self.build_metadata(ordered, len(decodes))
+        input_ids = torch.tensor([t for s, n in ordered for t in s.tokens[s.num_computed : s.num_computed + n]])
+        positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n) for s, n in ordered])
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, metadata)
+        sample_rows, sampled = [], []
+        row = 0
+        for seq, n in ordered:
+            row += n
+            seq.num_computed += n
+            if seq.num_computed == len(seq.tokens):
+                sample_rows.append(row - 1)
+                sampled.append(seq)
+        if sampled:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()
+            for seq, row_logits in zip(sampled, logits):
+                seq.logits.append(row_logits)
+                seq.tokens.append(int(row_logits.argmax()))
+
+    def generate(self, scenario: Scenario) -> list[Sequence]:
+        """Greedy decoding of a batch: prompts prefill in chunks, then every sequence decodes one token a step."""
+        seqs = [Sequence(list(p), len(p)) for p in scenario.prompts]
+        while True:
+            work = []
+            for seq in seqs:
+                if len(seq.generated) >= scenario.max_new_tokens:
+                    continue
+                if seq.num_computed < seq.prompt_len:
+                    work.append((seq, min(scenario.prefill_chunk, seq.prompt_len - seq.num_computed)))
+                else:
+                    work.append((seq, len(seq.tokens) - seq.num_computed))
+            if not work:
+                return seqs
+            self.step(work)
+
+
+def run_rank(
+    rank: int, tp: int, dcp: int, interleave: int, port: int, jobs: list[Job], out_dir: str, block_size: int
+) -> None:
+    """Body of one spawned rank: joins the gloo group, runs every job, saves tokens and logits per job."""
+    torch.set_num_threads(1)
+    first = ModelConfig.from_pretrained(jobs[0].model_dir)
+    base = init_parallel_state(tp, rank, dcp, first.num_key_value_heads, f"tcp://127.0.0.1:{port}", "gloo", 120.0)
+    try:
+        for job in jobs:
+            config = ModelConfig.from_pretrained(job.model_dir)
+            # The process groups do not depend on the model; only which KV head this rank holds does.
+            parallel = dataclasses.replace(base, num_kv_heads=config.num_key_value_heads)
+            run_job(job, config, parallel, interleave, Path(out_dir), block_size)
+        # Nobody tears down its gloo pairs while a peer may still be reading from them (that aborts the peer).
+        torch.distributed.barrier()
+    finally:
+        destroy_parallel_state(base)
+
+
+def run_job(
+    job: Job, config: ModelConfig, parallel: ParallelState, interleave: int, out_dir: Path, block_size: int
+) -> dict[str, list[list]]:
+    """Loads the checkpoint for this rank, generates every scenario, saves and returns tokens and logits."""
+    model = load_model(job.model_dir, config, parallel, torch.float32, torch.device(job.device))
+    if job.use_triton:
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.select_kernels(use_triton=True)
+    results: dict[str, list[list]] = {"tokens": [], "logits": []}
+    for scenario in job.scenarios:
+        runner = PagedRunner(model, parallel, block_size, num_blocks=64, interleave=interleave)
+        for seq in runner.generate(scenario):
+            results["tokens"].append(seq.generated)
+            results["logits"].append(torch.stack(seq.logits))
+    torch.save(results, out_dir / job.result_file(parallel.tp_rank))
+    return results

@@ -1,0 +1,114 @@
+"""The engine end to end on one process (tp = 1): LLM and AsyncEngine against Hugging Face transformers on
+the same tiny random-weight checkpoints, plus sampling, stopping, aborting and input errors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.engine import make_engine_config
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestRejected
+from engine.tiny_model import TinyModelSpec, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = TinyModelSpec(num_attention_heads=4, num_key_value_heads=2)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_gqa"), seed=1, spec=spec)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(block_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, block_size, 3 * block_size + 5, 2]
+    return [torch.randint(5, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prefill"])
+@pytest.mark.parametrize("model_name", ["tiny", "tiny_gqa"])
+def test_greedy_batch_equals_transformers(model_name: str, chunked: bool, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(model_name)
+    batch = prompts(16)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # A small token budget forces chunked prefill across steps, mixed with decodes of the short prompts.
+    options = {"max_num_batched_tokens": 24} if chunked else {"enable_chunked_prefill": False, "max_model_len": 512}
+    with LLM(model_dir, **options) as llm:
+        outputs = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
+    for tokens, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model_dir, tokens, 32)
+        assert output.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny: Path) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
+    with LLM(tiny) as llm:
+        alone = llm.generate("the quick brown fox", seeded)[0].outputs[0].token_ids
+        batched = llm.generate(["hello", "the quick brown fox", "lorem ipsum"], [other, seeded, other])
+        again = llm.generate("the quick brown fox", seeded)[0].outputs[0].token_ids
+    assert batched[1].outputs[0].token_ids == alone == again
+    assert len(alone) == 12
+
+
+def test_stop_strings_stop_tokens_and_text(tiny: Path) -> None:
+    with LLM(tiny) as llm:
+        free = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+        text = free.outputs[0].text
+        assert len(text) > 6
+        stop = text[3:6]
+        stopped = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == text[: text.find(stop)]
+        token = free.outputs[0].token_ids[4]
+        by_id = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token]))[0]
+        assert by_id.outputs[0].token_ids == free.outputs[0].token_ids[: free.outputs[0].token_ids.index(token) + 1]
+        assert by_id.outputs[0].finish_reason == "stop"
+
+
+def test_bad_input_gives_clear_errors(tiny: Path, tiny_gqa: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dcp=2 must divide tp=1"):
+        LLM(tiny, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match="dcp=2 needs tp > kv_heads: model has 2 KV heads, tp=2"):
+        make_engine_config(tiny_gqa, tensor_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"dcp=4 must be <= tp // kv_heads = 4 // 2 = 2"):
+        make_engine_config(tiny_gqa, tensor_parallel_size=4, decode_context_parallel_size=4)
+    with pytest.raises(ValueError, match="tp=3 must divide the model's 4 attention heads"):
+        make_engine_config(tiny, tensor_parallel_size=3)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(tmp_path / "empty")
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_model_len=100000 exceeds the model's max_position_embeddings"):
+        LLM(tiny, max_model_len=100000)
+    with LLM(tiny, max_model_len=64) as llm:
+        with pytest.raises(RequestRejected, match="exceeds max_model_len=64"):
+            llm.generate(prompt_token_ids=[[5] * 60], sampling_params=SamplingParams(max_tokens=10))
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be integers in \[0, 512\)"):
+            llm.generate(prompt_token_ids=[[5, 99999]])
+        # Nothing was queued by the failed calls: the engine still serves.
+        assert not llm.engine.has_unfinished_requests()
+        assert len(llm.generate("ok", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
