@@ -32,3 +32,23 @@ clean:
 DCPSERVE_PORT ?= 8000
 serve: $(VENV)/.installed
 	DCPSERVE_PORT=$(DCPSERVE_PORT) $(PY) -m deployments.local_cluster
+
+# Prometheus on 127.0.0.1:$(DCPSERVE_PROMETHEUS_PORT) scraping the `make serve` cluster (run it in a second terminal),
+# with the alert rules of dashboards/prometheus; prints where to point Grafana. See deployments/observe.py.
+.PHONY: observe
+DCPSERVE_PROMETHEUS_PORT ?= 9090
+observe: $(VENV)/.installed
+	DCPSERVE_PROMETHEUS_PORT=$(DCPSERVE_PROMETHEUS_PORT) $(PY) -m deployments.observe
+
+# Engine decode tokens/s and per-step overhead vs transformers on the tiny model (tp=1, tp=2 x dcp=2 on a local Ray
+# instance of its own); writes its section of docs/benchmarks.md.
+.PHONY: bench-engine
+bench-engine: $(VENV)/.installed
+	$(PY) bench/engine.py --write-docs
+
+# KV capacity and throughput of dcp=1 vs dcp=4 at tp=4 through the deployed app (the tiny model on a Ray head of its own
+# with 4 logical GPUs); writes docs/img/capacity.png and its section of docs/benchmarks.md.
+.PHONY: bench-capacity
+bench-capacity: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/capacity.py --write-docs

@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.docs_section import DocsSection  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -52,8 +53,7 @@ TARGET_TEXT = (
     f">= {TARGET_FRACTION:.0%} of measured copy bandwidth at context >= {TARGET_MIN_CONTEXT} "
     f"and batch >= {TARGET_MIN_BATCH}"
 )
-DOCS_PATH = REPO_ROOT / "docs" / "benchmarks.md"
-DOCS_BEGIN, DOCS_END = "<!-- bench/kernels.py:begin -->", "<!-- bench/kernels.py:end -->"
+DOCS = DocsSection("bench/kernels.py")
 COLUMNS = ("context", "batch", "time (us)", "KV GB/s", "% copy BW", "ours/SDPA", "combine", "max abs err", "target")
 WIDTHS = (8, 6, 11, 9, 10, 10, 13, 11, 7)
 DecodeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
@@ -297,29 +297,15 @@ def markdown_section(command: str, info: list[str], rows: list[Row], notes: list
     return "\n".join(["## Paged decode attention", "", f"Command: `{command}`", "", *bullets, "", *table])
 
 
-def with_docs_section(text: str, section: str) -> str:
-    """`text` with the part between this script's markers replaced by `section` (appended if absent)."""
-    block = f"{DOCS_BEGIN}\n{section.rstrip()}\n{DOCS_END}"
-    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
-    if begin == -1 and end == -1:
-        return (text.rstrip("\n") if text.strip() else "# Benchmarks") + "\n\n" + block + "\n"
-    if begin == -1 or end < begin:
-        raise SystemExit(f"{DOCS_PATH}: the {DOCS_BEGIN} / {DOCS_END} markers are unpaired or out of order")
-    return text[:begin] + block + text[end + len(DOCS_END) :]
 
 
-def read_docs() -> str:
-    """The docs file's current text, after checking that its markers allow an update (before any timing)."""
-    text = DOCS_PATH.read_text() if DOCS_PATH.exists() else ""
-    with_docs_section(text, "")
-    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     on_gpu = args.device.type == "cuda"
     if args.write_docs:
-        read_docs()  # fail now, not after a long run
+        DOCS.check()  # fail now, not after a long run
     torch.manual_seed(0)
     if on_gpu:
         print("measuring copy bandwidth ...", flush=True)
@@ -334,12 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(f"WRONG RESULTS in {len(wrong)} row(s): the kernel disagrees with the reference")
     print("".join(f"\n{line}" for line in summary), flush=True)
     if args.write_docs and wrong:
-        print(f"{DOCS_PATH} not updated: a kernel result was wrong")
+        print(f"{DOCS.path} not updated: a kernel result was wrong")
     elif args.write_docs:
         command = shlex.join(["python", "bench/kernels.py", *(sys.argv[1:] if argv is None else argv)])
-        DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
-        DOCS_PATH.write_text(with_docs_section(read_docs(), markdown_section(command, info, rows, notes + summary)))
-        print(f"updated {DOCS_PATH}")
+        DOCS.write(markdown_section(command, info, rows, notes + summary))
+        print(f"updated {DOCS.path}")
     return 1 if wrong else 0
 
 

@@ -71,8 +71,10 @@ class RankWorker:
     def allocate(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int] | None:
-        return self.runner.execute(output)
+    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int] | None, float]:
+        """(sampled tokens on rank 0, None elsewhere; this rank's DCP exchange seconds in the step)."""
+        tokens = self.runner.execute(output)
+        return tokens, self.runner.last_exchange_seconds
 
     def ping(self) -> int:
         return self.rank
@@ -99,6 +101,7 @@ class RayWorkerGroup:
         tp = config.parallel.tp
         self.config = config
         self._owned_group: PlacementGroup | None = None
+        self.last_exchange_seconds = 0.0
         use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         if placement_group is None and use_gpus:
             placement_group = self._create_group(tp, startup_timeout_s)
@@ -114,7 +117,9 @@ class RayWorkerGroup:
         self.workers = [RankWorker.options(**options[r]).remote(config, r) for r in range(tp)]
         try:
             init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=startup_timeout_s)
-            cpu_threads = max(1, int(ray.available_resources().get("CPU", os.cpu_count() or 1)) // tp)
+            # CPU ranks share this host's cores (Ray's logical CPUs may exceed them): oversubscribing torch threads
+            # makes every gloo collective wait on a descheduled peer.
+            cpu_threads = max(1, (os.cpu_count() or 1) // tp)
             available = ray.get(
                 [w.init.remote(init_method, cpu_threads) for w in self.workers], timeout=startup_timeout_s
             )
@@ -154,7 +159,9 @@ class RayWorkerGroup:
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         ref = ray.put(output)
         results = ray.get([w.execute.remote(ref) for w in self.workers])
-        return results[0] or {}
+        # Every rank waits in the same collectives, so the slowest rank's exchange time is the step's.
+        self.last_exchange_seconds = max(seconds for _, seconds in results)
+        return results[0][0] or {}
 
     def check_health(self) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=60)

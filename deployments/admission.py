@@ -27,6 +27,8 @@ from typing import Any
 
 from ray import serve
 
+from deployments.metrics import AdmissionMetrics
+
 
 class AdmissionError(Exception):
     """A request the queue did not grant; `kind` maps to the HTTP status the ingress answers with."""
@@ -91,8 +93,12 @@ class AdmissionQueue:
         replica_ttl_s: float = 10.0,
         leak_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[str, float | None], None] | None = None,
     ) -> None:
+        """on_event(outcome, waited_s), when given, hears every decision (deployments/metrics.py
+        ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO."""
         self.max_queued = max_queued
+        self._on_event = on_event
         self.replica_ttl_s = replica_ttl_s  # a replica silent this long gets no more grants
         self.leak_grace_s = leak_grace_s  # a grant its replica never saw this long is dropped (caller died)
         self._clock = clock
@@ -114,14 +120,21 @@ class AdmissionQueue:
         if ticket in self._ticket_replica:
             raise ValueError(f"ticket {ticket!r} already holds a grant")
         if self.replicas and not self._healthy_replicas():
+            self._event("rejected_no_replica")
             raise NoReplica(f"no healthy engine replica ({len(self.replicas)} known, all failing); retry later")
-        self._check_fits_somewhere(need)
+        try:
+            self._check_fits_somewhere(need)
+        except NeverFits:
+            self._event("rejected_never_fits")
+            raise
         if not self._waiters:
             replica = self._pick(need)
             if replica is not None:
+                self._event("admitted")
                 return self._grant(ticket, need, replica)
         if len(self._waiters) >= self.max_queued and not front:
             self.num_rejected_full += 1
+            self._event("rejected_queue_full")
             raise QueueFull(
                 f"the admission queue is full ({len(self._waiters)} requests wait for KV, max_queued_requests="
                 f"{self.max_queued}); retry later"
@@ -131,14 +144,21 @@ class AdmissionQueue:
             self._waiters.appendleft(waiter)
         else:
             self._waiters.append(waiter)
+        self._event("queued")
+        queued_at = self._clock()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout=timeout_s)
+            replica_id = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=timeout_s)
+            self._event("admitted", self._clock() - queued_at)
+            return replica_id
         except asyncio.TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
+                self._event("admitted", self._clock() - queued_at)
                 return waiter.future.result()  # granted at the last moment
             self.num_timeouts += 1
             if not self._healthy_replicas():
+                self._event("rejected_no_replica", self._clock() - queued_at)
                 raise NoReplica(f"no healthy engine replica became available within {timeout_s:.1f}s") from None
+            self._event("rejected_timeout", self._clock() - queued_at)
             raise QueueTimeout(
                 f"no replica had {need} free KV blocks within {timeout_s:.1f}s (queue_timeout_s); retry later"
             ) from None
@@ -168,6 +188,7 @@ class AdmissionQueue:
         """The replica refused the ticket's request (it holds less free KV than we thought): drop the grant and
         believe the replica's number until its next report."""
         self.num_refusals += 1
+        self._event("refused_by_replica")
         self._ticket_replica.pop(ticket, None)
         replica = self.replicas.get(replica_id)
         if replica is not None:
@@ -217,10 +238,18 @@ class AdmissionQueue:
             elif silent > self.replica_ttl_s:
                 replica.healthy = False
 
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def queued_blocks(self) -> int:
+        return sum(w.need for w in self._waiters)
+
     def stats(self) -> dict[str, Any]:
         return {
-            "num_queued": len(self._waiters),
-            "queued_blocks": sum(w.need for w in self._waiters),
+            "num_queued": self.num_queued,
+            "queued_blocks": self.queued_blocks,
             "num_granted": self.num_granted,
             "num_timeouts": self.num_timeouts,
             "num_rejected_full": self.num_rejected_full,
@@ -233,6 +262,10 @@ class AdmissionQueue:
         }
 
     # ---- internals ------------------------------------------------------------------------------------------
+
+    def _event(self, outcome: str, waited_s: float | None = None) -> None:
+        if self._on_event is not None:
+            self._on_event(outcome, waited_s)
 
     def _healthy_replicas(self) -> list[ReplicaKv]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -283,19 +316,23 @@ class KvAdmission:
     report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
 
     def __init__(self, max_queued: int, replica_ttl_s: float = 10.0) -> None:
-        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s)
+        self.metrics = AdmissionMetrics()
+        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, on_event=self.metrics.on_event)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             self.queue.expire()
+            self.metrics.update(self.queue.num_queued, self.queue.queued_blocks)
 
     async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False) -> dict[str, Any]:
         try:
             return {"replica_id": await self.queue.acquire(ticket, need, timeout_s, front)}
         except AdmissionError as err:
             return {"error": err.kind, "message": err.message}
+        finally:
+            self.metrics.update(self.queue.num_queued, self.queue.queued_blocks)
 
     def release(self, ticket: str) -> None:
         self.queue.release(ticket)

@@ -47,6 +47,7 @@ def engine_deployment(args: AppArgs) -> Any:
             upscale_delay_s=scaling.upscale_delay_s,
             downscale_delay_s=scaling.downscale_delay_s,
             look_back_period_s=scaling.look_back_period_s,
+            metrics_interval_s=scaling.metrics_interval_s,
             policy=AutoscalingPolicy(
                 policy_function="deployments.autoscaling:SequenceAutoscalingPolicy",
                 policy_kwargs={

@@ -32,6 +32,8 @@ class AutoscalingArgs(BaseModel):
     upscale_delay_s: float = Field(5.0, ge=0, description="a scale-up decision must hold this long (Serve's delay)")
     downscale_delay_s: float = Field(30.0, ge=0, description="a scale-down decision must hold this long")
     look_back_period_s: float = Field(5.0, gt=0, description="window Serve averages the replica stats over")
+    # Deprecated in Ray 2.60 but still what sets the replicas' push period (the documented env var is ignored).
+    metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas report autoscaling stats")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingArgs:

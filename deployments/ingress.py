@@ -24,6 +24,7 @@ from ray import serve
 
 from deployments import protocol
 from deployments.config import AppArgs
+from deployments.metrics import IngressMetrics
 from deployments.replica import EngineRequest
 from engine.block_manager import blocks_needed
 from engine.sampling_params import SamplingParams
@@ -74,6 +75,7 @@ class OpenAIIngress:
         self.tokens_per_block = config.cache.block_size * config.parallel.dcp
         self.tokenizer = load_tokenizer(config.model, config.model_config.eos_token_ids)
         self._background: set[asyncio.Task[Any]] = set()
+        self.metrics = IngressMetrics()
 
     # ---- routes ---------------------------------------------------------------------------------------------
 
@@ -103,9 +105,11 @@ class OpenAIIngress:
                 token_ids = self._encode(body.prompt[0])  # type: ignore[arg-type]
             else:
                 token_ids = list(body.prompt)  # type: ignore[arg-type]
-            return await self._serve(body, token_ids, chat=False)
+            response = await self._serve(body, token_ids, chat=False)
         except ApiError as err:
-            return err.response()
+            response = err.response()
+        self.metrics.response("completions", response.status_code)
+        return response
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -117,9 +121,11 @@ class OpenAIIngress:
                 token_ids = self.tokenizer.apply_chat_template(body.chat_messages())
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            return await self._serve(body, token_ids, chat=True)
+            response = await self._serve(body, token_ids, chat=True)
         except ApiError as err:
-            return err.response()
+            response = err.response()
+        self.metrics.response("chat_completions", response.status_code)
+        return response
 
     # ---- steps ----------------------------------------------------------------------------------------------
 
@@ -218,9 +224,12 @@ class OpenAIIngress:
         """Admits the request (first, empty yield once a replica accepted it), then yields its deltas.
         Its finally frees everything, whichever way the request ends."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.args.queue_timeout_s
+        arrived = loop.time()
+        deadline = arrived + self.args.queue_timeout_s
         stream = None
         finished = False
+        num_generated = 0
+        last_token_at = arrived
         try:
             front = False
             while True:
@@ -248,8 +257,17 @@ class OpenAIIngress:
                 stream = None
                 await self.admission.refused.remote(ticket, replica_id, int(first.get("free_blocks", 0)))
                 front = True  # a refused request keeps its place at the head of the line
+            self.metrics.prompt_tokens.inc(len(token_ids))
             yield {}
             async for delta in stream:
+                now = loop.time()
+                if delta["new_token_ids"]:
+                    # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
+                    (self.metrics.itl if num_generated else self.metrics.ttft).observe(now - last_token_at)
+                    num_generated += len(delta["new_token_ids"])
+                    last_token_at = now
+                if delta["finished"]:
+                    self.metrics.e2e.observe(now - arrived)
                 yield delta
                 if delta["finished"]:
                     finished = True
@@ -264,6 +282,8 @@ class OpenAIIngress:
         finally:
             if stream is not None and not finished:
                 stream.cancel()  # the replica's generator ends; AsyncEngine aborts the request and frees its KV
+            if num_generated:
+                self.metrics.generation_tokens.inc(num_generated)
             self._release(ticket)
 
     def _release(self, ticket: str) -> None:

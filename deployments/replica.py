@@ -18,6 +18,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
 from engine.block_manager import blocks_needed
 from engine.sampling_params import SamplingParams
 
@@ -65,8 +66,13 @@ class EngineReplica:
             device = "cuda" if torch.cuda.is_available() or _node_has_cuda() else "cpu"
         self.args = args.model_copy(update={"device": device})
         self.config = self.args.engine_config()
+        self.metrics = ReplicaMetrics(
+            tp=self.config.parallel.tp, dcp=self.config.parallel.dcp,
+            num_kv_heads=self.config.model_config.num_key_value_heads,
+            target_sequences_per_replica=self.args.autoscaling.target_sequences_per_replica,
+        )
         # Starting the worker group blocks on Ray (actors, weights, KV allocation): keep it off the event loop.
-        self.engine = await asyncio.to_thread(AsyncEngine, self.config)
+        self.engine = await asyncio.to_thread(AsyncEngine, self.config, self._on_step)
         self.tokens_per_block = self.config.cache.block_size * self.config.parallel.dcp
         self.capacity_blocks = self.engine.engine.block_manager.num_blocks
         self.held: dict[str, int] = {}  # ticket -> blocks, for every accepted request until it ends
@@ -74,6 +80,7 @@ class EngineReplica:
         self.admission = admission
         self.admission_queued = 0
         self._report_task: asyncio.Task[None] | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
         self._ensure_reporting()
         logger.info(
             "engine replica %s: tp=%d dcp=%d, KV %d blocks of %d tokens (%d tokens)",
@@ -157,6 +164,8 @@ class EngineReplica:
         self._ensure_reporting()
 
     def _ensure_reporting(self) -> None:
+        if self._metrics_task is None or self._metrics_task.done():
+            self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
         if self.admission is not None and (self._report_task is None or self._report_task.done()):
             self._report_task = asyncio.get_running_loop().create_task(self._report_loop())
 
@@ -172,9 +181,25 @@ class EngineReplica:
                 logger.warning("KV report to the admission queue failed: %r", err)
             await asyncio.sleep(self.args.kv_report_period_s)
 
+    def _on_step(self, stats: dict[str, Any]) -> None:
+        try:
+            self.metrics.on_step(stats)
+        except Exception as err:  # noqa: BLE001 - metrics must never stop the engine loop
+            logger.warning("recording step metrics failed: %r", err)
+
+    async def _metrics_loop(self) -> None:
+        """Gauges from the engine's stats every GAUGE_PERIOD_S (idle replicas too, so a quiet replica reads 0)."""
+        while True:
+            try:
+                self.metrics.update(self.engine.stats(), sum(self.held.values()) * self.tokens_per_block)
+            except Exception as err:  # noqa: BLE001 - keep reporting
+                logger.warning("recording replica metrics failed: %r", err)
+            await asyncio.sleep(GAUGE_PERIOD_S)
+
     async def __del__(self) -> None:
-        if self._report_task is not None:
-            self._report_task.cancel()
+        for task in (self._report_task, self._metrics_task):
+            if task is not None:
+                task.cancel()
         if self.admission is not None:
             try:
                 await self.admission.remove_replica.remote(self.replica_id)

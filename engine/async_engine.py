@@ -10,8 +10,9 @@ request, which frees its KV at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -27,8 +28,10 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Streams token deltas per request from a background engine loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """on_step(stats), when given, runs on the event loop after every engine step (the serving layer's metrics)."""
         self.engine = LLMEngine(config)
+        self.on_step = on_step
         self.config = config
         self._queues: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
         self._pending_adds: list[tuple[Request, str | None]] = []
@@ -130,7 +133,11 @@ class AsyncEngine:
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            # A fresh, empty context: the loop belongs to the engine, not to the request that happened to start it.
+            # A copy of that request's context would carry Ray's async_task_id, so every worker-group call of
+            # every later step would be a child of that request, and cancelling it (client disconnect) would
+            # recursively cancel them and kill the engine with TaskCancelledError.
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
         self._wakeup.set()
 
     def _apply_pending(self) -> None:
@@ -162,6 +169,8 @@ class AsyncEngine:
                     continue
                 deltas = await asyncio.to_thread(self.engine.step)
                 self._stats = self.engine.stats()
+                if self.on_step is not None:
+                    self.on_step(self._stats)
                 for delta in deltas:
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:

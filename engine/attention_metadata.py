@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.step_timer import ExchangeTimer
+
 
 @dataclass
 class AttentionMetadata:
@@ -22,6 +24,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets into the prefill rows
     prefill_local_context_lens: torch.Tensor  # [num_prefills] int32: cached tokens on this rank before the chunk
     prefill_max_query_len: int
+    exchange_timer: ExchangeTimer | None = None  # this step's DCP exchange time (None: not measured)
 
     @property
     def num_prefills(self) -> int:

@@ -83,6 +83,13 @@ class ModelConfig:
                                "num_attention_heads") if k not in raw]
         if missing:
             raise ValueError(f"{source}: missing required fields {missing}")
+        if raw.get("use_sliding_window"):
+            raise ValueError(
+                f"{source}: use_sliding_window=true is not supported (dcpserve runs full attention); set it to false "
+                f"only if the model was trained without a window"
+            )
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported (Llama-family MLPs without bias only)")
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         hidden = int(raw["hidden_size"])

@@ -129,6 +129,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.last_step_seconds = 0.0
+        self.last_exchange_seconds = 0.0  # of last_step_seconds, the time in the DCP exchange
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -186,6 +187,7 @@ class LLMEngine:
         deltas = [self._delta(u.request, u.token_id, u.finished) for u in updates]
         self.num_steps += 1
         self.last_step_seconds = time.perf_counter() - start
+        self.last_exchange_seconds = self.executor.last_exchange_seconds
         return deltas
 
     def _delta(self, request: Request, token: int, finished: bool) -> RequestDelta:
@@ -265,6 +267,7 @@ class LLMEngine:
             "generation_tokens": self.num_generation_tokens,
             "num_steps": self.num_steps,
             "last_step_seconds": self.last_step_seconds,
+            "last_exchange_seconds": self.last_exchange_seconds,
             "tp": self.config.parallel.tp,
             "dcp": dcp,
             "num_kv_heads": self.model_config.num_key_value_heads,

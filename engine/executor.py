@@ -15,6 +15,7 @@ class Executor(Protocol):
     """Runs steps on every rank and returns the driver rank's sampled tokens."""
 
     num_blocks: int
+    last_exchange_seconds: float  # DCP exchange time of the last execute() (max over ranks; 0 without DCP)
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
 
@@ -37,6 +38,10 @@ class InProcessExecutor:
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         result = self.runner.execute(output)
         return result if result is not None else {}
+
+    @property
+    def last_exchange_seconds(self) -> float:
+        return self.runner.last_exchange_seconds
 
     def check_health(self) -> None:
         return None

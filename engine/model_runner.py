@@ -17,6 +17,7 @@ from engine.loader import load_model
 from engine.parallel import ParallelState
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.step_timer import ExchangeTimer
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
 
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed) if parallel.is_driver else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self._exchange_timer: ExchangeTimer | None = None  # the last execute()'s, read after the step
 
     # ---- KV cache --------------------------------------------------------------------------------------------
 
@@ -65,6 +67,12 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         self.num_blocks = num_blocks
+
+    @property
+    def last_exchange_seconds(self) -> float:
+        """DCP exchange time of the last execute() on this rank (0 without DCP). Read it after the step: on CUDA it
+        waits for the step's last exchange to finish."""
+        return self._exchange_timer.seconds() if self._exchange_timer is not None else 0.0
 
     # ---- one step --------------------------------------------------------------------------------------------
 
@@ -107,6 +115,7 @@ class ModelRunner:
             prefill_query_start_loc=to_device(query_start_loc),
             prefill_local_context_lens=to_device(dcp_local_seq_lens(context, dcp, dcp_rank)),
             prefill_max_query_len=max(chunk_lens, default=0),
+            exchange_timer=ExchangeTimer(self.device) if dcp > 1 else None,
         )
         ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
         return ids, to_device(positions_t), metadata, sample_rows
@@ -116,10 +125,12 @@ class ModelRunner:
         """Runs one step. The driver returns {request_id: sampled token}; other ranks return None."""
         if self.sampler is not None and output.finished_request_ids:
             self.sampler.forget(output.finished_request_ids)
+        self._exchange_timer = None
         if output.is_empty:
             return {} if self.parallel.is_driver else None
         input_ids, positions, metadata, sample_rows = self.prepare(output)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
+        self._exchange_timer = metadata.exchange_timer
         if not sample_rows:
             return {} if self.parallel.is_driver else None
         # Every rank takes part in the vocab-parallel gather; only the driver samples.

@@ -17,6 +17,8 @@ Every collective runs on every rank of the group whatever the mix of rows, with 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -140,7 +142,9 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         num_decodes = metadata.num_decode_tokens
         has_prefill = num_decodes < num_tokens
-        q_group = self.exchange.gather_queries(q)  # [T, dcp * heads, D]
+        timer = metadata.exchange_timer
+        with timer.measure() if timer is not None else nullcontext():
+            q_group = self.exchange.gather_queries(q)  # [T, dcp * heads, D]
         group_heads = q_group.shape[1]
         shard_out = torch.empty_like(q_group)
         shard_lse = torch.empty((num_tokens, group_heads), dtype=torch.float32, device=q.device)
@@ -157,7 +161,8 @@ class Attention(nn.Module):
                 metadata.prefill_max_query_len,
                 out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:],
             )
-        out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
+        with timer.measure() if timer is not None else nullcontext():
+            out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
         if not has_prefill:
             return out
         new_out, new_lse = self.prefill(

@@ -1,26 +1,24 @@
 """The real app through `ray start` + `serve deploy` on a cluster this module starts, driven by the openai client.
 
 One small deployment (TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens, a queue of 2) serves every test:
-OpenAI completions / chat / streams, greedy output vs engine.LLM, bad input, KV admission (429 + Retry-After,
-never-fits 400, no over-commit), and a killed client freeing its KV.
+OpenAI completions / chat / streams, greedy output vs engine.LLM, bad input, KV admission (queued requests admitted
+in FIFO order, 429 + Retry-After, never-fits 400, no over-commit), and a killed client freeing its KV. The cluster
+comes from tests/e2e/cluster.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from deployments import local_cluster
 from engine.tiny_model import write_tiny_model
+from tests.e2e.cluster import serve_cluster
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
@@ -45,30 +43,8 @@ APP_ARGS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    state = tmp_path_factory.mktemp("serve")
-    model_dir = write_tiny_model(state / "model")
-    config = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
-                          "args": dict(APP_ARGS)}],
-    }
-    (state / "serve_config.yaml").write_text(yaml.safe_dump(config))
-    settings = local_cluster.LocalSettings(
-        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
-        dashboard_port=local_cluster.free_port(), num_gpus=4, state_dir=state,
-        config=state / "serve_config.yaml", deploy_timeout_s=240,
-    )
-    env = local_cluster.ray_env(state)
-    temp_dir = Path(tempfile.mkdtemp(prefix="dcpe2e-", dir="/tmp"))
-    head = local_cluster.start_head(settings, env, temp_dir)
-    try:
-        local_cluster.wait_for_dashboard(settings, head)
-        local_cluster.deploy_and_wait(settings, env, local_cluster.write_config(settings, model_dir), head)
-        yield f"http://127.0.0.1:{settings.http_port}"
-    finally:
-        local_cluster.stop_head(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with serve_cluster(tmp_path_factory.mktemp("serve"), APP_ARGS) as cluster:
+        yield cluster.url
 
 
 @pytest.fixture(scope="module")
@@ -157,42 +133,89 @@ def test_never_fits_is_400_at_once(server: str) -> None:
     assert f"holds {CAPACITY_BLOCKS} blocks" in message and "needs 48 KV blocks" in message
 
 
-def test_burst_queues_in_order_overflows_with_429_and_never_over_commits(server: str) -> None:
-    # Each request needs blocks_needed(380 + 20, 32) = 13 of 32 blocks: 2 run, 2 wait, the rest get 429.
-    samples: list[dict] = []
+# The burst: 0 and 1 run (15 + 14 of 32 blocks), 2 and 3 (13 each) fit nowhere and fill the queue of 2, 4..6
+# overflow. 0 and 1 decode longer than 2 and 3, so 2 is admitted when 1 finishes and 3 only when 0 or 2 finishes
+# after that: the queued requests' admissions are whole requests apart, so their order is observable, not a race.
+BURST_MAX_TOKENS = (100, 60, 20, 20, 20, 20, 20)
+BURST_PROMPT_TOKENS = 380
 
-    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, httpx.Response, float]:
-        await asyncio.sleep(0.05 * i)  # arrival order = i
-        reply = await http.post("/v1/completions", json={
-            "model": MODEL, "prompt": long_prompt(380), "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-        return i, reply, time.monotonic()
+
+async def _wait_until(check, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001 - async () -> bool
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting until {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(server: str) -> None:
+    samples: list[dict] = []
+    events: list[dict] = [{"i": i} for i in range(len(BURST_MAX_TOKENS))]
+    started = [asyncio.Event() for _ in BURST_MAX_TOKENS]  # set when the response headers arrive
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        event = events[i]
+        body = {"model": MODEL, "prompt": long_prompt(BURST_PROMPT_TOKENS), "max_tokens": BURST_MAX_TOKENS[i],
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as reply:
+                event["status"], event["headers"] = reply.status_code, reply.headers
+                started[i].set()
+                if reply.status_code != 200:
+                    event["body"] = json.loads(await reply.aread())
+                    return
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if chunk.get("choices") and "first_token" not in event:
+                        event["first_token"] = time.monotonic()
+                    if chunk.get("usage"):
+                        event["completion_tokens"] = chunk["usage"]["completion_tokens"]
+                event["done"] = time.monotonic()
+        finally:
+            started[i].set()
 
     async def watch(http: httpx.AsyncClient, stop: asyncio.Event) -> None:
         while not stop.is_set():
             samples.append((await http.get("/health")).json())
             await asyncio.sleep(0.1)
 
-    async def run() -> list[tuple[int, httpx.Response, float]]:
+    async def run() -> None:
         async with httpx.AsyncClient(base_url=server, timeout=120) as http:
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch(http, stop))
-            results = await asyncio.gather(*(one(http, i) for i in range(7)))
+
+            async def queued(n: int) -> bool:
+                return (await http.get("/health")).json()["queued"] == n
+
+            # One at a time, each once the server visibly holds the previous one: arrival order = submit order.
+            tasks = []
+            for i in range(len(BURST_MAX_TOKENS)):
+                tasks.append(asyncio.create_task(one(http, i)))
+                if i < 2:
+                    await asyncio.wait_for(started[i].wait(), timeout=30)  # admitted: its stream has begun
+                elif i < 4:
+                    await _wait_until(lambda n=i - 1: queued(n), f"request {i} waits in the admission queue")
+                else:
+                    await asyncio.wait_for(tasks[i], timeout=30)  # the queue is full: an immediate answer
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
             stop.set()
             await watcher
-            return results
 
-    results = asyncio.run(run())
-    statuses = [reply.status_code for _, reply, _ in results]
-    assert len(results) == 7 and set(statuses) <= {200, 429}, statuses  # exactly one response each
-    assert statuses.count(429) >= 1 and statuses.count(200) >= 4, statuses
-    for _, reply, _ in results:
-        if reply.status_code == 429:
-            assert reply.headers["Retry-After"] == "2"
-            assert reply.json()["error"]["type"] == "rate_limit_error"
-        else:
-            assert reply.json()["usage"]["completion_tokens"] == 20
-    served = sorted((done, i) for i, reply, done in results if reply.status_code == 200)
-    assert [i for _, i in served][2:] == sorted(i for _, i in served)[2:]  # queued ones finish in arrival order
+    asyncio.run(run())
+    statuses = [event.get("status") for event in events]
+    assert statuses == [200] * 4 + [429] * 3, statuses  # exactly one response each: 2 ran, 2 waited, 3 overflowed
+    for event in events[4:]:
+        assert event["headers"]["Retry-After"] == "2" and event["body"]["error"]["type"] == "rate_limit_error"
+    for event, max_tokens in zip(events[:4], BURST_MAX_TOKENS):
+        assert event["completion_tokens"] == max_tokens and "first_token" in event, event
+    # FIFO: the queued requests start and finish in arrival order, and 2 only after a running request finished.
+    waited, later = events[2], events[3]
+    assert waited["first_token"] < later["first_token"] and waited["done"] < later["done"], events[:4]
+    # (the grant is released as 1's last chunk goes out, a few ms before its stream ends: 0.5 s of slack; admitted
+    # at once, 2 would have started seconds earlier)
+    assert waited["first_token"] > min(events[0]["done"], events[1]["done"]) - 0.5, events[:4]
     assert samples, "no /health samples"
     for sample in samples:
         for replica in sample["replicas"].values():

@@ -1,0 +1,488 @@
+"""Benchmark of the engine's decode: tokens/s and per-step overhead vs Hugging Face transformers' generate.
+
+For each batch size, fixed-length random prompts (fixed seed) decode greedily with ignore_eos through
+LLMEngine.step() on tp=1 (in process) and tp=2 x dcp=2 (a Ray worker group on a local Ray instance started
+here), and through transformers' `generate` on the same weights and prompts, in one run and step by step in
+alternation (HF's per-token stopping-criteria callback runs one step of each engine), so machine noise hits all
+of them alike. Only decode steps are timed: every prompt prefills in one step (that step and the first sampled
+token are excluded). Greedy tokens are compared with HF's; batch 1 must match exactly.
+
+    python bench/engine.py                  # full table (console only)
+    python bench/engine.py --write-docs     # also updates this script's section of docs/benchmarks.md
+    python bench/engine.py --quick          # batches 1 and 8, shorter decode, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Running `python bench/engine.py` puts bench/ first on sys.path, where this file would shadow the `engine`
+# package (for this process and for the Ray workers, which inherit the driver's sys.path).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.docs_section import DocsSection  # noqa: E402
+import torch  # noqa: E402
+
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.engine import LLMEngine, make_engine_config  # noqa: E402
+from engine.executor import InProcessExecutor  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.tiny_model import write_tiny_model  # noqa: E402
+
+SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
+CONFIGS = {"tp=1": (1, 1), "tp=2 dcp=2": (2, 2)}  # label -> (tensor_parallel_size, decode_context_parallel_size)
+DOCS = DocsSection("bench/engine.py")
+COLUMNS = ("config", "batch", "decode tok/s", "step ms", "runner ms", "forward ms", "overhead ms", "HF tok/s",
+           "HF step ms", "HF fwd ms", "ours/HF", "tokens = HF")
+WIDTHS = (10, 5, 12, 8, 9, 10, 11, 9, 10, 9, 7, 11)
+
+
+@dataclass
+class Samples:
+    """Per decode step times of one engine config at one batch size, pooled over rounds (seconds)."""
+
+    step: list[float] = field(default_factory=list)  # LLMEngine.step() wall time (or HF's gap between tokens)
+    runner: list[float] = field(default_factory=list)  # ModelRunner.execute on rank 0 (ours only)
+    forward: list[float] = field(default_factory=list)  # model forward (rank 0 for ours)
+
+    def extend(self, other: Samples) -> None:
+        self.step += other.step
+        self.runner += other.runner
+        self.forward += other.forward
+
+
+@dataclass
+class Row:
+    """One table row: an engine config at one batch size, with HF's samples for the same batch."""
+
+    config: str
+    batch: int
+    ours: Samples
+    hf: Samples
+    matching: int  # sequences whose greedy tokens equal HF's, in every round
+
+    def tokens_per_second(self, samples: Samples) -> float:
+        return self.batch / statistics.median(samples.step)
+
+    def cells(self) -> list[str]:
+        ms = lambda values: f"{1e3 * statistics.median(values):.2f}" if values else "n/a"  # noqa: E731
+        overhead = [step - fwd for step, fwd in zip(self.ours.step, self.ours.forward)]
+        ours, hf = self.tokens_per_second(self.ours), self.tokens_per_second(self.hf)
+        return [
+            self.config, str(self.batch), f"{ours:.0f}", ms(self.ours.step), ms(self.ours.runner),
+            ms(self.ours.forward), ms(overhead), f"{hf:.0f}", ms(self.hf.step), ms(self.hf.forward),
+            f"{ours / hf:.2f}", f"{self.matching}/{self.batch}" + ("" if self.matching == self.batch else " DIFF"),
+        ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parses the options and fills the defaults that depend on --quick."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="model directory (default: the tiny model, written to a temp dir)")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 8 32 64; --quick: 1 8)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (default 64)")
+    parser.add_argument("--max-tokens", type=int, help="generated tokens per sequence (default 64; --quick: 32)")
+    parser.add_argument("--rounds", type=int, help="generations per batch, samples pooled (default 5; --quick: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads in this process (tp=1, HF) and in each rank actor (default 1: the "
+                        "tiny model gains nothing from more, and on a busy shared machine 2 threads made its forward "
+                        "~100x slower)")
+    parser.add_argument("--skip-tp2", action="store_true", help="only tp=1 (no Ray)")
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, one round")
+    parser.add_argument("--write-docs", action="store_true", help="update this script's section of docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    batches, max_tokens, rounds = SIZES[args.quick]
+    args.batches, args.max_tokens = args.batches or batches, args.max_tokens or max_tokens
+    args.rounds = args.rounds or rounds
+    if not all(value > 0 for value in [*args.batches, args.prompt_len, args.rounds, args.threads]):
+        parser.error("--batches, --prompt-len, --rounds and --threads take positive numbers")
+    if args.max_tokens < 2:
+        parser.error(f"--max-tokens {args.max_tokens}: use at least 2 (the first token comes from the prefill step)")
+    if args.model is not None and not args.model.is_dir():
+        parser.error(f"--model {args.model} is not a directory")
+    # A rank needs a GPU of its own on CUDA machines; on CPU the ranks are CPU actors.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    args.notes = []
+    if not args.skip_tp2 and gpus is not None and gpus < 2:
+        args.skip_tp2 = True
+        args.notes.append(f"tp=2 dcp=2 skipped: it needs 2 GPUs and this machine has {gpus}")
+    args.configs = [label for label in CONFIGS if not (args.skip_tp2 and CONFIGS[label][0] > 1)]
+    return args
+
+
+# ---- timing hooks (instance attributes only: the engine code is untouched) -------------------------------------
+
+
+def timed(fn: Callable[..., Any], record: Callable[[float], None], device: torch.device) -> Callable[..., Any]:
+    """`fn` that passes each call's wall time to `record` (on CUDA synchronized before and after the call)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        sync()
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        sync()
+        record(time.perf_counter() - start)
+        return result
+
+    return call
+
+
+def instrument_runner(runner: Any) -> None:
+    """Wraps a ModelRunner's execute and its model's forward so each execute call appends (execute seconds,
+    forward seconds or 0.0) to runner.bench_records. Runs in this process (tp=1) or inside a rank actor (tp>1)."""
+    records: list[tuple[float, float]] = []
+    last_forward = [0.0]
+    runner.model.forward = timed(runner.model.forward, lambda s: last_forward.__setitem__(0, s), runner.device)
+    execute = timed(runner.execute, lambda s: records.append((s, last_forward[0])), torch.device("cpu"))
+
+    def execute_and_reset(output: Any) -> Any:
+        last_forward[0] = 0.0  # an empty step runs no forward
+        return execute(output)
+
+    runner.execute, runner.bench_records = execute_and_reset, records
+
+
+def take_records(runner: Any) -> list[tuple[float, float]]:
+    records = list(runner.bench_records)
+    runner.bench_records.clear()
+    return records
+
+
+class Instrumented:
+    """An LLMEngine with rank 0's runner instrumented and the driver's executor calls classified."""
+
+    def __init__(self, engine: LLMEngine, threads: int) -> None:
+        self.engine = engine
+        self.rank0 = None if isinstance(engine.executor, InProcessExecutor) else engine.executor.workers[0]
+        if self.rank0 is None:
+            instrument_runner(engine.executor.runner)
+        else:
+            import ray
+
+            ray.get(self.rank0.__ray_call__.remote(lambda worker: instrument_runner(worker.runner)))
+            # The worker group gives each rank Ray's CPUs / tp threads; every rank gets --threads instead.
+            set_threads = lambda worker: torch.set_num_threads(threads)  # noqa: E731
+            ray.get([worker.__ray_call__.remote(set_threads) for worker in engine.executor.workers])
+        self.decode_calls: list[bool] = []  # per executor call: every sequence of the batch decodes
+        self.step_seconds: list[float] = []  # per step that ran the model
+        self.batch = 0
+        self.ids: list[str] = []
+        self.tokens: dict[str, list[int]] = {}
+        execute = engine.executor.execute
+
+        def classify(output: Any) -> Any:
+            rows = output.scheduled
+            self.decode_calls.append(len(rows) == self.batch and all(row.is_decode for row in rows))
+            return execute(output)
+
+        engine.executor.execute = classify
+
+    def records(self) -> list[tuple[float, float]]:
+        if self.rank0 is None:
+            return take_records(self.engine.executor.runner)
+        import ray
+
+        return ray.get(self.rank0.__ray_call__.remote(lambda worker: take_records(worker.runner)))
+
+    def start(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Queues greedy requests for `prompts`; step() then advances them one engine step at a time."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.batch, self.decode_calls, self.step_seconds = len(prompts), [], []
+        self.records()  # drop what earlier runs left
+        self.ids = [self.engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
+        self.tokens = {rid: [] for rid in self.ids}
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            return
+        calls = len(self.decode_calls)
+        start = time.perf_counter()
+        deltas = self.engine.step()
+        elapsed = time.perf_counter() - start
+        if len(self.decode_calls) > calls:  # the step ran the model (one executor call per step)
+            self.step_seconds.append(elapsed)
+        for delta in deltas:
+            self.tokens[delta.request_id] += delta.new_token_ids
+
+    def finish(self) -> tuple[list[list[int]], Samples]:
+        """Runs what is left; greedy tokens per prompt and the times of the steps in which every sequence decoded."""
+        while self.engine.has_unfinished_requests():
+            self.step()
+        records = self.records()
+        if len(records) != len(self.step_seconds):
+            raise RuntimeError(f"{len(records)} rank-0 executes for {len(self.step_seconds)} steps: timings misaligned")
+        samples = Samples()
+        for decode, seconds, (runner, forward) in zip(self.decode_calls, self.step_seconds, records):
+            if decode:
+                samples.step.append(seconds)
+                samples.runner.append(runner)
+                samples.forward.append(forward)
+        return [self.tokens[rid] for rid in self.ids], samples
+
+
+# ---- Hugging Face transformers -----------------------------------------------------------------------------------
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """The same checkpoint in transformers, with EOS removed from its generation config: like ignore_eos, it
+    neither stops at nor suppresses EOS (min_new_tokens alone would mask EOS logits and change greedy tokens)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+    model.bench_forward = []
+    model.forward = timed(model.forward, model.bench_forward.append, device)
+    return model
+
+
+def hf_generate(
+    model: Any, prompts: list[list[int]], max_tokens: int, between_steps: Callable[[], None]
+) -> tuple[list[list[int]], Samples]:
+    """Batched greedy generate (no padding: equal-length prompts) that calls `between_steps` after each token from
+    a stopping criterion, which HF calls once per token. Its decode step times are the gaps from one call's return
+    to the next call, so the time spent in `between_steps` is not counted."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    called: list[float] = []
+    returned: list[float] = []
+
+    class Interleave(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            called.append(time.perf_counter())
+            between_steps()
+            returned.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    device = next(model.parameters()).device
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    model.bench_forward.clear()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([Interleave()]),
+        )
+    if out.shape[1] != input_ids.shape[1] + max_tokens or len(called) != max_tokens:
+        raise RuntimeError(f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
+    steps = [next_call - back for back, next_call in zip(returned, called[1:])]
+    return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:])
+
+
+def run_round(
+    engines: dict[str, Instrumented], hf: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[str, list[list[int]]], dict[str, Samples], list[list[int]], Samples]:
+    """One generation of `prompts` on every engine and on HF, step by step in alternation: after each HF step,
+    one LLMEngine.step() of each engine. Returns (our tokens, our samples, HF tokens, HF samples)."""
+    for engine in engines.values():
+        engine.start(prompts, max_tokens)
+    hf_tokens, hf_samples = hf_generate(hf, prompts, max_tokens, lambda: [e.step() for e in engines.values()])
+    tokens, samples = {}, {}
+    for label, engine in engines.items():
+        tokens[label], samples[label] = engine.finish()
+    return tokens, samples, hf_tokens, hf_samples
+
+
+# ---- the run -------------------------------------------------------------------------------------------------------
+
+
+def start_ray() -> str:
+    """A local Ray instance of this run's own (real GPUs as Ray GPUs; none on CPU: the ranks run as CPU actors)."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp")  # Ray's socket paths must stay short
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=gpus, include_dashboard=False,
+             _temp_dir=temp_dir, log_to_driver=False)
+    return temp_dir
+
+
+def make_engines(args: argparse.Namespace, model_dir: Path) -> dict[str, Instrumented]:
+    """One engine per config, with a KV budget sized for the largest batch (so engines can share a GPU) and a
+    token budget that prefills every prompt in one step."""
+    mc = ModelConfig.from_pretrained(model_dir)
+    tokens = max(args.batches) * (args.prompt_len + args.max_tokens + 64)  # + a block's rounding per sequence
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # per token, fp32 at most
+    engines = {}
+    for label in args.configs:
+        tp, dcp = CONFIGS[label]
+        config = make_engine_config(
+            model_dir, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+            kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
+            max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len),
+        )
+        engines[label] = Instrumented(LLMEngine(config), args.threads)
+        engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup
+        engines[label].finish()
+    return engines
+
+
+def random_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """max(batches) prompts of random ids (fixed seed); a batch of B takes the first B of them."""
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, vocab, (max(args.batches), args.prompt_len), generator=generator).tolist()
+
+
+def check_batch1(args: argparse.Namespace, engines: dict[str, Instrumented], hf: Any, prompt: list[int]) -> list[str]:
+    """Whether each config's greedy tokens for one prompt equal HF's, as lines (this also warms HF up)."""
+    tokens, _, expected, _ = run_round(engines, hf, [prompt], args.max_tokens)
+    lines = []
+    for label, [ours] in tokens.items():
+        same = sum(a == b for a, b in zip(ours, expected[0]))
+        verdict = "yes" if ours == expected[0] else f"NO ({same} of {args.max_tokens} positions agree)"
+        lines.append(f"batch 1 greedy tokens equal HF's ({args.max_tokens} tokens): {label}: {verdict}")
+    return lines
+
+
+def measure(
+    args: argparse.Namespace, engines: dict[str, Instrumented], hf: Any, all_prompts: list[list[int]]
+) -> list[Row]:
+    """Per batch: `rounds` rounds of run_round, the samples pooled; prints each row."""
+    rows: list[Row] = []
+    for batch in args.batches:
+        prompts = all_prompts[:batch]
+        ours = {label: Samples() for label in engines}
+        hf_samples = Samples()
+        matching = {label: set(range(batch)) for label in engines}
+        for _ in range(args.rounds):
+            tokens, samples, expected, hf_round = run_round(engines, hf, prompts, args.max_tokens)
+            hf_samples.extend(hf_round)
+            for label in engines:
+                ours[label].extend(samples[label])
+                matching[label] &= {i for i in range(batch) if tokens[label][i] == expected[i]}
+        for label in engines:
+            rows.append(Row(label, batch, ours[label], hf_samples, len(matching[label])))
+            print(console_line(rows[-1].cells()), flush=True)
+    return rows
+
+
+def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: str, device: torch.device) -> list[str]:
+    """What the table was measured on and how, for the console and the docs."""
+    import ray
+    import transformers
+
+    mc = config.model_config
+    cpuinfo = _read_lines("/proc/cpuinfo")
+    cpu_names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    cpu = cpu_names[0] if cpu_names else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu}"
+    cpu_run = [] if device.type == "cuda" else [
+        "CPU RUN: attention uses the torch reference kernels (paged_*_attention_ref), and the tp=2 ranks are CPU "
+        "actors on the same cores talking over gloo, so the tp=2 rows measure collective and Ray round-trip latency "
+        f"({4 * mc.num_hidden_layers + 2} gloo collectives per decode step: 2 all-reduces, a query all-gather and "
+        "an (out, lse) all-to-all per layer, plus the embedding all-reduce and the logits gather), not a GPU "
+        "deployment's speed"
+    ]
+    return cpu_run + [
+        f"device: {name}; {os.cpu_count()} CPU cores; torch threads {torch.get_num_threads()} in the driver (tp=1, "
+        "HF) and in each tp=2 rank actor",
+        f"torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}, python "
+        f"{platform.python_version()}, date {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"model: {model_label} ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} "
+        f"heads, {mc.num_key_value_heads} KV head(s), vocab {mc.vocab_size}), {config.dtype} on {device.type}",
+        f"workload: random prompt ids (seed {args.seed}) of {args.prompt_len} tokens, greedy, {args.max_tokens} new "
+        f"tokens, ignore_eos (HF: no EOS, min_new_tokens = max_new_tokens); {args.rounds} round(s) per batch",
+        "side by side: HF's generate calls a stopping criterion after each token, which runs one LLMEngine.step() "
+        "of every config, so the engines alternate step by step and load spikes hit all of them; HF step ms is the "
+        "time from that callback's return to its next call",
+        "decode only: all prompts prefill in one step, which also samples the first token; that step is excluded, "
+        f"so each sequence contributes {args.max_tokens - 1} decode steps per round",
+        "decode tok/s = batch / median decode step time; step ms: LLMEngine.step() wall time (schedule -> execute on "
+        "every rank -> update, detokenize); runner ms: ModelRunner.execute on rank 0 (inputs + forward + logits + "
+        "sampling); forward ms: the model's forward on rank 0 (for tp=2 it includes the TP/DCP collectives); "
+        "overhead ms: median over steps of (step - forward)",
+        "HF: model.generate on the same weights and prompts (batched, no padding); HF fwd ms = its model forward; "
+        "ours/HF = decode tok/s ratio",
+        "tokens = HF: sequences whose greedy tokens equal HF's in every round (batch 1 must match); "
+        "all values are medians, taken on a machine shared with other jobs",
+    ]
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def console_line(cells: list[str] | tuple[str, ...]) -> str:
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
+
+
+def markdown_section(command: str, info: list[str], rows: list[Row], notes: list[str]) -> str:
+    table = ["| " + " | ".join(COLUMNS) + " |", "|:---|" + "---:|" * (len(COLUMNS) - 1)]
+    table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    bullets = [f"- {line}" for line in info + notes]
+    return "\n".join(["## Engine decode vs transformers", "", f"Command: `{command}`", "", *bullets, "", *table])
+
+
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.write_docs:
+        DOCS.check()  # fail now, not after a long run
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.threads)
+    work_dir = Path(tempfile.mkdtemp(prefix="dcpserve-bench-engine-"))
+    ray_dir = None
+    engines: dict[str, Instrumented] = {}
+    try:
+        model_dir = args.model or write_tiny_model(work_dir / "tiny", seed=0)
+        model_label = str(args.model) if args.model else "the tiny model (engine.tiny_model, seed 0)"
+        if len(args.configs) > 1:
+            ray_dir = start_ray()
+        engines = make_engines(args, model_dir)
+        config = next(iter(engines.values())).engine.config
+        hf = load_hf(model_dir, config.torch_dtype, device)
+        info = header_lines(args, config, model_label, device)
+        prompts = random_prompts(args, config.model_config.vocab_size)
+        checks = check_batch1(args, engines, hf, prompts[0])
+        print("\n".join(info + args.notes + checks) + "\n\n" + console_line(COLUMNS), flush=True)
+        rows = measure(args, engines, hf, prompts)
+    finally:
+        for engine in engines.values():
+            engine.engine.shutdown()
+        if ray_dir is not None:
+            import ray
+
+            ray.shutdown()
+            shutil.rmtree(ray_dir, ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    wrong = [line for line in checks if not line.endswith(": yes")]
+    differing = [f"{row.config} batch {row.batch}" for row in rows if row.matching != row.batch]
+    summary = args.notes + checks
+    if differing:
+        summary.append(f"greedy tokens differ from HF's in: {', '.join(differing)} (see tokens = HF)")
+    print("".join(f"\n{line}" for line in summary), flush=True)
+    if args.write_docs and wrong:
+        print(f"{DOCS.path} not updated: greedy tokens differ from HF's at batch 1")
+    elif args.write_docs:
+        command = shlex.join(["python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
+        DOCS.write(markdown_section(command, info, rows, summary))
+        print(f"updated {DOCS.path}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

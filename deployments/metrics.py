@@ -1,0 +1,195 @@
+"""dcpserve's Prometheus metrics, exported through Ray's metrics pipeline (docs/metrics.md lists every one).
+
+Each Serve replica records its metrics with ray.serve.metrics, which adds the `deployment`, `replica` and
+`application` labels; Ray's per-node metrics agent exports them, and Prometheus finds every node through the
+service-discovery file Ray writes (<temp dir>/prom_metrics_service_discovery.json), so no replica opens a port.
+Ray prefixes every name with `ray_` and exports a counter `x` as `ray_x_total`: the names below are the ones
+given to Ray (no `ray_`, no `_total`); METRIC_NAMES holds the names Prometheus shows.
+
+Three recorders, one per deployment: ReplicaMetrics (engine KV, sequences, layout, steps; EngineReplica),
+AdmissionMetrics (outcomes, queue length and wait; KvAdmission), IngressMetrics (HTTP statuses, tokens and
+latencies as the client sees them; OpenAIIngress). Units are in the names (seconds, tokens, ratio).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import metrics
+
+# Outcomes of one KvAdmission.acquire call (label `outcome` of dcpserve_admission_requests_total).
+ADMISSION_OUTCOMES = (
+    "admitted",  # a replica was granted (at once, or after waiting: then `queued` counted too)
+    "queued",  # no replica could hold it at once: it entered the FIFO
+    "rejected_queue_full",  # 429: the FIFO was full
+    "rejected_timeout",  # 429: it waited longer than queue_timeout_s
+    "rejected_never_fits",  # 400: larger than any replica's whole KV
+    "rejected_no_replica",  # 503: no healthy engine replica
+)
+
+# Seconds; wide enough for CPU (the tiny model) and GPU replicas alike.
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+STEP_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+QUEUE_WAIT_BUCKETS_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+# How often a replica refreshes its gauges from the engine (Ray exports every metrics_report_interval_ms, 10 s
+# by default, so faster only matters for tests that lower that interval).
+GAUGE_PERIOD_S = 0.5
+
+
+def _gauge(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Gauge:
+    return metrics.Gauge(name, description=description, tag_keys=tag_keys)
+
+
+def _counter(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Counter:
+    return metrics.Counter(name, description=description, tag_keys=tag_keys)
+
+
+def _start_at_zero(counter: metrics.Counter, tags: dict[str, str] | None = None) -> None:
+    """Exports the counter's series at 0 before its first event, so it exists in Prometheus (a preemption may
+    never happen) and rate() / increase() see the first one. Ray's public inc() refuses 0, so this records 0
+    through Metric._record, which inc() itself calls after its check (tests/dashboards proves the series exists)."""
+    counter._record(0.0, tags=tags)
+
+
+def _histogram(name: str, description: str, boundaries: list[float],
+               tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
+    return metrics.Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
+
+
+class ReplicaMetrics:
+    """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, step timings."""
+
+    def __init__(self, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float) -> None:
+        self.kv_capacity = _gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
+        self.kv_used = _gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
+        self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens", "KV tokens promised to admitted requests, not yet allocated")
+        self.kv_usage = _gauge("dcpserve_kv_usage_ratio", "allocated KV blocks / all KV blocks")
+        self.kv_held = _gauge("dcpserve_kv_held_tokens", "KV tokens of prompt + max_tokens of accepted requests")
+        self.kv_block = _gauge("dcpserve_kv_block_size_tokens", "tokens per logical KV block (block_size * dcp)")
+        self.rank_capacity = _gauge("dcpserve_kv_rank_capacity_tokens", "KV tokens one rank's shard holds",
+                                    ("rank", "dcp_rank"))
+        self.rank_used = _gauge("dcpserve_kv_rank_used_tokens", "computed tokens stored on one rank",
+                                ("rank", "dcp_rank"))
+        self.rank_usage = _gauge("dcpserve_kv_rank_usage_ratio", "tokens stored on one rank / its capacity",
+                                 ("rank", "dcp_rank"))
+        self.layout = _gauge("dcpserve_layout_info", "1, labelled with the replica's TP x DCP layout",
+                             ("tp", "dcp", "kv_heads", "kv_head_copies", "duplication_removed"))
+        self.running = _gauge("dcpserve_sequences_running", "sequences the engine is running")
+        self.waiting = _gauge("dcpserve_sequences_waiting", "sequences waiting inside the engine (accepted, not running)")
+        self.target = _gauge("dcpserve_autoscaling_target_sequences_per_replica",
+                             "the autoscaling policy's target_sequences_per_replica")
+        self.healthy = _gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")
+        self.preemptions = _counter("dcpserve_preemptions", "requests preempted for KV (reserve='prompt')")
+        self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
+        self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",
+                                   "time of one step in the DCP exchange (max over ranks; 0 without DCP)",
+                                   STEP_BUCKETS_S)
+        self._preemptions_seen = 0
+        _start_at_zero(self.preemptions)
+        copies = tp // num_kv_heads if tp > num_kv_heads else 1  # ranks holding one KV head
+        self._layout_tags = {"tp": str(tp), "dcp": str(dcp), "kv_heads": str(num_kv_heads),
+                             "kv_head_copies": str(copies // dcp), "duplication_removed": str(dcp)}
+        self._target_sequences = float(target_sequences_per_replica)
+
+    def on_step(self, stats: dict[str, Any]) -> None:
+        """After every engine step (AsyncEngine's on_step): the step's timings."""
+        self.steps.observe(float(stats["last_step_seconds"]))
+        self.exchange.observe(float(stats.get("last_exchange_seconds", 0.0)))
+
+    def update(self, stats: dict[str, Any], held_tokens: int) -> None:
+        """Gauges from the engine's stats() (and the replica's held KV), every GAUGE_PERIOD_S. Constant gauges are
+        set again each time too: Ray exports a gauge only while it is being recorded."""
+        self.layout.set(1, tags=self._layout_tags)
+        self.target.set(self._target_sequences)
+        self.kv_capacity.set(stats["kv_capacity_tokens"])
+        self.kv_used.set(stats["kv_used_tokens"])
+        self.kv_reserved.set(stats["kv_reserved_tokens"])
+        self.kv_usage.set(float(stats["kv_usage"]))
+        self.kv_held.set(held_tokens)
+        self.kv_block.set(stats["kv_block_size_tokens"])
+        for rank in stats["per_rank"]:
+            tags = {"rank": str(rank["rank"]), "dcp_rank": str(rank["dcp_rank"])}
+            capacity = rank["tokens_capacity"]
+            self.rank_capacity.set(capacity, tags=tags)
+            self.rank_used.set(rank["tokens_used"], tags=tags)
+            self.rank_usage.set(rank["tokens_used"] / capacity if capacity else 0.0, tags=tags)
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"] + stats.get("num_pending", 0))
+        self.healthy.set(1 if stats.get("healthy", True) else 0)
+        new = stats["num_preemptions"] - self._preemptions_seen
+        if new > 0:
+            self.preemptions.inc(new)
+        self._preemptions_seen = stats["num_preemptions"]
+
+
+class AdmissionMetrics:
+    """The admission queue's metrics: outcomes, queue length, wait time."""
+
+    def __init__(self) -> None:
+        self.requests = _counter("dcpserve_admission_requests", "admission decisions by outcome", ("outcome",))
+        self.queued = _gauge("dcpserve_admission_queued_requests", "requests waiting in the admission FIFO")
+        self.queued_blocks = _gauge("dcpserve_admission_queued_kv_blocks", "KV blocks the waiting requests need")
+        self.wait = _histogram("dcpserve_admission_queue_wait_seconds",
+                               "time a queued request waited (until granted or timed out)", QUEUE_WAIT_BUCKETS_S)
+        self.refusals = _counter("dcpserve_admission_replica_refusals",
+                                 "grants a replica refused (it held less free KV than the queue knew)")
+        for outcome in ADMISSION_OUTCOMES:
+            _start_at_zero(self.requests, {"outcome": outcome})
+        _start_at_zero(self.refusals)
+
+    def on_event(self, outcome: str, waited_s: float | None) -> None:
+        """AdmissionQueue's observer: one call per outcome; waited_s for requests that were queued."""
+        if outcome == "refused_by_replica":
+            self.refusals.inc()
+            return
+        self.requests.inc(tags={"outcome": outcome})
+        if waited_s is not None:
+            self.wait.observe(waited_s)
+
+    def update(self, num_queued: int, queued_blocks: int) -> None:
+        self.queued.set(num_queued)
+        self.queued_blocks.set(queued_blocks)
+
+
+class IngressMetrics:
+    """What clients see: responses by status, prompt / generation tokens, TTFT, inter-token and e2e latency."""
+
+    def __init__(self) -> None:
+        self.responses = _counter("dcpserve_http_responses", "API responses by endpoint and HTTP status",
+                                  ("endpoint", "status_code"))
+        self.prompt_tokens = _counter("dcpserve_prompt_tokens", "prompt tokens of requests a replica accepted")
+        self.generation_tokens = _counter("dcpserve_generation_tokens", "tokens generated and sent to clients")
+        self.ttft = _histogram("dcpserve_time_to_first_token_seconds",
+                               "arrival to first generated token (admission wait included)", LATENCY_BUCKETS_S)
+        self.itl = _histogram("dcpserve_inter_token_latency_seconds", "time between consecutive generated tokens",
+                              LATENCY_BUCKETS_S)
+        self.e2e = _histogram("dcpserve_request_latency_seconds", "arrival to last token of a finished request",
+                              LATENCY_BUCKETS_S)
+        _start_at_zero(self.prompt_tokens)
+        _start_at_zero(self.generation_tokens)
+
+    def response(self, endpoint: str, status_code: int) -> None:
+        self.responses.inc(tags={"endpoint": endpoint, "status_code": str(status_code)})
+
+
+# The names Prometheus shows (Ray's `ray_` prefix; `_total` on counters; histograms add _bucket/_sum/_count).
+METRIC_NAMES: dict[str, str] = {
+    **{f"ray_{n}": "gauge" for n in (
+        "dcpserve_kv_capacity_tokens", "dcpserve_kv_used_tokens", "dcpserve_kv_reserved_tokens",
+        "dcpserve_kv_usage_ratio", "dcpserve_kv_held_tokens", "dcpserve_kv_block_size_tokens",
+        "dcpserve_kv_rank_capacity_tokens", "dcpserve_kv_rank_used_tokens", "dcpserve_kv_rank_usage_ratio",
+        "dcpserve_layout_info", "dcpserve_sequences_running", "dcpserve_sequences_waiting",
+        "dcpserve_autoscaling_target_sequences_per_replica", "dcpserve_engine_healthy",
+        "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks",
+    )},
+    **{f"ray_{n}_total": "counter" for n in (
+        "dcpserve_preemptions", "dcpserve_admission_requests", "dcpserve_admission_replica_refusals",
+        "dcpserve_http_responses", "dcpserve_prompt_tokens", "dcpserve_generation_tokens",
+    )},
+    **{f"ray_{n}": "histogram" for n in (
+        "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",
+        "dcpserve_admission_queue_wait_seconds", "dcpserve_time_to_first_token_seconds",
+        "dcpserve_inter_token_latency_seconds", "dcpserve_request_latency_seconds",
+    )},
+}

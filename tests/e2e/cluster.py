@@ -1,0 +1,91 @@
+"""A Ray head of the test's own (`ray start`, loopback, logical GPUs, token auth) with the app `serve deploy`ed on it.
+
+The e2e modules share this instead of each building a cluster: `serve_cluster(state_dir, app_args)` yields a
+`ServeCluster` (HTTP base URL, the dashboard's Serve REST API for replica states) and stops exactly the Ray
+processes it started, whatever happens. Built on deployments/local_cluster.py, the same code `make serve` runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from deployments import local_cluster
+from engine.tiny_model import write_tiny_model
+
+APP_NAME = "dcpserve"
+
+
+@dataclass(frozen=True)
+class ServeCluster:
+    """One running head with the app deployed: where to send requests and how to ask Serve about replicas."""
+
+    url: str  # http://127.0.0.1:<port>, the app's route prefix is /
+    settings: local_cluster.LocalSettings
+    env: dict[str, str]  # RAY_AUTH_MODE=token with this cluster's own token file
+    model_dir: Path
+
+    def serve_details(self) -> dict[str, Any]:
+        """GET /api/serve/applications/ on the dashboard (ServeInstanceDetails), with this cluster's token."""
+        token = Path(self.env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        reply = httpx.get(f"http://127.0.0.1:{self.settings.dashboard_port}/api/serve/applications/",
+                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        reply.raise_for_status()
+        return reply.json()
+
+    def replica_states(self, deployment: str = "EngineReplica") -> dict[str, int]:
+        """How many replicas of `deployment` are in each state (RUNNING, STARTING, STOPPING, ...)."""
+        app = self.serve_details().get("applications", {}).get(APP_NAME, {})
+        counts: dict[str, int] = {}
+        for replica in app.get("deployments", {}).get(deployment, {}).get("replicas", []):
+            counts[replica["state"]] = counts.get(replica["state"], 0) + 1
+        return counts
+
+
+def serve_config(app_args: dict[str, Any]) -> dict[str, Any]:
+    """A serve deploy config of the app with these args (write_config fills in the model path and HTTP port)."""
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "deployments.app:build_app",
+                          "args": dict(app_args)}],
+    }
+
+
+@contextmanager
+def serve_cluster(
+    state: Path,
+    app_args: dict[str, Any],
+    num_gpus: int = 4,
+    extra_env: dict[str, str] | None = None,
+    deploy_timeout_s: float = 240,
+) -> Iterator[ServeCluster]:
+    """Writes the tiny model, starts a head on free ports, deploys the app and waits for RUNNING; stops the head
+    (its own process group only) on exit. `extra_env` reaches every Ray process (e.g. Serve's push intervals)."""
+    model_dir = write_tiny_model(state / "model")
+    (state / "serve_config.yaml").write_text(yaml.safe_dump(serve_config(app_args)))
+    settings = local_cluster.LocalSettings(
+        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
+        dashboard_port=local_cluster.free_port(), num_gpus=num_gpus, state_dir=state,
+        config=state / "serve_config.yaml", deploy_timeout_s=deploy_timeout_s,
+    )
+    env = local_cluster.ray_env(state)
+    env.update(extra_env or {})
+    # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
+    temp_dir = Path(tempfile.mkdtemp(prefix="dcpe2e-", dir="/tmp"))
+    head = local_cluster.start_head(settings, env, temp_dir)
+    try:
+        local_cluster.wait_for_dashboard(settings, head)
+        local_cluster.deploy_and_wait(settings, env, local_cluster.write_config(settings, model_dir), head)
+        yield ServeCluster(f"http://127.0.0.1:{settings.http_port}", settings, env, model_dir)
+    finally:
+        local_cluster.stop_head(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
