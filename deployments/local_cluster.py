@@ -239,7 +239,15 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    # Ctrl-C and `kill` both stop what this script started. Installed explicitly: a shell without job control starts
+    # background commands with SIGINT ignored, and Python would then never raise KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     settings = LocalSettings.from_env()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_tiny_model(settings.state_dir)
