@@ -243,11 +243,16 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main() -> None:
-    # Ctrl-C and `kill` both stop what this script started. Installed explicitly: a shell without job control starts
-    # background commands with SIGINT ignored, and Python would then never raise KeyboardInterrupt.
+def stop_on_signals() -> None:
+    """Makes Ctrl-C and `kill` raise KeyboardInterrupt, so the caller's cleanup stops what it started. Installed
+    explicitly: a shell without job control starts background commands with SIGINT ignored, and Python would then
+    never raise KeyboardInterrupt."""
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+def main() -> None:
+    stop_on_signals()
     settings = LocalSettings.from_env()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_tiny_model(settings.state_dir)

@@ -24,6 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from deployments.local_cluster import stop_on_signals
+
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # ray._private.ray_constants
@@ -113,6 +115,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def main() -> None:
+    stop_on_signals()
     env = os.environ
     ray_port = int(env.get("DCPSERVE_RAY_PORT", "6390"))
     state_dir = Path(env.get("DCPSERVE_STATE_DIR", REPO / ".dcpserve")).resolve()
