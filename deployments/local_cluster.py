@@ -220,9 +220,10 @@ def stop_head(head: subprocess.Popen[bytes]) -> None:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and _group_alive(head.pid):
+            # poll() reaps `ray start` itself: an unreaped zombie would keep the group "alive" until the deadline.
+            while time.monotonic() < deadline and (head.poll() is None or _group_alive(head.pid)):
                 time.sleep(0.5)
-            if not _group_alive(head.pid):
+            if head.poll() is not None and not _group_alive(head.pid):
                 break
     try:
         head.wait(timeout=5)
