@@ -1,0 +1,141 @@
+"""Timing hooks for bench/engine.py: wrap a ModelRunner's execute and its model's forward (instance attributes
+only: the engine code is untouched), in this process or inside the rank actors, and drive an LLMEngine step by step
+so that only steps in which every sequence decodes are sampled."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engine.engine import LLMEngine
+from engine.executor import InProcessExecutor
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Samples:
+    """Per decode step times of one engine config at one batch size, pooled over rounds (seconds)."""
+
+    step: list[float] = field(default_factory=list)  # LLMEngine.step() wall time (or HF's gap between tokens)
+    runner: list[float] = field(default_factory=list)  # ModelRunner.execute on rank 0 (ours only)
+    forward: list[float] = field(default_factory=list)  # model forward (rank 0 for ours)
+
+    def extend(self, other: Samples) -> None:
+        self.step += other.step
+        self.runner += other.runner
+        self.forward += other.forward
+
+
+def timed(fn: Callable[..., Any], record: Callable[[float], None], device: torch.device) -> Callable[..., Any]:
+    """`fn` that passes each call's wall time to `record` (on CUDA synchronized before and after the call)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        sync()
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        sync()
+        record(time.perf_counter() - start)
+        return result
+
+    return call
+
+
+def instrument_runner(runner: Any) -> None:
+    """Wraps a ModelRunner's execute and its model's forward so each execute call appends (execute seconds,
+    forward seconds or 0.0) to runner.bench_records. Runs in this process (tp=1) or inside a rank actor (tp>1)."""
+    records: list[tuple[float, float]] = []
+    last_forward = [0.0]
+    runner.model.forward = timed(runner.model.forward, lambda s: last_forward.__setitem__(0, s), runner.device)
+    execute = timed(runner.execute, lambda s: records.append((s, last_forward[0])), torch.device("cpu"))
+
+    def execute_and_reset(output: Any) -> Any:
+        last_forward[0] = 0.0  # an empty step runs no forward
+        return execute(output)
+
+    runner.execute, runner.bench_records = execute_and_reset, records
+
+
+def take_records(runner: Any) -> list[tuple[float, float]]:
+    records = list(runner.bench_records)
+    runner.bench_records.clear()
+    return records
+
+
+class Instrumented:
+    """An LLMEngine with rank 0's runner instrumented and the driver's executor calls classified."""
+
+    def __init__(self, engine: LLMEngine, threads: int) -> None:
+        self.engine = engine
+        self.rank0 = None if isinstance(engine.executor, InProcessExecutor) else engine.executor.workers[0]
+        if self.rank0 is None:
+            instrument_runner(engine.executor.runner)
+        else:
+            import ray
+            import ray.cloudpickle
+
+            # The hooks travel to the rank actors by value: bench/ need not be importable there.
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+            ray.get(self.rank0.__ray_call__.remote(lambda worker: instrument_runner(worker.runner)))
+            # The worker group gives each rank Ray's CPUs / tp threads; every rank gets --threads instead.
+            set_threads = lambda worker: torch.set_num_threads(threads)  # noqa: E731
+            ray.get([worker.__ray_call__.remote(set_threads) for worker in engine.executor.workers])
+        self.decode_calls: list[bool] = []  # per executor call: every sequence of the batch decodes
+        self.step_seconds: list[float] = []  # per step that ran the model
+        self.batch = 0
+        self.ids: list[str] = []
+        self.tokens: dict[str, list[int]] = {}
+        execute = engine.executor.execute
+
+        def classify(output: Any) -> Any:
+            rows = output.scheduled
+            self.decode_calls.append(len(rows) == self.batch and all(row.is_decode for row in rows))
+            return execute(output)
+
+        engine.executor.execute = classify
+
+    def records(self) -> list[tuple[float, float]]:
+        if self.rank0 is None:
+            return take_records(self.engine.executor.runner)
+        import ray
+
+        return ray.get(self.rank0.__ray_call__.remote(lambda worker: take_records(worker.runner)))
+
+    def start(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Queues greedy requests for `prompts`; step() then advances them one engine step at a time."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.batch, self.decode_calls, self.step_seconds = len(prompts), [], []
+        self.records()  # drop what earlier runs left
+        self.ids = [self.engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
+        self.tokens = {rid: [] for rid in self.ids}
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            return
+        calls = len(self.decode_calls)
+        start = time.perf_counter()
+        deltas = self.engine.step()
+        elapsed = time.perf_counter() - start
+        if len(self.decode_calls) > calls:  # the step ran the model (one executor call per step)
+            self.step_seconds.append(elapsed)
+        for delta in deltas:
+            self.tokens[delta.request_id] += delta.new_token_ids
+
+    def finish(self) -> tuple[list[list[int]], Samples]:
+        """Runs what is left; greedy tokens per prompt and the times of the steps in which every sequence decoded."""
+        while self.engine.has_unfinished_requests():
+            self.step()
+        records = self.records()
+        if len(records) != len(self.step_seconds):
+            raise RuntimeError(f"{len(records)} rank-0 executes for {len(self.step_seconds)} steps: timings misaligned")
+        samples = Samples()
+        for decode, seconds, (runner, forward) in zip(self.decode_calls, self.step_seconds, records):
+            if decode:
+                samples.step.append(seconds)
+                samples.runner.append(runner)
+                samples.forward.append(forward)
+        return [self.tokens[rid] for rid in self.ids], samples
