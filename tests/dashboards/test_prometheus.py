@@ -32,6 +32,7 @@ import yaml
 
 from deployments import local_cluster, observe
 from engine.tiny_model import write_tiny_model
+from tests.e2e.cluster import CAPACITY_BLOCKS, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"
@@ -45,21 +46,12 @@ pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 MODEL = "tiny-observe"
 APP = "dcpserve"
-CAPACITY_BLOCKS = 32  # 256 KiB per rank / 512 B per token = 512 tokens per rank, x dcp 2 = 1024 = 32 x 32
-APP_ARGS = {
-    "served_model_name": MODEL,
-    "tensor_parallel_size": 2,
-    "decode_context_parallel_size": 2,
-    "kv_cache_memory_bytes": 262144,
-    "max_model_len": 2048,
-    "max_num_seqs": 8,
-    "max_queued_requests": 1,
-    "queue_timeout_s": 12,  # the long request outlives it; a loaded machine still frees its KV in time
-    "retry_after_s": 1,
-    "routing_stats_period_s": 0.5,
-    "kv_report_period_s": 0.25,
-    "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-}
+APP_ARGS = tiny_app_args(
+    MODEL,
+    max_queued_requests=1,
+    queue_timeout_s=12,  # the long request outlives it; a loaded machine still frees its KV in time
+    retry_after_s=1,
+)
 
 
 @dataclass

@@ -23,6 +23,27 @@ from engine.tiny_model import write_tiny_model
 
 APP_NAME = "dcpserve"
 
+# The tiny model at TP=2 x DCP=2 with 256 KiB of KV per rank: 512 B per token -> 512 tokens per rank, x dcp 2 =
+# 1024 tokens = 32 logical blocks of 32 tokens.
+CAPACITY_BLOCKS = 32
+
+
+def tiny_app_args(served_model_name: str, **overrides: Any) -> dict[str, Any]:
+    """App args the e2e, autoscaling and dashboard tests share; each overrides what its scenario needs."""
+    args: dict[str, Any] = {
+        "served_model_name": served_model_name,
+        "tensor_parallel_size": 2,
+        "decode_context_parallel_size": 2,
+        "kv_cache_memory_bytes": 262144,
+        "max_model_len": 2048,
+        "max_num_seqs": 8,
+        "routing_stats_period_s": 0.5,
+        "kv_report_period_s": 0.25,
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+    }
+    args.update(overrides)
+    return args
+
 
 @dataclass(frozen=True)
 class ServeCluster:

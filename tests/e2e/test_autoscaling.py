@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.e2e.cluster import ServeCluster, serve_cluster
+from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
@@ -23,16 +23,10 @@ NUM_STREAMS = 3  # > 2 sequences: desired = ceil(3 / 1) = 3, clamped to max_repl
 STREAM_MAX_TOKENS = 1500  # long enough to keep every stream decoding for the whole scale-up
 SCALE_TIMEOUT_S = 90.0
 
-APP_ARGS = {
-    "served_model_name": MODEL,
-    "tensor_parallel_size": 2,
-    "decode_context_parallel_size": 2,
-    "kv_cache_memory_bytes": 2 * 1024 * 1024,  # 4096 tokens per rank, 8192 per replica: 3 streams of ~1.5k fit in one
-    "max_model_len": 2048,
-    "max_num_seqs": 8,
-    "routing_stats_period_s": 0.5,
-    "kv_report_period_s": 0.25,
-    "autoscaling": {
+APP_ARGS = tiny_app_args(
+    MODEL,
+    kv_cache_memory_bytes=2 * 1024 * 1024,  # 4096 tokens per rank, 8192 per replica: 3 streams of ~1.5k fit in one
+    autoscaling={
         "min_replicas": 1,
         "max_replicas": 2,  # 2 replicas x tp 2 = all 4 logical GPUs
         "target_sequences_per_replica": 1,
@@ -40,7 +34,7 @@ APP_ARGS = {
         "downscale_delay_s": 3,
         "look_back_period_s": 2,
     },
-}
+)
 
 
 @pytest.fixture(scope="module")

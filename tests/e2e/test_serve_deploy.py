@@ -18,27 +18,12 @@ import httpx
 import pytest
 
 from engine.tiny_model import write_tiny_model
-from tests.e2e.cluster import serve_cluster
+from tests.e2e.cluster import CAPACITY_BLOCKS, serve_cluster, tiny_app_args
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 MODEL = "tiny-e2e"
-CAPACITY_BLOCKS = 32  # 256 KiB per rank / 512 B per token = 512 tokens per rank, x dcp 2 = 1024 = 32 x 32
-
-APP_ARGS = {
-    "served_model_name": MODEL,
-    "tensor_parallel_size": 2,
-    "decode_context_parallel_size": 2,
-    "kv_cache_memory_bytes": 262144,
-    "max_model_len": 2048,
-    "max_num_seqs": 8,
-    "max_queued_requests": 2,
-    "queue_timeout_s": 20,
-    "retry_after_s": 2,
-    "routing_stats_period_s": 0.5,
-    "kv_report_period_s": 0.25,
-    "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-}
+APP_ARGS = tiny_app_args(MODEL, max_queued_requests=2, queue_timeout_s=20, retry_after_s=2)
 
 
 @pytest.fixture(scope="module")
