@@ -3,8 +3,14 @@
 It runs in every caller process (each ingress replica). A request carries its KV need in logical blocks and,
 normally, the replica the admission queue granted it (`target_replica`): the router sends it only there. A
 request without a grant (a direct handle call) goes to a replica whose reported free KV, minus what this router
-has sent it since that report, holds the request, the most free first; when none does, the router backs off and
-tries again (Serve's routing loop) until the caller gives up. Either way the replica re-checks and may refuse.
+has sent it since that report, holds the request, the most free first. Either way the replica re-checks and may
+refuse.
+
+When no candidate can take a request (its granted replica is not, or not yet, among the routable replicas; no
+replica reports enough free KV), Serve's routing loop tries again. That loop sleeps between attempts only when
+`routing_context.should_backoff` is set, so choose_replicas always sets it: without it the retry never awaits and
+starves the router's event loop, which then also never clears the requests whose callers gave up. A request whose
+caller already gave up gets the candidates back at once, so the loop sees its done future and drops it.
 """
 
 from __future__ import annotations
@@ -71,6 +77,10 @@ class KvAwareRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # see the module docstring: never a tight loop
+            if pending_request.future.done():
+                return [candidate_replicas]  # the caller gave up: Serve's loop drops it before choosing
         request = request_of(pending_request)
         if request is None:
             return [candidate_replicas]  # not a generate() call (stats, health): any replica
