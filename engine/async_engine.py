@@ -21,6 +21,11 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 
+# How long the loop waits before stepping again after a step that could schedule nothing (unless an add or abort
+# wakes it first).
+IDLE_RETRY_S = 0.1
+
+
 class EngineDeadError(RuntimeError):
     """The engine's loop failed; requests in flight were ended with this error."""
 
@@ -168,6 +173,16 @@ class AsyncEngine:
                         await self._wakeup.wait()
                     continue
                 deltas = await asyncio.to_thread(self.engine.step)
+                if self.engine.last_step_idle:
+                    # Unfinished requests but nothing could be scheduled: wait for an add or abort (or a short
+                    # while) instead of stepping again at once, which would busy-loop a core and the GIL.
+                    self._wakeup.clear()
+                    if not self._pending_adds and not self._pending_aborts:
+                        try:
+                            await asyncio.wait_for(self._wakeup.wait(), IDLE_RETRY_S)
+                        except asyncio.TimeoutError:
+                            pass
+                    continue
                 self._stats = self.engine.stats()
                 if self.on_step is not None:
                     self.on_step(self._stats)

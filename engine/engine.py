@@ -130,6 +130,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step_seconds = 0.0
         self.last_exchange_seconds = 0.0  # of last_step_seconds, the time in the DCP exchange
+        self.last_step_idle = False  # the last step() scheduled nothing
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -178,8 +179,9 @@ class LLMEngine:
         """schedule -> execute -> update. Returns the deltas of requests that produced a token this step."""
         start = time.perf_counter()
         output = self.scheduler.schedule()
-        if output.is_empty and not output.finished_request_ids:
-            return []
+        self.last_step_idle = output.is_empty and not output.finished_request_ids
+        if self.last_step_idle:
+            return []  # nothing could run (waiting requests, no KV or seats): only an add or abort changes that
         sampled = self.executor.execute(output)
         updates = self.scheduler.update(output, sampled)
         self.num_tokens_computed += output.num_tokens

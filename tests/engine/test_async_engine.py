@@ -86,3 +86,40 @@ def test_never_fits_raises_before_anything_is_queued(tiny: Path) -> None:
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_request_that_cannot_be_scheduled_does_not_busy_loop(tiny: Path) -> None:
+    """Waiting requests that nothing can run (here: every KV block held elsewhere) make the loop wait for an add,
+    an abort or IDLE_RETRY_S, not step again at once; the request runs as soon as KV frees up."""
+    from engine.async_engine import IDLE_RETRY_S
+    from engine.request import Request
+
+    async def main() -> None:
+        engine = AsyncEngine(make_engine_config(tiny, kv_cache_memory_bytes=64 * 1024))
+        blocks = engine.engine.block_manager
+        holder = Request("holder", [1], SamplingParams(max_tokens=1))
+        assert blocks.reserve(holder, blocks.capacity_tokens) and blocks.num_free_blocks == 0
+        steps = 0
+        step = engine.engine.step
+
+        def counted_step():  # noqa: ANN202
+            nonlocal steps
+            steps += 1
+            return step()
+
+        engine.engine.step = counted_step  # type: ignore[method-assign]
+        try:
+            stream = engine.generate("blocked", SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(1.0)
+            assert not first.done()
+            assert steps <= 1.0 / IDLE_RETRY_S + 3, steps  # a busy loop steps thousands of times a second
+            blocks.free(holder)
+            delta = await asyncio.wait_for(first, timeout=5.0)
+            assert delta.new_token_ids
+            async for _ in stream:
+                pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
