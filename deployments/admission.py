@@ -11,7 +11,11 @@ until the caller releases it. Invariants:
 - strict FIFO: a request waits while anyone is ahead of it, so the head is never starved by smaller requests
   behind it; a request a replica refused goes back to the head;
 - bounded: at most `max_queued` wait; more get QueueFull at once; a wait past its timeout gets QueueTimeout;
-- never-fits: a request larger than every replica's whole capacity gets NeverFits at once (400, with numbers).
+- never-fits: a request larger than every replica's whole capacity gets NeverFits at once (400, with numbers);
+- grants only go where they can run: to a replica that is healthy and routable (Serve's controller has been
+  probing it, so it is RUNNING and the routers know it: not one still starting or already draining), and not to
+  one a caller found unreachable until Serve has probed it again. A grant whose replica did not take the request
+  comes back through refused() or unreachable() and the request waits at the head again.
 
 AdmissionQueue is plain asyncio (tested without Ray); KvAdmission (below) serves it as a one-replica deployment.
 """
@@ -66,7 +70,17 @@ class ReplicaKv:
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
     external: int = 0  # blocks the replica holds for tickets not granted here
     healthy: bool = True
+    routable: bool = True  # Serve's controller probes it (RUNNING): the routers can reach it
+    probes: int = 0  # how many controller probes the replica has seen (its reports carry the count)
+    unreachable_at_probe: int | None = None  # a caller could not reach it when it had seen this many probes
     last_report: float = 0.0
+
+    @property
+    def grantable(self) -> bool:
+        """Healthy, routable, and probed again since a caller last found it unreachable."""
+        if self.unreachable_at_probe is not None and self.probes <= self.unreachable_at_probe:
+            return False
+        return self.healthy and self.routable
 
     @property
     def granted(self) -> int:
@@ -109,6 +123,7 @@ class AdmissionQueue:
         self.num_timeouts = 0
         self.num_rejected_full = 0
         self.num_refusals = 0
+        self.num_unreachable = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -146,6 +161,7 @@ class AdmissionQueue:
             self._waiters.append(waiter)
         self._event("queued")
         queued_at = self._clock()
+        self._fulfill()  # a request put back at the head may fit at once
         try:
             replica_id = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=timeout_s)
             self._event("admitted", self._clock() - queued_at)
@@ -155,12 +171,18 @@ class AdmissionQueue:
                 self._event("admitted", self._clock() - queued_at)
                 return waiter.future.result()  # granted at the last moment
             self.num_timeouts += 1
-            if not self._healthy_replicas():
-                self._event("rejected_no_replica", self._clock() - queued_at)
-                raise NoReplica(f"no healthy engine replica became available within {timeout_s:.1f}s") from None
-            self._event("rejected_timeout", self._clock() - queued_at)
+            waited = self._clock() - queued_at
+            if not any(r.grantable for r in self.replicas.values()):
+                self._event("rejected_no_replica", waited)
+                known = ", ".join(f"{r.replica_id}: {self._why_not_grantable(r)}" for r in self.replicas.values())
+                raise NoReplica(
+                    f"no engine replica could take requests during the {waited:.1f}s this request waited"
+                    f"{f' ({known})' if known else ''}; retry later"
+                ) from None
+            self._event("rejected_timeout", waited)
             raise QueueTimeout(
-                f"no replica had {need} free KV blocks within {timeout_s:.1f}s (queue_timeout_s); retry later"
+                f"waited {waited:.1f}s in the admission queue and no replica had {need} free KV blocks "
+                f"(queue_timeout_s); retry later"
             ) from None
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
@@ -196,6 +218,19 @@ class AdmissionQueue:
             replica.external = max(replica.external, replica.capacity - replica.granted - max(free_blocks, 0))
         self._fulfill()
 
+    def unreachable(self, ticket: str, replica_id: str) -> None:
+        """The granted replica did not take the ticket's request in time, or the call to it failed (it is still
+        starting, draining, or gone): drop the grant, and grant that replica nothing more until Serve has probed
+        it again (its next report with a higher probe count)."""
+        self.num_unreachable += 1
+        self._event("unreachable_replica")
+        self._ticket_replica.pop(ticket, None)
+        replica = self.replicas.get(replica_id)
+        if replica is not None:
+            replica.grants.pop(ticket, None)
+            replica.unreachable_at_probe = replica.probes
+        self._fulfill()
+
     # ---- replicas -------------------------------------------------------------------------------------------
 
     def report(
@@ -205,8 +240,11 @@ class AdmissionQueue:
         tokens_per_block: int,
         held: dict[str, int],
         healthy: bool = True,
+        routable: bool = True,
+        probes: int = 0,
     ) -> None:
-        """A replica's truth: its capacity and the blocks it holds per ticket. Reconciles grants with it."""
+        """A replica's truth: its capacity, the blocks it holds per ticket, its health, whether Serve routes to it
+        (and how many controller probes it has seen). Reconciles grants with it."""
         now = self._clock()
         replica = self.replicas.get(replica_id)
         if replica is None:
@@ -214,6 +252,8 @@ class AdmissionQueue:
         replica.capacity = capacity
         replica.tokens_per_block = tokens_per_block
         replica.healthy = healthy
+        replica.routable = routable
+        replica.probes = probes
         replica.last_report = now
         for ticket, (_, granted_at) in list(replica.grants.items()):
             if ticket not in held and now - granted_at > self.leak_grace_s:
@@ -254,9 +294,11 @@ class AdmissionQueue:
             "num_timeouts": self.num_timeouts,
             "num_rejected_full": self.num_rejected_full,
             "num_refusals": self.num_refusals,
+            "num_unreachable": self.num_unreachable,
             "replicas": {
                 r.replica_id: {"capacity": r.capacity, "granted": r.granted, "external": r.external,
-                               "free": r.free, "healthy": r.healthy, "num_grants": len(r.grants)}
+                               "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
+                               "num_grants": len(r.grants)}
                 for r in self.replicas.values()
             },
         }
@@ -269,6 +311,16 @@ class AdmissionQueue:
 
     def _healthy_replicas(self) -> list[ReplicaKv]:
         return [r for r in self.replicas.values() if r.healthy]
+
+    @staticmethod
+    def _why_not_grantable(replica: ReplicaKv) -> str:
+        if not replica.healthy:
+            return "unhealthy or silent"
+        if not replica.routable:
+            return "starting or draining"
+        if not replica.grantable:
+            return "unreachable"
+        return "ready"
 
     def _check_fits_somewhere(self, need: int) -> None:
         replicas = self._healthy_replicas() or list(self.replicas.values())
@@ -285,8 +337,8 @@ class AdmissionQueue:
 
     def _pick(self, need: int) -> ReplicaKv | None:
         best: ReplicaKv | None = None
-        for replica in self._healthy_replicas():
-            if replica.free >= need and (best is None or replica.free > best.free):
+        for replica in self.replicas.values():
+            if replica.grantable and replica.free >= need and (best is None or replica.free > best.free):
                 best = replica
         return best
 
@@ -340,10 +392,13 @@ class KvAdmission:
     def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
         self.queue.refused(ticket, replica_id, free_blocks)
 
+    def unreachable(self, ticket: str, replica_id: str) -> None:
+        self.queue.unreachable(ticket, replica_id)
+
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
-               healthy: bool = True) -> dict[str, int]:
+               healthy: bool = True, routable: bool = True, probes: int = 0) -> dict[str, int]:
         """Returns the queue length, which replicas pass on to the autoscaler."""
-        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy)
+        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes)
         stats = self.queue.stats()
         return {"num_queued": stats["num_queued"], "queued_blocks": stats["queued_blocks"]}
 

@@ -34,7 +34,9 @@ def engine_deployment(args: AppArgs) -> Any:
         max_ongoing_requests=max(args.max_num_seqs * 4, 1024),
         health_check_period_s=args.health_check_period_s,
         health_check_timeout_s=max(30.0, args.health_check_period_s * 3),
-        graceful_shutdown_timeout_s=5,
+        # A stopped replica (scale-down mid-burst, redeploy) keeps streaming its running requests instead of
+        # cutting them off; the admission queue stops granting it as soon as Serve stops probing it.
+        graceful_shutdown_timeout_s=args.drain_timeout_s,
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.router:KvAwareRouter",
             request_routing_stats_period_s=args.routing_stats_period_s,

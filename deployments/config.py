@@ -71,11 +71,19 @@ class AppArgs(BaseModel):
     max_queued_requests: int = Field(64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue; past it -> 429")
     retry_after_s: int = Field(5, ge=1, description="the Retry-After header of a 429")
+    dispatch_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for a granted replica to take a request; past it the grant goes back "
+        "and the request waits at the head of the queue again"
+    )
     # ---- serving ----
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas (tokenize, admit, stream)")
     routing_stats_period_s: float = Field(1.0, gt=0, description="how often replicas report KV to the routers")
     kv_report_period_s: float = Field(0.5, gt=0, description="how often replicas reconcile KV with the admission queue")
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health checks (they ping every TP rank)")
+    drain_timeout_s: float = Field(
+        120.0, ge=0, description="a replica Serve stops (scale-down, redeploy) finishes its running requests for up to "
+        "this long before it is killed (Serve's graceful_shutdown_timeout_s); it gets no new grants meanwhile"
+    )
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
 
     @property

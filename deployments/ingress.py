@@ -3,7 +3,9 @@
 Request path: parse and validate the body (400) -> tokenize (chat template for chat) -> check max_model_len
 (400) -> need = blocks_needed(prompt + max_tokens, block_size * dcp) -> KvAdmission.acquire: a granted replica,
 or 400 never-fits / 429 queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the
-KV-aware router to that replica -> a refusal re-queues at the head -> deltas back as JSON or SSE. Whatever
+KV-aware router to that replica -> a refusal, or a replica that does not take the request within
+dispatch_timeout_s (still starting, draining, gone), gives the grant back and re-queues the request at the head
+-> deltas back as JSON or SSE. Whatever
 ends the request (finish, error, client disconnect) cancels the engine stream (which aborts the request and
 frees its KV) and releases the grant.
 """
@@ -35,6 +37,10 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="dcpserve", docs_url=None, redoc_url=None)
 
 _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_replica": 503}
+
+# A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
+# head once more for this long: it had been granted, so it gets one more chance before its 429.
+REQUEUE_MIN_WAIT_S = 1.0
 
 
 class ApiError(Exception):
@@ -231,32 +237,42 @@ class OpenAIIngress:
         num_generated = 0
         last_token_at = arrived
         try:
-            front = False
+            returned: list[str] = []  # what became of earlier grants, for an honest error
+            late_chance_used = False
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise ApiError(429, f"no replica could take the request within {self.args.queue_timeout_s}s",
-                                   code="queue_timeout", retry_after=self.args.retry_after_s)
-                reply = await self.admission.acquire.remote(ticket, need, remaining, front)
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    # Only a request whose grant came back gets here: it waits at the head once more, briefly.
+                    if late_chance_used or not returned:
+                        raise ApiError(
+                            429, f"waited {loop.time() - arrived:.1f}s (queue_timeout_s={self.args.queue_timeout_s:g}) "
+                            f"and no replica took the request: it was granted KV but {'; '.join(returned)}; retry later",
+                            code="queue_timeout", retry_after=self.args.retry_after_s)
+                    late_chance_used = True
+                    timeout = REQUEUE_MIN_WAIT_S
+                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned))
                 if "error" in reply:
                     status = _STATUS_OF[reply["error"]]
-                    raise ApiError(status, reply["message"], code=reply["error"],
+                    message = reply["message"]
+                    if returned:
+                        message = f"{message}; before that this request was granted KV but {'; '.join(returned)}"
+                    raise ApiError(status, message, code=reply["error"],
                                    retry_after=self.args.retry_after_s if status in (429, 503) else None)
                 replica_id = reply["replica_id"]
                 request = EngineRequest(ticket, token_ids, params, need, target_replica=replica_id)
-                stream = self.engine.options(stream=True).generate.remote(request)
-                try:
-                    first = await asyncio.wait_for(stream.__anext__(), timeout=max(remaining, 1.0))
-                except (asyncio.TimeoutError, StopAsyncIteration):
-                    stream.cancel()
-                    stream = None
-                    raise ApiError(503, f"engine replica {replica_id} did not answer", code="no_replica",
-                                   retry_after=self.args.retry_after_s) from None
-                if first.get("accepted"):
+                stream, first, problem = await self._dispatch(request, replica_id)
+                if stream is not None:
                     break
-                stream = None
-                await self.admission.refused.remote(ticket, replica_id, int(first.get("free_blocks", 0)))
-                front = True  # a refused request keeps its place at the head of the line
+                if first is not None:  # refused: it holds less free KV than the queue knew
+                    await self.admission.refused.remote(ticket, replica_id, int(first.get("free_blocks", 0)))
+                else:  # not reached in time, or the call failed: the grant goes back, the request to the head
+                    logger.warning("ticket %s: granted replica %s %s; re-queued at the head", ticket, replica_id,
+                                   problem)
+                    await self.admission.unreachable.remote(ticket, replica_id)
+                    # Back off before the next grant (bounded by the queue deadline), so a replica that keeps
+                    # failing calls is never retried in a tight loop.
+                    await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
+                returned.append(f"replica {replica_id} {problem}")
             self.metrics.prompt_tokens.inc(len(token_ids))
             yield {}
             async for delta in stream:
@@ -285,6 +301,30 @@ class OpenAIIngress:
             if num_generated:
                 self.metrics.generation_tokens.inc(num_generated)
             self._release(ticket)
+
+    async def _dispatch(self, request: EngineRequest, replica_id: str) -> tuple[Any, dict[str, Any] | None, str]:
+        """Sends a granted request to its replica and waits (at most dispatch_timeout_s) for its first message.
+        Returns (stream, first, "") when the replica accepted it, (None, first, why) when it refused it, and
+        (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
+        draining, or gone)."""
+        stream = self.engine.options(stream=True).generate.remote(request)
+        timeout = self.args.dispatch_timeout_s
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
+        except StopAsyncIteration:
+            return None, None, "ended the call without an answer"
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
+            stream.cancel()
+            return None, None, f"failed the call ({type(err).__name__}: {err})"
+        if first.get("accepted"):
+            return stream, first, ""
+        return None, first, f"refused it (it had {int(first.get('free_blocks', 0))} free KV blocks)"
 
     def _release(self, ticket: str) -> None:
         """Fire-and-forget release that survives the caller's cancellation."""

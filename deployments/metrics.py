@@ -27,6 +27,13 @@ ADMISSION_OUTCOMES = (
     "rejected_no_replica",  # 503: no healthy engine replica
 )
 
+# Grants that came back to the queue (label `reason` of dcpserve_admission_replica_refusals_total), by the
+# AdmissionQueue event that reports them.
+GRANT_RETURN_REASONS = {
+    "refused_by_replica": "no_kv",  # the replica held less free KV than the queue knew
+    "unreachable_replica": "unreachable",  # the call did not reach the replica in time, or failed (starting, gone)
+}
+
 # Seconds; wide enough for CPU (the tiny model) and GPU replicas alike.
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 STEP_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
@@ -133,15 +140,17 @@ class AdmissionMetrics:
         self.wait = _histogram("dcpserve_admission_queue_wait_seconds",
                                "time a queued request waited (until granted or timed out)", QUEUE_WAIT_BUCKETS_S)
         self.refusals = _counter("dcpserve_admission_replica_refusals",
-                                 "grants a replica refused (it held less free KV than the queue knew)")
+                                 "grants that came back: the replica refused (no_kv) or was unreachable",
+                                 ("reason",))
         for outcome in ADMISSION_OUTCOMES:
             _start_at_zero(self.requests, {"outcome": outcome})
-        _start_at_zero(self.refusals)
+        for reason in GRANT_RETURN_REASONS.values():
+            _start_at_zero(self.refusals, {"reason": reason})
 
     def on_event(self, outcome: str, waited_s: float | None) -> None:
         """AdmissionQueue's observer: one call per outcome; waited_s for requests that were queued."""
-        if outcome == "refused_by_replica":
-            self.refusals.inc()
+        if outcome in GRANT_RETURN_REASONS:
+            self.refusals.inc(tags={"reason": GRANT_RETURN_REASONS[outcome]})
             return
         self.requests.inc(tags={"outcome": outcome})
         if waited_s is not None:

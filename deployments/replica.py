@@ -5,12 +5,18 @@ requests plus this one's need (prompt + max_tokens, in logical blocks) fit its c
 ever waits inside the engine for KV. generate() therefore first yields an `accepted` or `refused` message, then
 the token deltas. It reports KV to the routers (record_routing_stats), to the admission queue (every
 kv_report_period_s: what it holds per ticket) and to the autoscaler (record_autoscaling_stats).
+
+Serve's controller calls record_routing_stats and check_health only on RUNNING replicas, and routers learn of a
+replica when it becomes RUNNING. So the replica tells the admission queue it is routable only while those probes
+keep coming: not while its constructor has returned but Serve has not yet published it to the routers, and no
+longer once Serve has stopped probing it because it is draining. The queue grants nothing to an unroutable replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -79,6 +85,11 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admission = admission
         self.admission_queued = 0
+        # Controller probes (routing stats, health checks) seen, and when the last one came (time.monotonic()).
+        self.probes = 0
+        self._last_probe_at: float | None = None
+        # Routing stats come every routing_stats_period_s while Serve routes here; a few missed periods mean draining.
+        self._probe_grace_s = 3 * self.args.routing_stats_period_s + 2.0
         self._report_task: asyncio.Task[None] | None = None
         self._metrics_task: asyncio.Task[None] | None = None
         self._ensure_reporting()
@@ -137,8 +148,18 @@ class EngineReplica:
             "num_held": len(self.held),
         }
 
+    @property
+    def routable(self) -> bool:
+        """Whether Serve's controller has probed this replica recently: it is RUNNING and the routers know it."""
+        return self._last_probe_at is not None and time.monotonic() - self._last_probe_at < self._probe_grace_s
+
+    def _probed(self) -> None:
+        self.probes += 1
+        self._last_probe_at = time.monotonic()
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Routers read these (stale by up to routing_stats_period_s): KV in tokens and blocks, sequences."""
+        self._probed()
         engine = self.engine.stats()
         report = self._kv_report()
         report.update({
@@ -161,6 +182,7 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Serve's health check: the engine loop is alive and every TP rank answers."""
         await asyncio.to_thread(self.engine.check_health)
+        self._probed()
         self._ensure_reporting()
 
     def _ensure_reporting(self) -> None:
@@ -174,7 +196,7 @@ class EngineReplica:
             try:
                 reply = await self.admission.report.remote(
                     self.replica_id, self.capacity_blocks, self.tokens_per_block, dict(self.held),
-                    self.engine.dead_error is None,
+                    self.engine.dead_error is None, self.routable, self.probes,
                 )
                 self.admission_queued = int(reply.get("num_queued", 0))
             except Exception as err:  # noqa: BLE001 - the queue restarts; keep reporting

@@ -65,7 +65,7 @@ def test_bounded_queue_and_timeout() -> None:
         await asyncio.sleep(0)
         with pytest.raises(QueueFull, match="max_queued_requests=1"):
             await queue.acquire("t2", 1, 1.0)
-        with pytest.raises(QueueTimeout, match="within 0.2s"):
+        with pytest.raises(QueueTimeout, match=r"waited 0\.\ds in the admission queue"):
             await waiting
         assert queue.stats()["num_queued"] == 0
         queue.release("t0")
@@ -140,5 +140,45 @@ def test_random_load_never_over_commits_and_answers_everyone() -> None:
         assert sum(v == "ok" for v in outcomes.values()) >= 5
         assert all(r.granted == 0 for r in queue.replicas.values())
         assert queue.stats()["num_queued"] == 0
+
+    asyncio.run(run())
+
+
+def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
+    async def run() -> None:
+        queue = AdmissionQueue(max_queued=4)
+        queue.report("ready", 8, 32, {}, routable=True, probes=3)
+        queue.report("starting", 26, 32, {}, routable=False, probes=0)  # more free KV, but Serve does not route to it
+        assert await queue.acquire("t1", 2, 1.0) == "ready"
+        # A caller could not reach "ready" (e.g. it is draining but Serve still probed it a moment ago): the grant
+        # comes back and "ready" gets nothing until Serve has probed it again.
+        queue.unreachable("t1", "ready")
+        assert queue.replicas["ready"].granted == 0
+        waiting = asyncio.create_task(queue.acquire("t1", 2, 5.0, front=True))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        queue.report("ready", 8, 32, {}, routable=True, probes=3)  # no new probe: still blocked
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        queue.report("starting", 9, 32, {}, routable=True, probes=1)  # now RUNNING: routers know it
+        assert await waiting == "starting"
+        queue.report("ready", 8, 32, {}, routable=True, probes=4)  # probed again: grantable again
+        assert queue.replicas["ready"].grantable
+        assert await queue.acquire("t2", 8, 1.0) == "ready"  # 8 fit only there ("starting" has 18 free)
+        assert queue.stats()["num_unreachable"] == 1
+
+    asyncio.run(run())
+
+
+def test_timeout_without_a_grantable_replica_says_so() -> None:
+    async def run() -> None:
+        queue = AdmissionQueue(max_queued=4)
+        queue.report("draining", 8, 32, {}, routable=False, probes=9)
+        with pytest.raises(NoReplica, match=r"draining: starting or draining"):
+            await queue.acquire("t", 2, 0.2)
+        queue.report("a", 4, 32, {}, routable=True, probes=1)
+        await queue.acquire("big", 4, 1.0)
+        with pytest.raises(QueueTimeout, match=r"waited 0\.\ds in the admission queue and no replica had 2 free"):
+            await queue.acquire("t", 2, 0.2)
 
     asyncio.run(run())
