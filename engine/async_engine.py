@@ -15,8 +15,9 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, RequestDelta
+from engine.engine import KvLedger, LLMEngine, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -28,6 +29,15 @@ IDLE_RETRY_S = 0.1
 
 class EngineDeadError(RuntimeError):
     """The engine's loop failed; requests in flight were ended with this error."""
+
+
+class KvFull(RuntimeError):
+    """submit(check_kv=True) refused a request: its admission blocks exceed the ledger's free blocks now."""
+
+    def __init__(self, need: int, free_blocks: int) -> None:
+        super().__init__(f"the request needs {need} KV blocks, {free_blocks} are free")
+        self.need = need
+        self.free_blocks = free_blocks
 
 
 class AsyncEngine:
@@ -70,6 +80,21 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         """Yields a RequestDelta per generated token until the request finishes. Invalid or never-fitting
         requests raise before anything is queued."""
+        async for delta in self.submit(prompt, sampling_params, prompt_token_ids, request_id):
+            yield delta
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        check_kv: bool = False,
+    ) -> AsyncIterator[RequestDelta]:
+        """Queues a request now, synchronously, and returns its stream of deltas. With check_kv it first checks the
+        KV ledger (pending requests included) and raises KvFull when the request's admission blocks do not fit, so
+        two submits can never both take the same free blocks. A caller that never iterates the stream must
+        abort(request_id). Invalid or never-fitting requests raise before anything is queued."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
@@ -85,10 +110,19 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if check_kv:
+            ledger = self.kv_ledger()
+            need = self.admission_blocks(len(prompt_token_ids), params.max_tokens)
+            if not ledger.admits(need):
+                raise KvFull(need, ledger.free_blocks)
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append((Request(request_id, list(prompt_token_ids), params), prompt))
         self._ensure_loop()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str,
+                      queue: asyncio.Queue[RequestDelta | BaseException]) -> AsyncIterator[RequestDelta]:
         finished = False
         try:
             while True:
@@ -105,8 +139,25 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request with this id is queued or running here (its stream not yet ended)."""
+        return request_id in self._queues
+
+    def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The blocks a request asks admission for under this engine's policy (block_manager.admission_blocks)."""
+        return admission_blocks(self.config.scheduler.admission, num_prompt_tokens, max_tokens,
+                                self.engine.block_manager.tokens_per_block)
+
+    def kv_ledger(self) -> KvLedger:
+        """The replica's KV ledger now: the scheduler's requests, requests queued for it, minus queued aborts."""
+        return self.engine.kv_ledger(pending=[request for request, _ in self._pending_adds],
+                                     exclude=set(self._pending_aborts))
+
     def abort(self, request_id: str) -> None:
-        """Stops a request (if still running) and frees its KV at the next loop turn."""
+        """Stops a request (if still running) and frees its KV at the next loop turn. Idempotent."""
+        self._queues.pop(request_id, None)
+        if request_id in self._pending_aborts:
+            return
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
             self._wakeup.set()

@@ -20,6 +20,17 @@ def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
     return -(-num_tokens // tokens_per_block)
 
 
+def admission_blocks(admission: str, num_prompt_tokens: int, max_tokens: int, tokens_per_block: int) -> int:
+    """The blocks a new request asks admission for, under the policy: "full" commits prompt + max_tokens, "usage"
+    the prompt (decode grows into free blocks and the headroom). The ingress, the admission queue and the engine's
+    accept check all count a request with this one function."""
+    if admission == "full":
+        return blocks_needed(num_prompt_tokens + max_tokens, tokens_per_block)
+    if admission == "usage":
+        return blocks_needed(num_prompt_tokens, tokens_per_block)
+    raise ValueError(f"admission must be 'full' or 'usage', got {admission!r}")
+
+
 def num_blocks_for_budget(kv_bytes_per_rank: int, block_size: int, kv_bytes_per_token_per_rank: int) -> int:
     """Pages that fit a per-rank KV memory budget; one page per rank is one logical block of the group."""
     return kv_bytes_per_rank // (block_size * kv_bytes_per_token_per_rank)
@@ -74,15 +85,16 @@ class BlockManager:
     def _outstanding(request: Request) -> int:
         return max(0, request.reserved_blocks - len(request.block_ids))
 
-    def can_reserve(self, request: Request, num_tokens: int) -> bool:
-        """Whether reserving KV for num_tokens tokens of this request would fit now."""
+    def can_reserve(self, request: Request, num_tokens: int, keep_free: int = 0) -> bool:
+        """Whether reserving KV for num_tokens tokens of this request would fit now, leaving keep_free blocks."""
         target = self.blocks_for(num_tokens)
         held = max(request.reserved_blocks, len(request.block_ids))
-        return target - held <= self.num_free_blocks
+        return target - held <= self.num_free_blocks - keep_free
 
-    def reserve(self, request: Request, num_tokens: int) -> bool:
-        """Promises the request blocks for num_tokens tokens (admission). False, changing nothing, if they don't fit."""
-        if not self.can_reserve(request, num_tokens):
+    def reserve(self, request: Request, num_tokens: int, keep_free: int = 0) -> bool:
+        """Promises the request blocks for num_tokens tokens (admission), leaving keep_free blocks unpromised.
+        False, changing nothing, if they don't fit."""
+        if not self.can_reserve(request, num_tokens, keep_free):
             return False
         target = self.blocks_for(num_tokens)
         if target > request.reserved_blocks:

@@ -218,8 +218,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     # "full": reserve prompt + max_tokens blocks at admission, never preempt.
-    # "prompt": reserve the prompt only; when blocks run out, preempt the newest request (recompute).
-    reserve: Literal["full", "prompt"] = "full"
+    # "usage": admit by the prompt's blocks plus kv_headroom; when blocks run out, preempt the newest request
+    # (it recomputes prompt + outputs so far, first in line).
+    admission: Literal["full", "usage"] = "usage"
+    # usage only: admission leaves this fraction of the KV (and at least one block per running sequence) free as
+    # growth room for the running sequences. More: fewer preemptions; less: more concurrency.
+    kv_headroom: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -234,8 +238,13 @@ class SchedulerConfig:
                 f"({self.max_model_len}) with chunked prefill off: a long prompt could never be scheduled. "
                 f"Increase max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
-        if self.reserve not in ("full", "prompt"):
-            raise ValueError(f"reserve must be 'full' or 'prompt', got {self.reserve!r}")
+        if self.admission not in ("full", "usage"):
+            raise ValueError(f"admission must be 'full' or 'usage', got {self.admission!r}")
+        if not 0 <= self.kv_headroom < 1:
+            raise ValueError(
+                f"kv_headroom must be a fraction of the KV cache in [0, 1), got {self.kv_headroom}; 0.05 keeps 5% "
+                f"free for the running sequences to grow into"
+            )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ and per-request detokenization with stop strings. LLM (batch) and AsyncEngine (s
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,8 @@ def make_engine_config(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
-    reserve: str = "full",
+    admission: str = "usage",
+    kv_headroom: float = 0.05,
     device: str | None = None,
 ) -> EngineConfig:
     """Validates user-facing engine arguments into an EngineConfig (errors name the value and the fix)."""
@@ -78,12 +81,37 @@ def make_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
-            reserve=reserve,  # type: ignore[arg-type]
+            admission=admission,  # type: ignore[arg-type]
+            kv_headroom=kv_headroom,
         ),
         dtype=resolved_dtype,
         device=device,
         seed=seed,
     )
+
+
+@dataclass(frozen=True)
+class KvLedger:
+    """One replica's KV in logical blocks (block_size * dcp tokens), read from its block manager and scheduler:
+    the one ledger that accept / refuse, the reports to the admission queue and routers, and the metrics use."""
+
+    admission: str  # "full" | "usage"
+    capacity_blocks: int
+    tokens_per_block: int
+    used_blocks: int  # allocated: KV written or being written
+    committed_blocks: int  # what the admission policy counts for every unfinished request (sum of per_request)
+    headroom_blocks: int  # "usage": growth room admission keeps free for the sequences it holds
+    per_request: dict[str, int]  # unfinished request id -> its committed blocks
+
+    @property
+    def free_blocks(self) -> int:
+        """What admission may still hand a new request."""
+        return max(0, self.capacity_blocks - self.committed_blocks - self.headroom_blocks)
+
+    def admits(self, need: int) -> bool:
+        """Whether a new request asking for `need` blocks (admission_blocks) is accepted: it fits the free blocks,
+        or the replica holds nothing (any request that passed the never-fits check may start alone)."""
+        return need <= self.free_blocks or not self.per_request
 
 
 @dataclass
@@ -172,6 +200,28 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def kv_ledger(self, pending: Iterable[Request] = (), exclude: Collection[str] = ()) -> KvLedger:
+        """The KV ledger over the scheduler's unfinished requests plus `pending` ones not handed to it yet, without
+        the `exclude` ids (aborted, to be freed at the next step)."""
+        scheduler = self.scheduler
+        per_request = {r.request_id: scheduler.committed_blocks(r) for r in scheduler.requests.values()
+                       if r.request_id not in exclude}
+        per_request.update({r.request_id: scheduler.committed_blocks(r) for r in pending
+                            if r.request_id not in exclude})
+        pool = self.block_manager.num_blocks
+        headroom = 0
+        if scheduler.config.admission == "usage" and per_request:
+            headroom = min(pool, max(math.ceil(scheduler.config.kv_headroom * pool), len(per_request)))
+        return KvLedger(
+            admission=scheduler.config.admission,
+            capacity_blocks=pool,
+            tokens_per_block=self.block_manager.tokens_per_block,
+            used_blocks=self.block_manager.usage().used,
+            committed_blocks=sum(per_request.values()),
+            headroom_blocks=headroom,
+            per_request=per_request,
+        )
 
     # ---- one step --------------------------------------------------------------------------------------------
 
@@ -265,6 +315,8 @@ class LLMEngine:
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "admission": self.scheduler.config.admission,
             "tokens_computed": self.num_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
             "num_steps": self.num_steps,

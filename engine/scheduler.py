@@ -6,16 +6,22 @@ waiting requests are admitted in FIFO order while their KV fits. Chunked prefill
 preemption all fall out of that. The scheduler never touches tensors: schedule() returns a plain dataclass,
 the model runner executes it, update() applies the sampled tokens.
 
-Admission policies (SchedulerConfig.reserve):
+Admission policies (SchedulerConfig.admission):
 - "full": admission reserves blocks for prompt + max_tokens, so a running request never waits for KV and
   nothing is preempted. Capacity is committed, not guessed.
-- "prompt": admission reserves the prompt (plus outputs so far); decode growth takes free blocks, and when
-  none are left the newest running request is preempted (its blocks freed, recomputed later, first in line).
+- "usage": admission reserves the prompt (plus outputs so far) and leaves the headroom free: kv_headroom of the
+  pool and at least one block per running sequence (none when nothing runs, so any prompt that fits the pool can
+  start). Decode growth takes free blocks; when none are left the newest running request is preempted: its blocks
+  are freed and it goes back to the head of the waiting queue (ahead of new arrivals), to recompute prompt +
+  outputs so far. Its sampled tokens are kept, and per-request seeds depend on the output index, so a preempted
+  request produces exactly the tokens it would have produced without preemption. A request whose next token
+  would need more blocks than the whole pool finishes with "length" (the end of the context this replica holds).
 The waiting queue is FIFO and its head blocks the rest, so a big request is never starved by small ones.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -84,11 +90,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption (computed again later)
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises RequestRejected when prompt + max_tokens could never be served, naming the numbers."""
+        """Raises RequestRejected when the request could never be served, naming the numbers: prompt + max_tokens
+        past max_model_len, or more KV than the pool holds (prompt + max_tokens under "full", the prompt under
+        "usage", where a request that outgrows the pool finishes with "length")."""
         total = num_prompt_tokens + max_tokens
         if num_prompt_tokens < 1:
             raise RequestRejected("the prompt is empty: send at least one token")
@@ -98,13 +107,16 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}; shorten the prompt or lower max_tokens"
             )
         capacity = self.block_manager.capacity_tokens
-        needed = self.block_manager.blocks_for(total)
+        full = self.config.admission == "full"
+        counted = total if full else num_prompt_tokens
+        needed = self.block_manager.blocks_for(counted)
         if needed > self.block_manager.num_blocks:
+            what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}" if full else (
+                f"the prompt ({num_prompt_tokens})")
             raise RequestRejected(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens needs "
-                f"{needed} KV blocks of {self.block_manager.tokens_per_block} tokens but the replica holds "
-                f"{self.block_manager.num_blocks} ({capacity} tokens); shorten the request or give the KV "
-                f"cache more memory (or raise dcp)"
+                f"{what} tokens needs {needed} KV blocks of {self.block_manager.tokens_per_block} tokens but the "
+                f"replica holds {self.block_manager.num_blocks} ({capacity} tokens); shorten the request or give "
+                f"the KV cache more memory (or raise dcp)"
             )
 
     def add_request(self, request: Request) -> None:
@@ -144,6 +156,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
+        self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -176,8 +189,9 @@ class Scheduler:
             count = min(remaining, budget)
             if count < remaining and not self.config.enable_chunked_prefill:
                 break
-            reserve_tokens = request.max_total_tokens if self.config.reserve == "full" else request.num_tokens
-            if not self.block_manager.reserve(request, reserve_tokens):
+            full = self.config.admission == "full"
+            reserve_tokens = request.max_total_tokens if full else request.num_tokens
+            if not self.block_manager.reserve(request, reserve_tokens, 0 if full else self.headroom_blocks()):
                 break
             if not self.block_manager.allocate(request, request.num_computed_tokens + count):
                 self.block_manager.free(request)
@@ -194,7 +208,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Blocks for num_tokens tokens of a running request, preempting the newest requests if needed.
-        Under reserve="full" the promise always covers it; False means the request itself was preempted."""
+        Under admission="full" the promise always covers it; False means the request itself was preempted."""
         while not self.block_manager.allocate(request, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
@@ -242,6 +256,8 @@ class Scheduler:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
+        if self.block_manager.blocks_for(request.num_tokens) > self.block_manager.num_blocks:
+            return FinishReason.LENGTH  # the next token's KV would not fit even in the whole pool
         return None
 
     # ---- state -----------------------------------------------------------------------------------------------
@@ -256,3 +272,20 @@ class Scheduler:
 
     def usage(self) -> BlockUsage:
         return self.block_manager.usage()
+
+    def headroom_blocks(self) -> int:
+        """Blocks "usage" admission leaves free as growth room: kv_headroom of the pool and at least one per running
+        sequence; none while nothing runs (so any prompt that fits the pool can start), none under "full"."""
+        if self.config.admission == "full" or not self.running:
+            return 0
+        pool = self.block_manager.num_blocks
+        return min(pool, max(math.ceil(self.config.kv_headroom * pool), len(self.running)))
+
+    def committed_blocks(self, request: Request) -> int:
+        """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"
+        what it holds, or (waiting) what it needs to start: its prompt plus outputs so far."""
+        if self.config.admission == "full":
+            return self.block_manager.blocks_for(request.max_total_tokens)
+        held = max(request.reserved_blocks, len(request.block_ids))
+        return held if request.status == RequestStatus.RUNNING else max(held, self.block_manager.blocks_for(
+            request.num_tokens))

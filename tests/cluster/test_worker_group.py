@@ -54,6 +54,24 @@ def test_worker_group_greedy_equals_transformers(tp: int, dcp: int, tiny: Path, 
     assert stats["kv_blocks_used"] == 0  # everything finished and freed
 
 
+def test_preempted_requests_recompute_to_the_same_greedy_tokens_at_tp2_dcp2(tiny: Path, hf_expected,
+                                                                           ray_cluster) -> None:
+    """usage admission over a pool that cannot hold every sequence at its end: requests are preempted and
+    recomputed, and every one still gives transformers' greedy tokens."""
+    skip_without_gpus(ray_cluster, 2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # block_size 4 at dcp 2: 8-token logical blocks; 32 KiB per rank = 64 tokens per rank = 16 blocks (128 tokens)
+    # against 25 + 56 + 95 + 27 tokens at the end.
+    with LLM(tiny, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
+             kv_cache_memory_bytes=32 << 10, admission="usage", kv_headroom=0.0) as llm:
+        outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        stats = llm.engine.stats()
+    assert stats["kv_blocks_total"] == 16 and stats["num_preemptions"] > 0, stats
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"prompt of {len(prompt)}"
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
+
+
 def test_dcp_multiplies_capacity_and_concurrency(tiny: Path, ray_cluster) -> None:
     """Same per-rank KV memory, 1 KV head, tp=4: dcp=4 holds exactly 4x the tokens of dcp=1 and runs 4x as many
     long sequences at once."""
@@ -64,7 +82,8 @@ def test_dcp_multiplies_capacity_and_concurrency(tiny: Path, ray_cluster) -> Non
     capacity = {}
     concurrency = {}
     for dcp in (1, 4):
-        with LLM(tiny, tensor_parallel_size=4, decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget) as llm:
+        with LLM(tiny, tensor_parallel_size=4, decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
+                 admission="full") as llm:  # concurrency of sequences whose whole prompt + max_tokens fits
             capacity[dcp] = llm.kv_capacity_tokens
             engine = llm.engine
             for _ in range(16):

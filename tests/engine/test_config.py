@@ -58,3 +58,12 @@ def test_valid_layouts_pass() -> None:
     model = ModelConfig.from_dict(BASE)
     for tp, dcp in [(1, 1), (2, 1), (4, 2), (8, 2), (8, 4)]:
         ParallelConfig(tp, dcp).validate(model)
+
+
+def test_scheduler_config_names_a_bad_admission_or_headroom() -> None:
+    from engine.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got 1.5"):
+        SchedulerConfig(max_model_len=64, kv_headroom=1.5)
+    with pytest.raises(ValueError, match=r"admission must be 'full' or 'usage', got 'prompt'"):
+        SchedulerConfig(max_model_len=64, admission="prompt")  # type: ignore[arg-type]

@@ -112,3 +112,26 @@ def test_bad_input_gives_clear_errors(tiny: Path, tiny_gqa: Path, tmp_path: Path
         # Nothing was queued by the failed calls: the engine still serves.
         assert not llm.engine.has_unfinished_requests()
         assert len(llm.generate("ok", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+def test_preempted_requests_recompute_to_the_same_tokens(tiny: Path) -> None:
+    """usage admission over a pool too small for every sequence at its end: requests are preempted and recomputed
+    from prompt + outputs so far. Greedy tokens equal transformers'; seeded sampled tokens equal a run with room."""
+    batch = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    # block_size 4: 64 KiB = 128 tokens = 32 blocks, against 25 + 56 + 95 + 27 tokens at the end.
+    tight = {"block_size": 4, "kv_cache_memory_bytes": 64 << 10, "admission": "usage", "kv_headroom": 0.0}
+    with LLM(tiny, **tight) as llm:
+        greedy_out = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
+        greedy_preemptions = llm.engine.stats()["num_preemptions"]
+        sampled_out = llm.generate(prompt_token_ids=batch, sampling_params=sampled)
+        stats = llm.engine.stats()
+    assert greedy_preemptions > 0 and stats["num_preemptions"] > greedy_preemptions
+    assert stats["num_recomputed_tokens"] > 0
+    for tokens, output in zip(batch, greedy_out):
+        assert output.outputs[0].token_ids == hf_greedy(tiny, tokens, 24)
+    with LLM(tiny, block_size=4) as roomy:  # 128 MiB: no preemption
+        expected = roomy.generate(prompt_token_ids=batch, sampling_params=sampled)
+        assert roomy.engine.stats()["num_preemptions"] == 0
+    assert [o.outputs[0].token_ids for o in sampled_out] == [o.outputs[0].token_ids for o in expected]

@@ -16,7 +16,7 @@ EOS = 0
 
 
 def make(num_blocks: int = 16, block_size: int = 4, dcp: int = 1, **config: object) -> Scheduler:
-    settings = {"max_model_len": 4096, "max_num_batched_tokens": 64, **config}
+    settings = {"max_model_len": 4096, "max_num_batched_tokens": 64, "admission": "full", **config}
     return Scheduler(SchedulerConfig(**settings), BlockManager(num_blocks, block_size, dcp), frozenset({EOS}))
 
 
@@ -91,8 +91,8 @@ def test_never_fits_is_rejected_at_once() -> None:
     assert not scheduler.has_unfinished
 
 
-def test_prompt_reservation_preempts_newest_and_recomputes() -> None:
-    scheduler = make(num_blocks=6, block_size=2, reserve="prompt")  # 12 tokens
+def test_usage_admission_preempts_newest_and_recomputes() -> None:
+    scheduler = make(num_blocks=6, block_size=2, admission="usage")  # 12 tokens
     scheduler.add_request(req("old", prompt=4, max_tokens=6))
     scheduler.add_request(req("new", prompt=4, max_tokens=6))
     run_step(scheduler)  # both prefilled: 4 blocks used
@@ -133,17 +133,108 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
     assert scheduler.schedule().finished_request_ids == ["run", "wait"]
 
 
-@pytest.mark.parametrize("reserve", ["full", "prompt"])
-def test_random_workload_never_leaks_or_over_commits(reserve: str) -> None:
-    rng = random.Random(reserve)
-    scheduler = make(num_blocks=12, block_size=2, dcp=2, reserve=reserve, max_num_batched_tokens=16, max_num_seqs=5)
+@pytest.mark.parametrize("admission", ["full", "usage"])
+def test_random_workload_never_leaks_over_commits_or_loses_a_request(admission: str) -> None:
+    """Random adds, aborts and EOS over a small pool: never over-committed, and every request ends exactly once,
+    with all its tokens: an EOS last, or max_tokens of them, or (usage) as many as the whole pool holds."""
+    rng = random.Random(admission)
+    scheduler = make(num_blocks=12, block_size=2, dcp=2, admission=admission, max_num_batched_tokens=16,
+                     max_num_seqs=5, max_model_len=64)
     names = iter(range(10**6))
-    for _ in range(300):
+    added: dict[str, Request] = {}
+    aborted: set[str] = set()
+    ended: list[str] = []
+
+    def step() -> None:
+        output = run_step(scheduler, token=rng.choice([EOS, 3, 4, 5, 6, 7, 8]))
+        ended.extend(output.finished_request_ids)
+
+    for _ in range(400):
         if rng.random() < 0.3:
-            scheduler.add_request(req(f"r{next(names)}", prompt=rng.randint(1, 20), max_tokens=rng.randint(1, 20)))
-        if rng.random() < 0.05 and scheduler.requests:
-            scheduler.abort_request(rng.choice(list(scheduler.requests)))
-        run_step(scheduler, token=rng.choice([EOS, 3, 4, 5, 6]))
-    for name in list(scheduler.requests):
-        scheduler.abort_request(name)
+            # Under "full" prompt + max_tokens must fit the 48-token pool; under "usage" only the prompt must.
+            prompt = rng.randint(1, 20)
+            max_tokens = rng.randint(1, 48 - prompt if admission == "full" else 44)
+            request = req(f"r{next(names)}", prompt=prompt, max_tokens=max_tokens)
+            scheduler.add_request(request)
+            added[request.request_id] = request
+        if rng.random() < 0.03 and scheduler.requests:
+            name = rng.choice(list(scheduler.requests))
+            assert scheduler.abort_request(name)
+            aborted.add(name)
+        step()
+    for _ in range(2000):  # drain: everything left runs to its end
+        if not scheduler.has_unfinished and not scheduler.has_pending_finishes:
+            break
+        step()
+    assert not scheduler.has_unfinished
+    assert sorted(ended) == sorted(added)  # each request ended exactly once
+    pool_tokens = scheduler.block_manager.capacity_tokens
+    for name, request in added.items():
+        if name in aborted:
+            assert request.finish_reason == FinishReason.ABORT
+            continue
+        outputs = request.output_token_ids
+        if request.finish_reason == FinishReason.STOP:
+            assert outputs[-1] == EOS and EOS not in outputs[:-1]
+        else:
+            assert request.finish_reason == FinishReason.LENGTH and EOS not in outputs
+            assert len(outputs) == request.sampling_params.max_tokens or (
+                admission == "usage" and request.num_tokens + 1 > pool_tokens), (name, len(outputs))
+    if admission == "usage":
+        assert scheduler.num_preemptions > 0  # the workload did exercise preemption
+    else:
+        assert scheduler.num_preemptions == 0
     assert scheduler.usage().used == 0 and scheduler.usage().reserved == 0
+
+
+def test_preemption_keeps_every_token_a_deterministic_runner_would_give() -> None:
+    """With a runner whose token depends only on (request, output index), as seeded and greedy sampling do, a run
+    that preempts gives each request exactly the tokens of a run with room for all."""
+
+    def run(num_blocks: int) -> tuple[dict[str, list[int]], int]:
+        scheduler = make(num_blocks=num_blocks, block_size=2, admission="usage", kv_headroom=0.0,
+                         max_num_batched_tokens=32)
+        requests = [req(f"r{i}", prompt=3 + i, max_tokens=12 + 3 * i) for i in range(5)]
+        for request in requests:
+            scheduler.add_request(request)
+        for _ in range(500):
+            if not scheduler.has_unfinished:
+                break
+            output = scheduler.schedule()
+            sampled = {}
+            for s in output.scheduled:
+                if s.sample:
+                    sampled[s.request_id] = 1 + (int(s.request_id[1:]) * 7 + s.num_output_tokens * 3) % 13
+            scheduler.update(output, sampled)
+            check_invariants(scheduler)
+        assert not scheduler.has_unfinished
+        return {r.request_id: r.output_token_ids for r in requests}, scheduler.num_preemptions
+
+    roomy, none = run(num_blocks=64)
+    tight, preemptions = run(num_blocks=16)  # 32 tokens: the longest request (7 + 24) alone fits
+    assert none == 0 and preemptions > 0
+    assert tight == roomy
+
+
+def test_usage_admission_leaves_headroom_for_running_sequences() -> None:
+    scheduler = make(num_blocks=20, block_size=2, admission="usage", kv_headroom=0.25)  # headroom: 5 blocks
+    scheduler.add_request(req("a", prompt=10, max_tokens=50))  # 5 blocks; nothing runs yet: no headroom
+    scheduler.add_request(req("b", prompt=10, max_tokens=50))  # 5 more: 10 free - 5 headroom = 5: fits
+    scheduler.add_request(req("c", prompt=12, max_tokens=50))  # 6 more: 10 free - 5 headroom = 5: waits
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]
+    assert scheduler.headroom_blocks() == 5
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_usage_never_fits_counts_the_prompt_and_a_request_ends_at_the_pool() -> None:
+    scheduler = make(num_blocks=4, block_size=2, admission="usage")  # 8 tokens
+    with pytest.raises(RequestRejected, match=r"the prompt \(9\) tokens needs 5 KV blocks"):
+        scheduler.add_request(req("big", prompt=9, max_tokens=1))
+    scheduler.add_request(req("long", prompt=3, max_tokens=100))  # fits to start; ends when the pool is full
+    for _ in range(20):
+        run_step(scheduler)
+    assert not scheduler.has_unfinished
+    full = make(num_blocks=4, block_size=2, admission="full")
+    with pytest.raises(RequestRejected, match=r"prompt \(3 tokens\) \+ max_tokens \(100\) = 103 tokens needs 52"):
+        full.add_request(req("long", prompt=3, max_tokens=100))
