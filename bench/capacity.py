@@ -163,6 +163,7 @@ def app_config(dcp: int, budget_bytes: int, workload: Workload) -> dict[str, Any
         "block_size": BLOCK_SIZE,
         "kv_cache_memory_bytes": budget_bytes,
         "max_model_len": workload.sequence_tokens,
+        "admission": "full",  # concurrency = sequences whose whole prompt + max_tokens fits: the capacity claim
         "max_queued_requests": workload.num_requests,  # the whole burst may wait: nothing is refused
         "queue_timeout_s": 900,
         "routing_stats_period_s": 0.5,

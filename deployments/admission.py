@@ -1,12 +1,13 @@
 """KV admission for the whole app: one FIFO, exact per-replica KV accounting, grants of a replica per request.
 
-Every request asks for `need` logical blocks (blocks_needed(prompt + max_tokens, block_size * dcp)). The queue
-grants a replica that can hold it now, preferring the most free KV, and counts the grant against that replica
-until the caller releases it. Invariants:
+Every request asks for `need` logical blocks (engine.block_manager.admission_blocks under the app's policy:
+prompt + max_tokens for "full", the prompt for "usage"). The queue grants a replica that can hold it now,
+preferring the most free KV, and counts the grant against that replica until the caller releases it. Invariants:
 
-- never over-commit: for every replica, granted + external <= capacity, where `external` is what the replica
-  itself reports holding for requests this queue did not grant (direct handle calls, or grants lost when this
-  queue restarted). Replicas report what they hold every kv_report_period_s and also refuse what they cannot hold
+- never over-commit: for every replica, headroom + granted + external <= capacity, where a granted ticket counts
+  the larger of its grant and what the replica reports it holds (under "usage" a request grows past its grant),
+  `external` is what the replica reports holding for requests this queue did not grant (direct handle calls, or
+  grants lost when this queue restarted), and `headroom` is the growth room the replica's "usage" admission keeps. Replicas report what they hold every kv_report_period_s and also refuse what they cannot hold
   (the authority), so stale knowledge here delays requests but never overfills a replica;
 - strict FIFO: a request waits while anyone is ahead of it, so the head is never starved by smaller requests
   behind it; a request a replica refused goes back to the head;
@@ -68,7 +69,9 @@ class ReplicaKv:
     capacity: int
     tokens_per_block: int
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
+    held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported
     external: int = 0  # blocks the replica holds for tickets not granted here
+    headroom: int = 0  # blocks the replica's "usage" admission keeps free as growth room
     healthy: bool = True
     routable: bool = True  # Serve's controller probes it (RUNNING): the routers can reach it
     probes: int = 0  # how many controller probes the replica has seen (its reports carry the count)
@@ -84,11 +87,12 @@ class ReplicaKv:
 
     @property
     def granted(self) -> int:
-        return sum(blocks for blocks, _ in self.grants.values())
+        """Blocks of the granted tickets: each the larger of its grant and what the replica holds for it."""
+        return sum(max(blocks, self.held.get(ticket, 0)) for ticket, (blocks, _) in self.grants.items())
 
     @property
     def free(self) -> int:
-        return self.capacity - self.granted - self.external
+        return self.capacity - self.headroom - self.granted - self.external
 
 
 @dataclass
@@ -215,7 +219,8 @@ class AdmissionQueue:
         replica = self.replicas.get(replica_id)
         if replica is not None:
             replica.grants.pop(ticket, None)
-            replica.external = max(replica.external, replica.capacity - replica.granted - max(free_blocks, 0))
+            replica.external = max(
+                replica.external, replica.capacity - replica.headroom - replica.granted - max(free_blocks, 0))
         self._fulfill()
 
     def unreachable(self, ticket: str, replica_id: str) -> None:
@@ -242,9 +247,10 @@ class AdmissionQueue:
         healthy: bool = True,
         routable: bool = True,
         probes: int = 0,
+        headroom: int = 0,
     ) -> None:
-        """A replica's truth: its capacity, the blocks it holds per ticket, its health, whether Serve routes to it
-        (and how many controller probes it has seen). Reconciles grants with it."""
+        """A replica's truth: its capacity, the blocks its ledger counts per ticket, its health, whether Serve routes
+        to it (and how many controller probes it has seen), its admission headroom. Reconciles grants with it."""
         now = self._clock()
         replica = self.replicas.get(replica_id)
         if replica is None:
@@ -254,6 +260,8 @@ class AdmissionQueue:
         replica.healthy = healthy
         replica.routable = routable
         replica.probes = probes
+        replica.headroom = headroom
+        replica.held = dict(held)
         replica.last_report = now
         for ticket, (_, granted_at) in list(replica.grants.items()):
             if ticket not in held and now - granted_at > self.leak_grace_s:
@@ -330,9 +338,9 @@ class AdmissionQueue:
         if need > largest.capacity:
             tokens = largest.tokens_per_block
             raise NeverFits(
-                f"this request needs {need} KV blocks ({need * tokens} tokens of {tokens}-token blocks: prompt + "
-                f"max_tokens) but a replica holds {largest.capacity} blocks ({largest.capacity * tokens} tokens); "
-                f"shorten the prompt or lower max_tokens"
+                f"this request needs {need} KV blocks ({need * tokens} tokens of {tokens}-token blocks) but a "
+                f"replica holds {largest.capacity} blocks ({largest.capacity * tokens} tokens); shorten the prompt "
+                f"or lower max_tokens"
             )
 
     def _pick(self, need: int) -> ReplicaKv | None:
@@ -396,9 +404,9 @@ class KvAdmission:
         self.queue.unreachable(ticket, replica_id)
 
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
-               healthy: bool = True, routable: bool = True, probes: int = 0) -> dict[str, int]:
+               healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0) -> dict[str, int]:
         """Returns the queue length, which replicas pass on to the autoscaler."""
-        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes)
+        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom)
         stats = self.queue.stats()
         return {"num_queued": stats["num_queued"], "queued_blocks": stats["queued_blocks"]}
 

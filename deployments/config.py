@@ -68,6 +68,14 @@ class AppArgs(BaseModel):
     seed: int = Field(0, description="engine seed for requests without their own")
     device: Literal["cuda", "cpu"] | None = Field(None, description="default: cuda where available")
     # ---- admission ----
+    admission: Literal["full", "usage"] = Field(
+        "usage", description="full: reserve prompt + max_tokens per request, never preempt; usage: admit by the "
+        "prompt's KV plus kv_headroom, preempt (and recompute, losing nothing) when decode runs out"
+    )
+    kv_headroom: float = Field(
+        0.05, ge=0, lt=1, description="usage: fraction of a replica's KV (and at least one block per sequence) kept "
+        "free for running sequences to grow into; more means fewer preemptions, less means more concurrency"
+    )
     max_queued_requests: int = Field(64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue; past it -> 429")
     retry_after_s: int = Field(5, ge=1, description="the Retry-After header of a 429")
@@ -105,7 +113,8 @@ class AppArgs(BaseModel):
             seed=self.seed,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            reserve="full",  # admission counts prompt + max_tokens: the engine must commit the same
+            admission=self.admission,  # the replica's engine and the admission queue count KV the same way
+            kv_headroom=self.kv_headroom,
             device=self.device,
         )
 

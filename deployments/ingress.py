@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front (FastAPI through Serve): validate, tokenize, count KV, admit, stream.
 
-Request path: parse and validate the body (400) -> tokenize (chat template for chat) -> check max_model_len
-(400) -> need = blocks_needed(prompt + max_tokens, block_size * dcp) -> KvAdmission.acquire: a granted replica,
+Request path: parse and validate the body (400) -> tokenize (chat template for chat) -> max_tokens (unset: the
+rest of the context, max_model_len minus the prompt) and check max_model_len (400) -> need = admission_blocks
+under the app's policy (prompt + max_tokens for "full", the prompt for "usage") -> KvAdmission.acquire: a granted replica,
 or 400 never-fits / 429 queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the
 KV-aware router to that replica -> a refusal, or a replica that does not take the request within
 dispatch_timeout_s (still starting, draining, gone), gives the grant back and re-queues the request at the head
@@ -28,7 +29,7 @@ from deployments import protocol
 from deployments.config import AppArgs
 from deployments.metrics import IngressMetrics
 from deployments.replica import EngineRequest
-from engine.block_manager import blocks_needed
+from engine.block_manager import admission_blocks
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -79,6 +80,7 @@ class OpenAIIngress:
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.tokens_per_block = config.cache.block_size * config.parallel.dcp
+        self.admission_policy = config.scheduler.admission
         self.tokenizer = load_tokenizer(config.model, config.model_config.eos_token_ids)
         self._background: set[asyncio.Task[Any]] = set()
         self.metrics = IngressMetrics()
@@ -166,18 +168,23 @@ class OpenAIIngress:
             raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
                            param="prompt")
         total = len(token_ids) + params.max_tokens
+        if len(token_ids) >= self.max_model_len:
+            raise ApiError(
+                400, f"the prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; shorten the prompt", param="prompt", code="context_length_exceeded")
         if total > self.max_model_len:
             raise ApiError(
                 400,
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens to at most "
+                f"{self.max_model_len - len(token_ids)}",
                 param="max_tokens", code="context_length_exceeded",
             )
-        return blocks_needed(total, self.tokens_per_block)
+        return admission_blocks(self.admission_policy, len(token_ids), params.max_tokens, self.tokens_per_block)
 
     async def _serve(self, body: Any, token_ids: list[int], chat: bool) -> Response:
         try:
-            params = body.sampling_params()
+            params = body.sampling_params(context_left=self.max_model_len - len(token_ids))
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         need = self._check(token_ids, params)
@@ -324,6 +331,8 @@ class OpenAIIngress:
             return None, None, f"failed the call ({type(err).__name__}: {err})"
         if first.get("accepted"):
             return stream, first, ""
+        if "rejected" in first:
+            raise ApiError(400, f"the engine refused the request: {first['rejected']}")
         return None, first, f"refused it (it had {int(first.get('free_blocks', 0))} free KV blocks)"
 
     def _release(self, ticket: str) -> None:

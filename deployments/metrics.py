@@ -67,12 +67,14 @@ def _histogram(name: str, description: str, boundaries: list[float],
 class ReplicaMetrics:
     """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, step timings."""
 
-    def __init__(self, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float) -> None:
+    def __init__(self, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
+                 admission: str = "usage") -> None:
         self.kv_capacity = _gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
         self.kv_used = _gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
         self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens", "KV tokens promised to admitted requests, not yet allocated")
         self.kv_usage = _gauge("dcpserve_kv_usage_ratio", "allocated KV blocks / all KV blocks")
-        self.kv_held = _gauge("dcpserve_kv_held_tokens", "KV tokens of prompt + max_tokens of accepted requests")
+        self.kv_held = _gauge("dcpserve_kv_held_tokens", "KV tokens the admission policy commits to accepted requests")
+        self.kv_headroom = _gauge("dcpserve_kv_headroom_tokens", "KV tokens usage admission keeps free as growth room")
         self.kv_block = _gauge("dcpserve_kv_block_size_tokens", "tokens per logical KV block (block_size * dcp)")
         self.rank_capacity = _gauge("dcpserve_kv_rank_capacity_tokens", "KV tokens one rank's shard holds",
                                     ("rank", "dcp_rank"))
@@ -87,13 +89,19 @@ class ReplicaMetrics:
         self.target = _gauge("dcpserve_autoscaling_target_sequences_per_replica",
                              "the autoscaling policy's target_sequences_per_replica")
         self.healthy = _gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")
-        self.preemptions = _counter("dcpserve_preemptions", "requests preempted for KV (reserve='prompt')")
+        self.preemptions = _counter("dcpserve_preemptions", "requests preempted for KV (admission 'usage')")
+        self.recomputed = _counter("dcpserve_recomputed_tokens", "computed tokens preemption threw away (recomputed)")
+        self.accepted = _counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
+                                 ("admission",))
         self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
         self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",
                                    "time of one step in the DCP exchange (max over ranks; 0 without DCP)",
                                    STEP_BUCKETS_S)
         self._preemptions_seen = 0
+        self._recomputed_seen = 0
         _start_at_zero(self.preemptions)
+        _start_at_zero(self.recomputed)
+        _start_at_zero(self.accepted, {"admission": admission})
         copies = tp // num_kv_heads if tp > num_kv_heads else 1  # ranks holding one KV head
         self._layout_tags = {"tp": str(tp), "dcp": str(dcp), "kv_heads": str(num_kv_heads),
                              "kv_head_copies": str(copies // dcp), "duplication_removed": str(dcp)}
@@ -104,16 +112,17 @@ class ReplicaMetrics:
         self.steps.observe(float(stats["last_step_seconds"]))
         self.exchange.observe(float(stats.get("last_exchange_seconds", 0.0)))
 
-    def update(self, stats: dict[str, Any], held_tokens: int) -> None:
-        """Gauges from the engine's stats() (and the replica's held KV), every GAUGE_PERIOD_S. Constant gauges are
-        set again each time too: Ray exports a gauge only while it is being recorded."""
+    def update(self, stats: dict[str, Any], ledger: Any) -> None:
+        """Gauges from the engine's stats() and KV ledger (engine.engine.KvLedger), every GAUGE_PERIOD_S. Constant
+        gauges are set again each time too: Ray exports a gauge only while it is being recorded."""
         self.layout.set(1, tags=self._layout_tags)
         self.target.set(self._target_sequences)
         self.kv_capacity.set(stats["kv_capacity_tokens"])
         self.kv_used.set(stats["kv_used_tokens"])
         self.kv_reserved.set(stats["kv_reserved_tokens"])
         self.kv_usage.set(float(stats["kv_usage"]))
-        self.kv_held.set(held_tokens)
+        self.kv_held.set(ledger.committed_blocks * ledger.tokens_per_block)
+        self.kv_headroom.set(ledger.headroom_blocks * ledger.tokens_per_block)
         self.kv_block.set(stats["kv_block_size_tokens"])
         for rank in stats["per_rank"]:
             tags = {"rank": str(rank["rank"]), "dcp_rank": str(rank["dcp_rank"])}
@@ -128,6 +137,10 @@ class ReplicaMetrics:
         if new > 0:
             self.preemptions.inc(new)
         self._preemptions_seen = stats["num_preemptions"]
+        recomputed = stats["num_recomputed_tokens"] - self._recomputed_seen
+        if recomputed > 0:
+            self.recomputed.inc(recomputed)
+        self._recomputed_seen = stats["num_recomputed_tokens"]
 
 
 class AdmissionMetrics:

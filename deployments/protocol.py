@@ -64,16 +64,19 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         return self
 
-    def output_limit(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else 16
+    def output_limit(self) -> int | None:
+        """The client's max_tokens; None when unset (OpenAI's default: until EOS, a stop, or the context end)."""
+        return self.max_tokens
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, context_left: int) -> SamplingParams:
+        """Sampling parameters; an unset max_tokens becomes context_left (max_model_len minus the prompt)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        limit = self.output_limit()
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            max_tokens=self.output_limit(),
+            max_tokens=limit if limit is not None else max(context_left, 1),
             seed=self.seed,
             stop=tuple(stop) if stop else None,
             ignore_eos=self.ignore_eos,
@@ -154,9 +157,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("only response_format {'type': 'text'} is supported")
         return self
 
-    def output_limit(self) -> int:
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return limit if limit is not None else 16
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

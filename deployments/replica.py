@@ -1,9 +1,10 @@
 """One Serve replica = one AsyncEngine = one TP x DCP worker group, in the replica's own placement group.
 
-The replica is the authority on its KV: it accepts a request only when the blocks it already holds for accepted
-requests plus this one's need (prompt + max_tokens, in logical blocks) fit its capacity, so no accepted request
-ever waits inside the engine for KV. generate() therefore first yields an `accepted` or `refused` message, then
-the token deltas. It reports KV to the routers (record_routing_stats), to the admission queue (every
+The replica is the authority on its KV, and its engine's ledger (AsyncEngine.kv_ledger: the block manager and the
+scheduler) is the one place that counts it: a request is accepted only when its admission blocks under the app's
+policy (prompt + max_tokens under "full", the prompt under "usage", where the headroom keeps growth room for the
+sequences already there) fit what the ledger has free. generate() therefore first yields an `accepted` or
+`refused` message, then the token deltas. It reports KV to the routers (record_routing_stats), to the admission queue (every
 kv_report_period_s: what it holds per ticket) and to the autoscaler (record_autoscaling_stats).
 
 Serve's controller calls record_routing_stats and check_health only on RUNNING replicas, and routers learn of a
@@ -25,7 +26,6 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
-from engine.block_manager import blocks_needed
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -38,7 +38,7 @@ class EngineRequest:
     ticket: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    kv_blocks: int
+    kv_blocks: int  # admission blocks under the app's policy (engine.block_manager.admission_blocks)
     target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
 
 
@@ -76,12 +76,13 @@ class EngineReplica:
             tp=self.config.parallel.tp, dcp=self.config.parallel.dcp,
             num_kv_heads=self.config.model_config.num_key_value_heads,
             target_sequences_per_replica=self.args.autoscaling.target_sequences_per_replica,
+            admission=self.config.scheduler.admission,
         )
         # Starting the worker group blocks on Ray (actors, weights, KV allocation): keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine, self.config, self._on_step)
-        self.tokens_per_block = self.config.cache.block_size * self.config.parallel.dcp
-        self.capacity_blocks = self.engine.engine.block_manager.num_blocks
-        self.held: dict[str, int] = {}  # ticket -> blocks, for every accepted request until it ends
+        ledger = self.engine.kv_ledger()
+        self.tokens_per_block = ledger.tokens_per_block
+        self.capacity_blocks = ledger.capacity_blocks
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admission = admission
         self.admission_queued = 0
@@ -101,32 +102,39 @@ class EngineReplica:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    @property
-    def free_blocks(self) -> int:
-        return self.capacity_blocks - sum(self.held.values())
-
     async def generate(self, request: EngineRequest):  # noqa: ANN201 - async generator of dicts
-        """Yields {"accepted": True} or {"refused": True, "free_blocks": n}, then one dict per RequestDelta."""
-        need = blocks_needed(len(request.prompt_token_ids) + request.sampling_params.max_tokens, self.tokens_per_block)
+        """Yields {"accepted": True}, {"refused": True, "free_blocks": n} (no room now) or {"rejected": message}
+        (it can never run here), then one dict per RequestDelta."""
+        from engine.async_engine import KvFull
+
+        need = self.engine.admission_blocks(len(request.prompt_token_ids), request.sampling_params.max_tokens)
         if need != request.kv_blocks:
             logger.warning("ticket %s: ingress counted %d blocks, replica counts %d", request.ticket,
                            request.kv_blocks, need)
-        if request.ticket in self.held or need > self.free_blocks:
-            yield {"refused": True, "free_blocks": self.free_blocks, "replica_id": self.replica_id}
+        if self.engine.has_request(request.ticket):  # an earlier dispatch of this ticket is still here
+            yield {"refused": True, "free_blocks": self.engine.kv_ledger().free_blocks, "replica_id": self.replica_id}
             return
-        self.held[request.ticket] = need
         try:
-            stream = self.engine.generate(
-                sampling_params=request.sampling_params,
-                prompt_token_ids=request.prompt_token_ids,
-                request_id=request.ticket,
-            )
+            stream = self.engine.submit(sampling_params=request.sampling_params,
+                                        prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
+                                        check_kv=True)
+        except KvFull as full:
+            yield {"refused": True, "free_blocks": full.free_blocks, "replica_id": self.replica_id}
+            return
+        except ValueError as err:  # never fits this engine, or bad token ids: the client's error, not a retry
+            yield {"rejected": str(err), "replica_id": self.replica_id}
+            return
+        finished = False
+        try:
+            self.metrics.accepted.inc(tags={"admission": self.config.scheduler.admission})
             yield {"accepted": True, "replica_id": self.replica_id}
             async for delta in stream:
+                finished = delta.finished
                 yield asdict(delta)
         finally:
-            # Cancellation (client gone) lands here too; AsyncEngine.generate's own finally aborts the request.
-            self.held.pop(request.ticket, None)
+            if not finished:
+                # Cancellation (client gone) lands here too, even before the stream was iterated: abort frees the KV.
+                self.engine.abort(request.ticket)
 
     async def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
@@ -137,15 +145,18 @@ class EngineReplica:
     # ---- reports --------------------------------------------------------------------------------------------
 
     def _kv_report(self) -> dict[str, Any]:
-        held = sum(self.held.values())
+        ledger = self.engine.kv_ledger()
         return {
-            "kv_capacity_blocks": self.capacity_blocks,
-            "kv_free_blocks": self.capacity_blocks - held,
-            "kv_held_blocks": held,
-            "kv_tokens_per_block": self.tokens_per_block,
-            "kv_capacity_tokens": self.capacity_blocks * self.tokens_per_block,
-            "kv_free_tokens": (self.capacity_blocks - held) * self.tokens_per_block,
-            "num_held": len(self.held),
+            "kv_admission": ledger.admission,
+            "kv_capacity_blocks": ledger.capacity_blocks,
+            "kv_free_blocks": ledger.free_blocks,
+            "kv_held_blocks": ledger.committed_blocks,
+            "kv_used_blocks": ledger.used_blocks,
+            "kv_headroom_blocks": ledger.headroom_blocks,
+            "kv_tokens_per_block": ledger.tokens_per_block,
+            "kv_capacity_tokens": ledger.capacity_blocks * ledger.tokens_per_block,
+            "kv_free_tokens": ledger.free_blocks * ledger.tokens_per_block,
+            "num_held": len(ledger.per_request),
         }
 
     @property
@@ -173,9 +184,10 @@ class EngineReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Concurrent sequences here, KV usage, and the admission queue's length (the same on every replica)."""
         engine = self.engine.stats()
+        ledger = self.engine.kv_ledger()
         return {
-            "sequences": float(max(len(self.held), engine["num_running"] + engine["num_waiting"])),
-            "kv_usage": sum(self.held.values()) / self.capacity_blocks,
+            "sequences": float(max(len(ledger.per_request), engine["num_running"] + engine["num_waiting"])),
+            "kv_usage": min(1.0, (ledger.committed_blocks + ledger.headroom_blocks) / ledger.capacity_blocks),
             "admission_queued": float(self.admission_queued),
         }
 
@@ -194,9 +206,10 @@ class EngineReplica:
     async def _report_loop(self) -> None:
         while True:
             try:
+                ledger = self.engine.kv_ledger()
                 reply = await self.admission.report.remote(
-                    self.replica_id, self.capacity_blocks, self.tokens_per_block, dict(self.held),
-                    self.engine.dead_error is None, self.routable, self.probes,
+                    self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
+                    self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks,
                 )
                 self.admission_queued = int(reply.get("num_queued", 0))
             except Exception as err:  # noqa: BLE001 - the queue restarts; keep reporting
@@ -213,7 +226,7 @@ class EngineReplica:
         """Gauges from the engine's stats every GAUGE_PERIOD_S (idle replicas too, so a quiet replica reads 0)."""
         while True:
             try:
-                self.metrics.update(self.engine.stats(), sum(self.held.values()) * self.tokens_per_block)
+                self.metrics.update(self.engine.stats(), self.engine.kv_ledger())
             except Exception as err:  # noqa: BLE001 - keep reporting
                 logger.warning("recording replica metrics failed: %r", err)
             await asyncio.sleep(GAUGE_PERIOD_S)

@@ -55,8 +55,15 @@ def test_args_name_unknown_and_invalid_keys(tmp_path: Path) -> None:
         parse_args({"model": str(tmp_path), "autoscaling": {"min_replicas": 3, "max_replicas": 2}})
     with pytest.raises(ValueError, match="queue_timeout_s"):
         parse_args({"model": str(tmp_path), "queue_timeout_s": -1})
+    with pytest.raises(ValueError, match=r"kv_headroom: Input should be less than 1"):
+        parse_args({"model": str(tmp_path), "kv_headroom": 1.0})
+    with pytest.raises(ValueError, match=r"kv_headroom: Input should be greater than or equal to 0"):
+        parse_args({"model": str(tmp_path), "kv_headroom": -0.1})
+    with pytest.raises(ValueError, match=r"admission: Input should be 'full' or 'usage'"):
+        parse_args({"model": str(tmp_path), "admission": "prompt"})
     args = parse_args({"model": str(tmp_path)})
     assert args.max_queued_requests == 64 and args.autoscaling.target_sequences_per_replica == 8.0
+    assert args.admission == "usage" and args.kv_headroom == 0.05
 
 
 def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:

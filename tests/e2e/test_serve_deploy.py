@@ -23,7 +23,9 @@ from tests.e2e.cluster import CAPACITY_BLOCKS, serve_cluster, tiny_app_args
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 MODEL = "tiny-e2e"
-APP_ARGS = tiny_app_args(MODEL, max_queued_requests=2, queue_timeout_s=20, retry_after_s=2)
+# admission "full": the FIFO, never-fits and capacity scenarios below count prompt + max_tokens per request
+# (tests/e2e/test_preemption.py covers "usage").
+APP_ARGS = tiny_app_args(MODEL, admission="full", max_queued_requests=2, queue_timeout_s=20, retry_after_s=2)
 
 
 @pytest.fixture(scope="module")
