@@ -52,3 +52,10 @@ bench-engine: $(VENV)/.installed
 bench-capacity: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/capacity.py --write-docs
+
+# Admission full vs usage on one burst of long-max_tokens requests that stop early, through the deployed app (the
+# tiny model on a Ray head of its own); writes docs/img/admission.png and its section of docs/benchmarks.md.
+.PHONY: bench-admission
+bench-admission: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/admission.py --write-docs
