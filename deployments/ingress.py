@@ -14,6 +14,7 @@ frees its KV) and releases the grant.
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
 # must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
 import asyncio
+import contextvars
 import json
 import logging
 import uuid
@@ -42,6 +43,21 @@ _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_re
 # A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
 # head once more for this long: it had been granted, so it gets one more chance before its 429.
 REQUEUE_MIN_WAIT_S = 1.0
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator however the response ends. Starlette leaves the iterator
+    suspended when the client disconnects (the response task is cancelled mid-stream), so its finally, which frees
+    the request's KV and grant, would wait for the garbage collector: seconds to minutes."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                # Shielded: the task may be cancelled again while the generator's cleanup runs.
+                await asyncio.shield(close())
 
 
 class ApiError(Exception):
@@ -193,7 +209,7 @@ class OpenAIIngress:
         await session.__anext__()  # admission: raises ApiError (400 / 429 / 503) before any byte is sent
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._sse(session, request_id, chat, body.include_usage), media_type="text/event-stream"
             )
         text: list[str] = []
@@ -336,8 +352,11 @@ class OpenAIIngress:
         return None, first, f"refused it (it had {int(first.get('free_blocks', 0))} free KV blocks)"
 
     def _release(self, ticket: str) -> None:
-        """Fire-and-forget release that survives the caller's cancellation."""
-        task = asyncio.get_running_loop().create_task(self._release_async(ticket))
+        """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a
+        copy of the request's would carry Serve's request context, and Serve cancels the calls a cancelled request
+        made (a client disconnect), so the release itself would be cancelled and the grant leak until the queue's
+        leak reconciliation (leak_grace_s)."""
+        task = asyncio.get_running_loop().create_task(self._release_async(ticket), context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -11,6 +11,7 @@ transformers: tests/cluster, tests/engine).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -79,3 +80,39 @@ def test_streams_outgrowing_the_kv_are_preempted_and_complete(cluster: ServeClus
     # No max_tokens: until the end of the context. With ignore_eos that is where the replica's KV ends (1024
     # tokens of prompt + output), far past the old default of 16.
     assert chat_finish == "length" and chat_tokens > 16 * 10, (chat_tokens, chat_finish)
+
+
+def test_streaming_clients_that_disconnect_free_their_kv_at_once(cluster: ServeCluster) -> None:
+    """Six streams closed right after their first chunk: within 2 s the queue holds no grant for them and the
+    replica's ledger (reported every 0.25 s) holds nothing, every round (a generator left to the garbage collector
+    once kept them for up to the queue's 30 s leak reconciliation)."""
+    import httpx
+
+    def held(health: dict) -> int:
+        return sum(r["granted"] + r["external"] for r in health["replicas"].values())
+
+    async def one(http: httpx.AsyncClient, index: int) -> None:
+        body = {"model": MODEL, "prompt": [30 + index] * 20, "max_tokens": 800, "temperature": 1.0, "seed": index,
+                "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if line.startswith("data: ") and '"text"' in line:
+                    break  # leaving the block closes the connection: a client disconnect
+
+    async def round_trip() -> float:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+            await asyncio.gather(*(one(http, i) for i in range(6)))
+            closed = time.monotonic()
+            clean = 0
+            while time.monotonic() - closed < 10:
+                health = (await http.get("/health")).json()
+                clean = clean + 1 if held(health) == 0 else 0
+                if clean == 3:  # three polls in a row (> one ledger report period) with nothing held
+                    return time.monotonic() - closed
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"KV still held 10 s after the clients left: {health}")
+
+    for _ in range(3):
+        freed_s = asyncio.run(round_trip())
+        assert freed_s < 2.5, freed_s
