@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from engine.config import EngineConfig
 
@@ -84,6 +84,26 @@ class AppArgs(BaseModel):
         "and the request waits at the head of the queue again"
     )
     # ---- serving ----
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="keys clients must send as `Authorization: Bearer <key>` on /v1 routes; "
+        "empty (and no api_keys_env / api_keys_file): the API is open. Prefer the two below: they keep secrets out "
+        "of the config"
+    )
+    api_keys_env: str | None = Field(
+        None, description="name of an environment variable of the ingress replicas that holds API keys "
+        "(comma-separated), e.g. set with the app's runtime_env env_vars or on `ray start`"
+    )
+    api_keys_file: str | None = Field(
+        None, description="path, on every node, of a file with one API key per line (blank lines and # comments "
+        "ignored)"
+    )
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="largest request body accepted; larger -> 413"
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="longest a request may take from arrival (admission wait included); past it the "
+        "request ends with a 504 (or an error event in its stream) and its KV is freed"
+    )
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas (tokenize, admit, stream)")
     routing_stats_period_s: float = Field(1.0, gt=0, description="how often replicas report KV to the routers")
     kv_report_period_s: float = Field(0.5, gt=0, description="how often replicas reconcile KV with the admission queue")
@@ -93,6 +113,32 @@ class AppArgs(BaseModel):
         "this long before it is killed (Serve's graceful_shutdown_timeout_s); it gets no new grants meanwhile"
     )
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
+
+    def resolved_api_keys(self) -> list[str]:
+        """Every configured API key: the list, the environment variable and the file together. Raises ValueError
+        naming the variable or file when one is configured but missing or empty (never the keys themselves)."""
+        import os
+
+        keys = [key.get_secret_value() for key in self.api_keys]
+        if self.api_keys_env is not None:
+            value = os.environ.get(self.api_keys_env, "")
+            found = [k.strip() for k in value.split(",") if k.strip()]
+            if not found:
+                raise ValueError(
+                    f"api_keys_env={self.api_keys_env!r}: that environment variable is unset or empty in the ingress "
+                    f"replica; set it where Ray starts (or in the app's runtime_env env_vars), or drop api_keys_env"
+                )
+            keys += found
+        if self.api_keys_file is not None:
+            path = Path(self.api_keys_file)
+            if not path.is_file():
+                raise ValueError(f"api_keys_file={self.api_keys_file!r} does not exist on this node")
+            found = [line.strip() for line in path.read_text().splitlines()
+                     if line.strip() and not line.strip().startswith("#")]
+            if not found:
+                raise ValueError(f"api_keys_file={self.api_keys_file!r} holds no key (one per line)")
+            keys += found
+        return keys
 
     @property
     def name(self) -> str:

@@ -15,6 +15,7 @@ frees its KV) and releases the grant.
 # must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
 import asyncio
 import contextvars
+import hmac
 import json
 import logging
 import uuid
@@ -22,6 +23,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -36,7 +39,27 @@ from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ray.serve")
 
-api = FastAPI(title="dcpserve", docs_url=None, redoc_url=None)
+api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
+              description="OpenAI-compatible completions and chat completions over TP x DCP replicas with KV-aware "
+                          "admission. /v1 routes need `Authorization: Bearer <key>` when the app has API keys.")
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the request-body schemas the routes declare through openapi_extra."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(protocol.OPENAPI_SCHEMAS)
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods (404 / 405) answer in OpenAI's error shape too."""
+    return JSONResponse(protocol.error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_replica": 503}
 
@@ -98,28 +121,43 @@ class OpenAIIngress:
         self.tokens_per_block = config.cache.block_size * config.parallel.dcp
         self.admission_policy = config.scheduler.admission
         self.tokenizer = load_tokenizer(config.model, config.model_config.eos_token_ids)
+        self._api_keys = [key.encode() for key in args.resolved_api_keys()]  # never logged
         self._background: set[asyncio.Task[Any]] = set()
         self.metrics = IngressMetrics()
 
     # ---- routes ---------------------------------------------------------------------------------------------
 
-    @api.get("/health")
+    @api.get("/health", responses={200: {"model": protocol.HealthResponse}, 503: {"model": protocol.ErrorResponse}})
     async def health(self) -> Response:
+        """Open to load balancers: status and counts only (no replica ids, no keys, no request data)."""
         stats = await self.admission.stats.remote()
-        healthy = [r for r in stats["replicas"].values() if r["healthy"]]
+        replicas = list(stats["replicas"].values())
+        healthy = [r for r in replicas if r["healthy"]]
         if not healthy:
             return ApiError(503, "no healthy engine replica", code="no_replica").response()
-        return JSONResponse({"status": "ok", "healthy_replicas": len(healthy), "queued": stats["num_queued"],
-                             "replicas": stats["replicas"]})
+        return JSONResponse(protocol.HealthResponse(
+            status="ok", replicas=len(replicas), healthy_replicas=len(healthy), queued=stats["num_queued"],
+            kv_capacity_blocks=sum(r["capacity"] for r in replicas),
+            kv_granted_blocks=sum(r["granted"] for r in replicas),
+            kv_external_blocks=sum(r["external"] for r in replicas),
+            kv_free_blocks=sum(max(r["free"], 0) for r in healthy),
+            num_grants=sum(r["num_grants"] for r in replicas),
+        ).model_dump())
 
-    @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    @api.get("/v1/models", responses={200: {"model": protocol.ModelList}, **protocol.ERROR_RESPONSES})
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return err.response()
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dcpserve",
              "max_model_len": self.max_model_len},
         ]})
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=protocol.request_body_schema(protocol.CompletionRequest),
+              responses={**protocol.ok_response(protocol.CompletionResponse, "the completion, or its SSE stream"),
+                         **protocol.ERROR_RESPONSES})
     async def completions(self, request: Request) -> Response:
         try:
             body = await self._parse(request, protocol.CompletionRequest)
@@ -135,7 +173,9 @@ class OpenAIIngress:
         self.metrics.response("completions", response.status_code)
         return response
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=protocol.request_body_schema(protocol.ChatCompletionRequest),
+              responses={**protocol.ok_response(protocol.ChatCompletionResponse, "the chat completion, or its SSE "
+                                                 "stream"), **protocol.ERROR_RESPONSES})
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await self._parse(request, protocol.ChatCompletionRequest)
@@ -153,9 +193,40 @@ class OpenAIIngress:
 
     # ---- steps ----------------------------------------------------------------------------------------------
 
+    def _authorize(self, request: Request) -> None:
+        """401 unless the request carries one of the app's API keys (when it has any). Every key is compared in
+        constant time, all of them every time, and the answer never says which part was wrong."""
+        if not self._api_keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        sent = token.strip().encode() if scheme.lower() == "bearer" else b""
+        matched = False
+        for key in self._api_keys:
+            matched |= hmac.compare_digest(sent, key)
+        if not matched:
+            raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 past max_request_body_bytes (by Content-Length, then while reading)."""
+        limit = self.args.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is {int(declared)} bytes; max_request_body_bytes={limit}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than max_request_body_bytes={limit}",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> Any:
+        self._authorize(request)
         try:
-            raw = json.loads(await request.body())
+            raw = json.loads(await self._read_body(request))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from None
         if not isinstance(raw, dict):
@@ -298,7 +369,15 @@ class OpenAIIngress:
                 returned.append(f"replica {replica_id} {problem}")
             self.metrics.prompt_tokens.inc(len(token_ids))
             yield {}
-            async for delta in stream:
+            request_deadline = arrived + self.args.request_timeout_s
+            while True:
+                try:
+                    delta = await asyncio.wait_for(stream.__anext__(), timeout=max(request_deadline - loop.time(), 0))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
+                                   f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
                 now = loop.time()
                 if delta["new_token_ids"]:
                     # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.

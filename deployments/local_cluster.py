@@ -9,7 +9,8 @@
 
 Environment knobs (all optional): DCPSERVE_PORT (HTTP, 8000), DCPSERVE_RAY_PORT (GCS, 6390),
 DCPSERVE_DASHBOARD_PORT (8265), DCPSERVE_NUM_GPUS (logical GPUs, 4), DCPSERVE_STATE_DIR (.dcpserve),
-DCPSERVE_CONFIG (serve_config.local.yaml), DCPSERVE_DEPLOY_TIMEOUT_S (600).
+DCPSERVE_CONFIG (serve_config.local.yaml), DCPSERVE_DEPLOY_TIMEOUT_S (600), DCPSERVE_API_KEY (unset: the API is
+open; set: clients must send `Authorization: Bearer $DCPSERVE_API_KEY`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class LocalSettings:
     state_dir: Path
     config: Path
     deploy_timeout_s: float
+    api_key_env: str | None = None  # "DCPSERVE_API_KEY" when it is set: the app then requires that key
 
     @classmethod
     def from_env(cls) -> LocalSettings:
@@ -53,6 +55,9 @@ class LocalSettings:
             state_dir=Path(env.get("DCPSERVE_STATE_DIR", REPO / ".dcpserve")).resolve(),
             config=Path(env.get("DCPSERVE_CONFIG", REPO / "serve_config.local.yaml")).resolve(),
             deploy_timeout_s=float(env.get("DCPSERVE_DEPLOY_TIMEOUT_S", "600")),
+            # The Ray head (and so every replica) inherits this environment: the app reads the key there, so the
+            # secret never enters the generated config file.
+            api_key_env="DCPSERVE_API_KEY" if env.get("DCPSERVE_API_KEY") else None,
         )
 
 
@@ -147,6 +152,8 @@ def write_config(settings: LocalSettings, model_dir: Path) -> Path:
     config.setdefault("http_options", {}).update({"host": "127.0.0.1", "port": settings.http_port})
     for app in config["applications"]:
         app.setdefault("args", {})["model"] = str(model_dir)
+        if settings.api_key_env is not None:
+            app["args"]["api_keys_env"] = settings.api_key_env
     out = settings.state_dir / "serve_config.generated.yaml"
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out
@@ -193,16 +200,20 @@ def deploy_and_wait(settings: LocalSettings, env: dict[str, str], config_path: P
 
 def print_banner(settings: LocalSettings, model_name: str) -> None:
     base = f"http://127.0.0.1:{settings.http_port}/v1"
+    # The key itself is never printed: the examples read it from the environment.
+    auth = " -H \"Authorization: Bearer $DCPSERVE_API_KEY\"" if settings.api_key_env else ""
+    key = "os.environ['DCPSERVE_API_KEY']" if settings.api_key_env else "'none'"
+    access = "API keys: required (DCPSERVE_API_KEY)" if settings.api_key_env else "API keys: none (set DCPSERVE_API_KEY)"
     print(f"""
 dcpserve is serving {model_name!r} (tiny random-weight model: the text is gibberish, the system is real)
 
-  endpoint   {base}
+  endpoint   {base}   ({access})
   dashboard  http://127.0.0.1:{settings.dashboard_port}
 
-  curl {base}/completions -H 'Content-Type: application/json' \\
+  curl {base}/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model_name}", "prompt": "def hello", "max_tokens": 16}}'
 
-  python -c "import openai; c = openai.OpenAI(base_url='{base}', api_key='none'); \\
+  python -c "import os, openai; c = openai.OpenAI(base_url='{base}', api_key={key}); \\
 print(c.chat.completions.create(model='{model_name}', messages=[{{'role': 'user', 'content': 'hi'}}], \\
 max_tokens=16).choices[0].message.content)"
 

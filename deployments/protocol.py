@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.sampling_params import SamplingParams
 
 
+# Stop sequences: OpenAI's own count limit, and a length bound (every step scans the text's tail for each).
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -48,10 +53,13 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError(f"at most 4 stop sequences, got {len(stops)}")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return value
 
     @model_validator(mode="after")
@@ -240,13 +248,142 @@ def usage_chunk(request_id: str, model: str, obj: str, used: dict[str, int]) -> 
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
+
+
+# ---- OpenAPI: the schema /openapi.json serves (bodies are parsed by the routes themselves, see ingress._parse) ----
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description} for status, description in (
+        (400, "invalid request (names the problem), never-fits, context length exceeded"),
+        (401, "missing or wrong API key (when the app has keys)"),
+        (413, "request body larger than max_request_body_bytes"),
+        (429, "admission queue full or waited past queue_timeout_s (Retry-After)"),
+        (503, "no engine replica can take requests (Retry-After)"),
+        (504, "the request ran past request_timeout_s"),
+    )
+}
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    """POST /v1/completions without stream (with stream: server-sent events of the same shape, without usage
+    unless stream_options.include_usage, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """POST /v1/chat/completions without stream (with stream: chat.completion.chunk events, then [DONE])."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    """GET /health (open, for load balancers): status and counts only."""
+
+    status: Literal["ok"]
+    replicas: int  # engine replicas the admission queue knows
+    healthy_replicas: int
+    queued: int  # requests waiting in the admission queue
+    kv_capacity_blocks: int
+    kv_granted_blocks: int  # blocks granted to requests through the queue
+    kv_external_blocks: int  # blocks replicas hold for requests the queue did not grant
+    kv_free_blocks: int  # what the queue may still grant on healthy replicas
+    num_grants: int  # requests holding a grant
+
+
+def ok_response(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
+    """A route's 200: `model` as JSON, or (with "stream": true) server-sent events of its chunks."""
+    return {200: {"model": model, "description": description,
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+# Request-body schemas by name, for the OpenAPI document's components (ingress merges them in).
+OPENAPI_SCHEMAS: dict[str, Any] = {}
+
+
+def request_body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's openapi_extra that documents `model` as its JSON body (the route parses and validates it itself,
+    so that size limits, authentication and OpenAI-shaped errors come first)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    OPENAPI_SCHEMAS.update(schema.pop("$defs", {}))
+    OPENAPI_SCHEMAS[model.__name__] = schema
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}

@@ -299,8 +299,7 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # quiet: nothing held, queued or running
         health = httpx.get(f"{loaded.http}/health", timeout=30).json()
-        replica = next(iter(health["replicas"].values()))
-        if health["queued"] == 0 and replica["free"] == CAPACITY_BLOCKS:
+        if health["queued"] == 0 and health["kv_free_blocks"] == CAPACITY_BLOCKS:
             break
         time.sleep(0.5)
     stats = engine_stats(loaded)

@@ -23,6 +23,9 @@ def test_ray_cluster_yaml_is_valid_for_ray_up() -> None:
     assert any("pip install" in c and "dcpserve" in c for c in prepared["setup_commands"])
     head_start = " ".join(prepared["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start  # never open to the internet
+    # The API keys file serve_config.yaml reads is copied to every node.
+    serve_args = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
+    assert serve_args["api_keys_file"] in prepared["file_mounts"]
 
 
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.local.yaml"])

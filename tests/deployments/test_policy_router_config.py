@@ -82,3 +82,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+def test_api_keys_come_from_the_list_an_environment_variable_and_a_file(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# operators' keys\nfile-key-1\n\nfile-key-2\n")
+    monkeypatch.setenv("TEST_DCPSERVE_KEYS", " env-key-1 , env-key-2,")
+    args = parse_args({"model": str(tmp_path), "api_keys": ["inline"], "api_keys_env": "TEST_DCPSERVE_KEYS",
+                       "api_keys_file": str(keys_file)})
+    assert args.resolved_api_keys() == ["inline", "env-key-1", "env-key-2", "file-key-1", "file-key-2"]
+    assert "inline" not in repr(args) and "inline" not in str(args.model_dump())  # secrets stay out of logs
+    assert parse_args({"model": str(tmp_path)}).resolved_api_keys() == []  # no keys: an open API
+    monkeypatch.delenv("TEST_DCPSERVE_KEYS")
+    with pytest.raises(ValueError, match="api_keys_env='TEST_DCPSERVE_KEYS': that environment variable is unset"):
+        args.resolved_api_keys()
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        parse_args({"model": str(tmp_path), "api_keys_file": str(empty)}).resolved_api_keys()
+    with pytest.raises(ValueError, match="does not exist on this node"):
+        parse_args({"model": str(tmp_path), "api_keys_file": str(tmp_path / "missing")}).resolved_api_keys()

@@ -89,7 +89,7 @@ def test_streaming_clients_that_disconnect_free_their_kv_at_once(cluster: ServeC
     import httpx
 
     def held(health: dict) -> int:
-        return sum(r["granted"] + r["external"] for r in health["replicas"].values())
+        return health["kv_granted_blocks"] + health["kv_external_blocks"]
 
     async def one(http: httpx.AsyncClient, index: int) -> None:
         body = {"model": MODEL, "prompt": [30 + index] * 20, "max_tokens": 800, "temperature": 1.0, "seed": index,

@@ -1,0 +1,155 @@
+"""The API surface operators put behind a load balancer (tests/e2e/cluster.py): API keys, request limits, the
+per-request deadline, /health for probes, and the served OpenAPI document fuzzed with schemathesis.
+
+The app reads its keys from an environment variable of the Ray processes (api_keys_env), as `make serve` does with
+DCPSERVE_API_KEY, so no key is written into the deploy config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
+
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
+
+MODEL = "tiny-limits"
+KEYS = ("first-key-0123456789", "second-key-abcdefghij")
+AUTH = {"Authorization": f"Bearer {KEYS[1]}"}
+BODY_LIMIT = 64 * 1024
+REQUEST_TIMEOUT_S = 4.0
+APP_ARGS = tiny_app_args(MODEL, api_keys_env="DCPSERVE_TEST_API_KEYS", max_request_body_bytes=BODY_LIMIT,
+                         request_timeout_s=REQUEST_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
+    extra_env = {"DCPSERVE_TEST_API_KEYS": ",".join(KEYS)}
+    with serve_cluster(tmp_path_factory.mktemp("limits"), APP_ARGS, extra_env=extra_env) as running:
+        yield running
+
+
+def assert_openai_error(reply: httpx.Response, status: int, fragment: str) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"], error
+    return error
+
+
+def test_api_keys_guard_every_v1_route_and_health_stays_open(cluster: ServeCluster) -> None:
+    import openai
+
+    completion = {"model": MODEL, "prompt": "def hello", "max_tokens": 3}
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEYS[0]},  # no Bearer scheme
+                        {"Authorization": f"Bearer {KEYS[0]}x"}):
+            for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", completion),
+                                       ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []})):
+                reply = http.request(method, path, json=body, headers=headers)
+                error = assert_openai_error(reply, 401, "invalid or missing API key")
+                assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+                assert not any(key in reply.text for key in KEYS)  # no hint of a valid key
+        health = http.get("/health")  # load balancers probe it without a key
+        assert health.status_code == 200
+        assert set(health.json()) == {"status", "replicas", "healthy_replicas", "queued", "kv_capacity_blocks",
+                                      "kv_granted_blocks", "kv_external_blocks", "kv_free_blocks", "num_grants"}
+        assert http.get("/openapi.json").status_code == 200
+        assert_openai_error(http.get("/v1/nothing-here", headers=AUTH), 404, "/v1/nothing-here")
+    # Both keys work, through the official client.
+    for key in KEYS:
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=key, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        assert client.completions.create(model=MODEL, prompt="def hello", max_tokens=3).usage.completion_tokens == 3
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="nope", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_body_size_and_stop_limits_are_named_400s_and_413s(cluster: ServeCluster) -> None:
+    with httpx.Client(base_url=cluster.url, timeout=60, headers=AUTH) as http:
+        big = json.dumps({"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10), "max_tokens": 1})
+        reply = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert_openai_error(reply, 413, f"max_request_body_bytes={BODY_LIMIT}")
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+            yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+            for _ in range(BODY_LIMIT // 1024 + 2):
+                yield b"y" * 1024
+            yield b'"}'
+
+        reply = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert_openai_error(reply, 413, f"max_request_body_bytes={BODY_LIMIT}")
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]})
+        assert_openai_error(reply, 400, "at most 4 stop sequences, got 5")
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stop": "s" * 300})
+        assert_openai_error(reply, 400, "at most 256 characters, got one of 300")
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text  # nothing a client sent broke the server for others
+
+
+def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_kv(cluster: ServeCluster) -> None:
+    long_request = {"model": MODEL, "prompt": "def hello", "max_tokens": 1800, "ignore_eos": True,
+                    "temperature": 0}
+    with httpx.Client(base_url=cluster.url, timeout=60, headers=AUTH) as http:
+        start = time.monotonic()
+        reply = http.post("/v1/completions", json=long_request)
+        took = time.monotonic() - start
+        error = assert_openai_error(reply, 504, f"request_timeout_s={REQUEST_TIMEOUT_S:g}")
+        assert error["code"] == "request_timeout" and REQUEST_TIMEOUT_S <= took < REQUEST_TIMEOUT_S + 5, took
+        events = []
+        with http.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert last["error"]["code"] == "request_timeout", last
+        assert len(events) > 3  # it streamed tokens before the deadline
+        deadline = time.monotonic() + 5
+        while (health := http.get("/health").json())["kv_granted_blocks"] + health["kv_external_blocks"]:
+            assert time.monotonic() < deadline, health  # the KV is freed, not left to leak reconciliation
+            time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def api_schema(cluster: ServeCluster) -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
+
+
+fuzzed = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzzed.parametrize()
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=list(HealthCheck))
+def test_fuzzed_requests_get_openai_shaped_4xx_never_5xx(case: schemathesis.Case, cluster: ServeCluster) -> None:
+    response = case.call(base_url=cluster.url, headers=AUTH, timeout=60)
+    assert response.status_code < 500, (response.status_code, response.text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+    case.validate_response(response, checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                             response_schema_conformance])
+
+
+def test_the_server_answers_a_valid_request_after_the_fuzzing(cluster: ServeCluster) -> None:
+    async def run() -> int:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=AUTH) as http:
+            reply = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            return reply.status_code
+
+    assert asyncio.run(run()) == 200
