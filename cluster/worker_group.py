@@ -158,7 +158,14 @@ class RayWorkerGroup:
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         ref = ray.put(output)
-        results = ray.get([w.execute.remote(ref) for w in self.workers])
+        refs = [w.execute.remote(ref) for w in self.workers]
+        # Fail as soon as any rank fails: a dead rank leaves the others blocked in a collective that never ends, so
+        # a plain ray.get over the list (which waits for rank 0 first) would hang the step, and every request with it.
+        pending = refs
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # raises at once (RayActorError for a dead rank)
+        results = ray.get(refs)
         # Every rank waits in the same collectives, so the slowest rank's exchange time is the step's.
         self.last_exchange_seconds = max(seconds for _, seconds in results)
         return results[0][0] or {}
