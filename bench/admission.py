@@ -21,25 +21,16 @@ endpoint, then shuts Serve down before the next policy.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import random
 import re
-import shlex
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Running `python bench/admission.py` puts bench/ first on sys.path, where bench/engine.py would shadow the
@@ -48,24 +39,21 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.capacity import deploy, shutdown_serve  # noqa: E402
-from bench.docs_section import DocsSection  # noqa: E402
-import httpx  # noqa: E402
+from bench import compare  # noqa: E402
+from bench.compare import BurstResult, Row, ServeHead, metric_row  # noqa: E402
 
-from deployments import local_cluster  # noqa: E402
 from engine.block_manager import blocks_needed  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.tiny_model import write_tiny_model  # noqa: E402
 
-TP, DCP, BLOCK_SIZE, NUM_GPUS, MAX_MODEL_LEN = 2, 2, 16, 4, 2048
+TP, DCP, BLOCK_SIZE, MAX_MODEL_LEN = 2, 2, 16, 2048
 TOKENS_PER_BLOCK = BLOCK_SIZE * DCP  # a logical block
 POLICIES = ("full", "usage")
-MODEL_NAME = "dcpserve-tiny"
-HEALTH_PERIOD_S = 0.2
 CANDIDATES_PER_REQUEST = 2  # random prompts generated offline per request, to find texts that do not loop early
 METRICS_WAIT_S = 15.0  # Ray exports custom metrics every 10 s (metrics_report_interval_ms)
-PLOT_PATH = REPO_ROOT / "docs" / "img" / "admission.png"
-DOCS = DocsSection("bench/admission.py")
+COMPARISON = compare.Comparison("bench/admission.py", POLICIES,
+                                "Admission policies: full reservation vs usage-based admission with preemption",
+                                REPO_ROOT / "docs" / "img" / "admission.png", "admission full vs usage")
 
 
 @dataclass(frozen=True)
@@ -116,66 +104,12 @@ class StopPlan:
 
 
 @dataclass
-class RequestRecord:
-    sent: float
-    first_token: float | None = None
-    last_token: float | None = None
-    completion_tokens: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
+class PolicyResult(BurstResult):
+    """Everything measured for one admission policy (its label), with the replica's preemption counters."""
 
-
-@dataclass
-class PolicyResult:
-    policy: str
-    capacity_blocks: int
-    deploy_s: float
-    records: list[RequestRecord] = field(default_factory=list)
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, sequences granted)
-    makespan_s: float = 0.0
     preemptions: int | None = None
     recomputed_tokens: int | None = None
     metrics_note: str = ""
-
-    @property
-    def errors(self) -> int:
-        return sum(r.error is not None for r in self.records)
-
-    @property
-    def peak_sequences(self) -> int:
-        return max((n for _, n in self.timeline), default=0)
-
-    @property
-    def mean_sequences(self) -> float:
-        """Time-weighted mean of the granted sequences from the burst to its last token."""
-        points = [(t, n) for t, n in self.timeline if t <= self.makespan_s]
-        if len(points) < 2:
-            return float(self.peak_sequences)
-        area = sum((t1 - t0) * n0 for (t0, n0), (t1, _) in zip(points, points[1:]))
-        return area / (points[-1][0] - points[0][0])
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.completion_tokens for r in self.records)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.makespan_s
-
-    @property
-    def ttft_median_s(self) -> float:
-        return statistics.median(r.first_token - r.sent for r in self.records if r.first_token is not None)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller workload")
-    parser.add_argument("--write-docs", action="store_true",
-                        help=f"write {PLOT_PATH.relative_to(REPO_ROOT)} and this script's section of "
-                             f"{DOCS.path.relative_to(REPO_ROOT)}")
-    parser.add_argument("--deploy-timeout", type=float, default=300.0, help="seconds to wait for each deploy")
-    return parser.parse_args(argv)
 
 
 def say(line: str) -> None:
@@ -241,35 +175,7 @@ def plan_stops(model_dir: Path, candidates: list[list[int]],
 def kv_budget_bytes(model: ModelConfig, workload: Workload) -> int:
     """Per-rank KV bytes in which "full" holds exactly `full_sequences` requests (one page per rank = one logical
     block of BLOCK_SIZE * DCP tokens)."""
-    import torch
-
-    pages = workload.full_sequences * workload.reserved_blocks
-    return pages * BLOCK_SIZE * model.kv_bytes_per_token_per_rank(TP, torch.float32)
-
-
-def app_config(policy: str, budget_bytes: int, workload: Workload) -> dict[str, Any]:
-    args = {
-        "model": "filled in by local_cluster.write_config",
-        "served_model_name": MODEL_NAME,
-        "tensor_parallel_size": TP,
-        "decode_context_parallel_size": DCP,
-        "dtype": "float32",
-        "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": budget_bytes,
-        "max_model_len": MAX_MODEL_LEN,
-        "admission": policy,  # kv_headroom: the default (0.05)
-        "max_queued_requests": workload.num_requests,  # the whole burst may wait: nothing is refused
-        "queue_timeout_s": 900,
-        "routing_stats_period_s": 0.5,
-        "kv_report_period_s": 0.25,
-        "autoscaling": {"min_replicas": 1, "max_replicas": 1},  # one replica = the 4 logical GPUs
-    }
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
-                          "args": args}],
-    }
+    return compare.kv_budget_bytes(model, TP, BLOCK_SIZE, workload.full_sequences * workload.reserved_blocks)
 
 
 def scrape_counters(ray_temp: Path, replica_id: str) -> dict[str, float] | None:
@@ -295,78 +201,15 @@ def scrape_counters(ray_temp: Path, replica_id: str) -> dict[str, float] | None:
     return totals if found else None
 
 
-# ---- the workload ---------------------------------------------------------------------------------------------------
+# ---- the bursts -----------------------------------------------------------------------------------------------------
 
-async def run_burst(base_url: str, prompts: list[list[int]], plans: list[StopPlan], workload: Workload,
-                    result: PolicyResult) -> None:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900)
-    start = time.perf_counter()
-    done = asyncio.Event()
-    finished = 0
-
-    async def one(prompt: list[int], plan: StopPlan) -> RequestRecord:
-        nonlocal finished
-        record = RequestRecord(sent=time.perf_counter() - start)
-        parts = []
-        try:
-            stream = await client.completions.create(
-                model=MODEL_NAME, prompt=prompt, max_tokens=workload.max_tokens, temperature=0, stop=[plan.stop],
-                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            )
-            async with stream:
-                async for chunk in stream:
-                    now = time.perf_counter() - start
-                    if chunk.choices:
-                        choice = chunk.choices[0]
-                        parts.append(choice.text or "")
-                        record.finish_reason = choice.finish_reason or record.finish_reason
-                        record.first_token = record.first_token if record.first_token is not None else now
-                        record.last_token = now
-                    if chunk.usage is not None:
-                        record.completion_tokens = chunk.usage.completion_tokens
-        except Exception as err:  # noqa: BLE001 - counted and reported
-            record.error = repr(err)
-        record.text = "".join(parts)
-        finished += 1
-        return record
-
-    async def watch() -> None:
-        last_said = 0.0
-        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
-            while not done.is_set():
-                health = (await http.get("/health")).json()
-                granted = sum(r["num_grants"] for r in health.get("replicas", {}).values())
-                now = time.perf_counter() - start
-                result.timeline.append((now, granted))
-                if now - last_said >= 15:
-                    say(f"{result.policy}: {now:.0f}s, {finished}/{len(prompts)} done, {granted} granted, "
-                        f"{health.get('queued', '?')} queued")
-                    last_said = now
-                await asyncio.sleep(HEALTH_PERIOD_S)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        result.records = list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, plans))))
-        result.makespan_s = time.perf_counter() - start
-    finally:
-        done.set()
-        await watcher
-        await client.close()
-
-
-def measure_policy(policy: str, settings: local_cluster.LocalSettings, env: dict[str, str],
-                   head: subprocess.Popen[bytes], model_dir: Path, budget_bytes: int, workload: Workload,
+def measure_policy(policy: str, head: ServeHead, model_dir: Path, budget_bytes: int, workload: Workload,
                    prompts: list[list[int]], plans: list[StopPlan]) -> PolicyResult:
     say(f"{policy}: deploying one replica of tp={TP} x dcp={DCP}, admission={policy}")
-    config = app_config(policy, budget_bytes, workload)
-    deploy_s = deploy(settings, env, head, model_dir, config, f"-{policy}")  # type: ignore[arg-type]
-    base_url = f"http://127.0.0.1:{settings.http_port}"
-    replicas = httpx.get(f"{base_url}/health", timeout=30).json()["replicas"]
-    if len(replicas) != 1:
-        raise SystemExit(f"{policy}: expected one engine replica, /health lists {replicas}")
-    replica_id, info = next(iter(replicas.items()))
+    # kv_headroom: the default (0.05); the whole burst may wait in the admission FIFO: nothing is refused
+    config = compare.app_config(TP, DCP, BLOCK_SIZE, budget_bytes, MAX_MODEL_LEN, policy, workload.num_requests)
+    deploy_s = head.deploy(model_dir, config, policy)
+    replica_id, info = head.replica(policy)
     result = PolicyResult(policy, info["capacity"], deploy_s)
     fits = result.capacity_blocks // workload.reserved_blocks
     if fits != workload.full_sequences:
@@ -374,13 +217,14 @@ def measure_policy(policy: str, settings: local_cluster.LocalSettings, env: dict
                          f"the budget was sized for {workload.full_sequences}")
     say(f"{policy}: KV {result.capacity_blocks} blocks = {result.capacity_blocks * TOKENS_PER_BLOCK} tokens "
         f"({fits} full reservations); sending {workload.num_requests} requests at once")
-    asyncio.run(run_burst(base_url, prompts, plans, workload, result))
+    asyncio.run(compare.run_burst(head.base_url, prompts, workload.max_tokens, result, [p.stop for p in plans],
+                                  progress=say))
     say(f"{policy}: {result.output_tokens_per_s:.1f} output tok/s, peak {result.peak_sequences} granted, "
         f"makespan {result.makespan_s:.1f}s, {result.errors} errors")
     say(f"{policy}: waiting {METRICS_WAIT_S:.0f}s for Ray to export the replica's preemption counter")
     time.sleep(METRICS_WAIT_S)
     try:
-        counters = scrape_counters(settings.state_dir / "ray", replica_id)
+        counters = scrape_counters(head.settings.state_dir / "ray", replica_id)
     except Exception as err:  # noqa: BLE001 - reported, not invented
         counters, result.metrics_note = None, f"metrics endpoint unreadable: {err!r}"
     if counters is not None:
@@ -388,7 +232,7 @@ def measure_policy(policy: str, settings: local_cluster.LocalSettings, env: dict
         result.recomputed_tokens = int(counters.get("dcpserve_recomputed_tokens", 0))
     elif not result.metrics_note:
         result.metrics_note = f"no dcpserve_preemptions series for replica {replica_id} on the node's metrics endpoint"
-    shutdown_serve(settings, env)
+    head.shutdown_serve()
     return result
 
 
@@ -401,95 +245,54 @@ def written_fraction(result: PolicyResult, workload: Workload) -> float:
     return statistics.mean((workload.prompt_tokens + r.completion_tokens) / promised for r in result.records)
 
 
-def table_rows(results: list[PolicyResult], workload: Workload,
-               plans: list[StopPlan]) -> list[tuple[str, str, str, str]]:
+def table_rows(results: list[PolicyResult], workload: Workload, plans: list[StopPlan]) -> list[Row]:
     """(metric, full, usage, usage / full) rows; concurrency and output tokens/s in bold."""
     full, usage = results
-
-    def row(metric: str, value: Any, fmt: str, ratio: bool = True) -> tuple[str, str, str, str]:
-        a, b = value(full), value(usage)
-        cells = [format(v, fmt) if isinstance(v, (int, float)) else str(v) for v in (a, b)]
-        return metric, cells[0], cells[1], (f"{b / a:.2f}x" if ratio and isinstance(a, (int, float)) and a else "-")
-
     same = sum(a.text == b.text and a.completion_tokens == b.completion_tokens
                for a, b in zip(full.records, usage.records))
 
     def preemptions(r: PolicyResult) -> str:
         return "n/a" if r.preemptions is None else f"{r.preemptions} ({r.recomputed_tokens:,} tokens recomputed)"
 
-    rows = [
-        row("peak concurrent sequences (admission grants)", lambda r: r.peak_sequences, "d"),
-        row("mean concurrent sequences over the burst", lambda r: r.mean_sequences, ".1f"),
-        row("output tokens/s", lambda r: r.output_tokens_per_s, ".1f"),
-        row("burst wall time (s)", lambda r: r.makespan_s, ".1f"),
-        row("TTFT median (s, admission wait included)", lambda r: r.ttft_median_s, ".2f"),
-        row("output tokens", lambda r: r.output_tokens, ",", ratio=False),
-        row("errors", lambda r: r.errors, "d", ratio=False),
-        row("KV written / reserved by full (mean per request)", lambda r: written_fraction(r, workload), ".1%",
-            ratio=False),
-        row("preemptions (replica counter)", preemptions, "", ratio=False),
-        row("outputs equal to the offline greedy text", lambda r: sum(
-            rec.text == p.expected_text for rec, p in zip(r.records, plans)), "d", ratio=False),
+    return [
+        compare.bold(metric_row("peak concurrent sequences (admission grants)", results, lambda r: r.peak_sequences,
+                                "d")),
+        metric_row("mean concurrent sequences over the burst", results, lambda r: r.mean_sequences, ".1f"),
+        compare.bold(metric_row("output tokens/s", results, lambda r: r.output_tokens_per_s, ".1f")),
+        metric_row("burst wall time (s)", results, lambda r: r.makespan_s, ".1f"),
+        metric_row("TTFT median (s, admission wait included)", results, lambda r: r.ttft_median_s, ".2f"),
+        metric_row("output tokens", results, lambda r: r.output_tokens, ",", ratio=False),
+        metric_row("errors", results, lambda r: r.errors, "d", ratio=False),
+        metric_row("KV written / reserved by full (mean per request)", results,
+                   lambda r: written_fraction(r, workload), ".1%", ratio=False),
+        metric_row("preemptions (replica counter)", results, preemptions, "", ratio=False),
+        metric_row("outputs equal to the offline greedy text", results,
+                   lambda r: sum(rec.text == p.expected_text for rec, p in zip(r.records, plans)), "d", ratio=False),
         ("greedy outputs identical, full vs usage (text and tokens)", "", "", f"{same}/{len(full.records)}"),
     ]
-    for i in (0, 2):
-        rows[i] = tuple(f"**{cell}**" for cell in rows[i])  # type: ignore[assignment]
-    return rows
-
-
-def console_table(rows: list[tuple[str, str, str, str]]) -> str:
-    header = ("metric", "full", "usage", "usage / full")
-    lines = [header] + [tuple(cell.replace("**", "") for cell in row) for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(4)]
-    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                               enumerate(zip(line, widths))) for line in lines)
 
 
 def write_plot(results: list[PolicyResult], workload: Workload, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"full": "tab:gray", "usage": "tab:blue"}
-    fig, (timeline, bars) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    for result in results:
-        timeline.step([t for t, _ in result.timeline], [n for _, n in result.timeline], where="post",
-                      color=colors[result.policy], label=f"admission={result.policy} "
-                      f"({result.makespan_s:.0f}s, peak {result.peak_sequences})")
-    timeline.axhline(workload.full_sequences, color=colors["full"], linestyle=":", linewidth=1)
-    timeline.set_xlabel("seconds since the burst")
-    timeline.set_ylabel("sequences granted (in the engine)")
-    timeline.set_title(f"{workload.num_requests} requests: {workload.prompt_tokens}-token prompts, max_tokens "
-                       f"{workload.max_tokens}, stop after {workload.stop_first}-{workload.stop_last} tokens",
-                       fontsize=9)
-    timeline.legend(loc="upper right")
-    labels = [r.policy for r in results]
-    values = [r.output_tokens_per_s for r in results]
-    bars.bar(labels, values, color=[colors[r.policy] for r in results])
-    for x, value in enumerate(values):
-        bars.annotate(f"{value:.0f}", (x, value), ha="center", va="bottom")
-    bars.set_ylabel("output tokens/s")
-    bars.set_title(f"throughput: {values[1] / values[0]:.2f}x")
-    fig.suptitle(f"Same KV budget, admission full vs usage, tp={TP} x dcp={DCP} (CPU, 4 logical GPUs)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    compare.write_plot(
+        path, results, [f"admission={r.label} ({r.makespan_s:.0f}s, peak {r.peak_sequences})" for r in results],
+        [(0, workload.full_sequences)],
+        title=f"{workload.num_requests} requests: {workload.prompt_tokens}-token prompts, max_tokens "
+              f"{workload.max_tokens}, stop after {workload.stop_first}-{workload.stop_last} tokens",
+        ylabel="sequences granted (in the engine)",
+        suptitle=f"Same KV budget, admission full vs usage, tp={TP} x dcp={DCP} (CPU, 4 logical GPUs)",
+        title_size=9,
+    )
 
 
 def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, results: list[PolicyResult]) -> list[str]:
-    import openai
-    import ray
     import torch
 
-    cores = len(os.sched_getaffinity(0))
     capacity = results[0].capacity_blocks
     notes = [r.metrics_note for r in results if r.metrics_note]
     return [
-        f"CPU RUN on {cores} cores with {NUM_GPUS} logical GPUs: the tp={TP} ranks are CPU actors sharing those cores "
-        f"(with the Ray head, Serve and this client). Per-step cost is dominated by fixed gloo / Ray overhead, so "
-        f"throughput tracks how many sequences each step batches; the admission and concurrency numbers are exact",
+        f"{compare.cpu_run_line(TP)} (with the Ray head, Serve and this client). Per-step cost is dominated by fixed "
+        f"gloo / Ray overhead, so throughput tracks how many sequences each step batches; the admission and "
+        f"concurrency numbers are exact",
         f"model: the tiny model (engine.tiny_model), float32, {model.kv_bytes_per_token_per_rank(TP, torch.float32)} "
         f"KV bytes per token per rank before DCP sharding",
         f"layout: one replica (autoscaling min = max = 1) of tp={TP} x dcp={DCP}, block_size {BLOCK_SIZE} (a logical "
@@ -499,77 +302,48 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
         f"\"usage\" with the default kv_headroom 0.05",
         f"workload: a burst of {workload.num_requests} requests at once, random prompt ids (seed {workload.seed}) of "
         f"{workload.prompt_tokens} tokens (chosen among {CANDIDATES_PER_REQUEST}x as many random prompts: those "
-        f"whose greedy text has not fallen into a loop by the request's stop position), max_tokens {workload.max_tokens}, greedy (temperature 0), ignore_eos, "
-        f"streamed through the deployed app with the openai client; request i stops on a 2-4 character stop string "
-        f"chosen from an offline greedy run (engine.llm.LLM, tp=1) so that it ends after "
-        f"{workload.stop_first}-{workload.stop_last} output tokens (spread evenly, shuffled)",
+        f"whose greedy text has not fallen into a loop by the request's stop position), max_tokens "
+        f"{workload.max_tokens}, greedy (temperature 0), ignore_eos, streamed through the deployed app with the "
+        f"openai client; request i stops on a 2-4 character stop string chosen from an offline greedy run "
+        f"(engine.llm.LLM, tp=1) so that it ends after {workload.stop_first}-{workload.stop_last} output tokens "
+        f"(spread evenly, shuffled)",
         "concurrent sequences: the admission queue's grants (num_grants in /health) every "
-        f"{HEALTH_PERIOD_S}s; under \"usage\" a granted request may be preempted inside the engine (waiting to be "
-        "recomputed), so grants are an upper bound on the running sequences there; output tokens/s = all output "
+        f"{compare.HEALTH_PERIOD_S}s; under \"usage\" a granted request may be preempted inside the engine (waiting to "
+        "be recomputed), so grants are an upper bound on the running sequences there; output tokens/s = all output "
         "tokens / time from the burst to the last token",
         "KV written / reserved: per request (prompt + output tokens it actually produced) / (prompt + max_tokens), "
         "the tokens \"full\" reserves for it, averaged; the same for both policies since outputs are identical",
         "preemptions: the replica's dcpserve_preemptions and dcpserve_recomputed_tokens counters, read from the Ray "
         f"node's Prometheus endpoint {METRICS_WAIT_S:.0f}s after the burst (Ray exports every 10s)"
         + (f"; not available: {'; '.join(notes)}" if notes else ""),
-        "deploy time (not measured above): " + ", ".join(f"{r.policy} {r.deploy_s:.0f}s" for r in results),
-        f"torch {torch.__version__}, ray {ray.__version__}, openai {openai.__version__}, python "
-        f"{platform.python_version()}, date {datetime.datetime.now().isoformat(timespec='seconds')}",
+        compare.deploy_line(results),
+        compare.environment_line(),
     ]
-
-
-def markdown_section(command: str, info: list[str], rows: list[tuple[str, str, str, str]], headline: str) -> str:
-    plot = PLOT_PATH.relative_to(DOCS.path.parent).as_posix()
-    table = ["| metric | full | usage | usage / full |", "|:---|---:|---:|---:|"]
-    table += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join([
-        "## Admission policies: full reservation vs usage-based admission with preemption", "",
-        f"Command: `{command}`", "", headline, "", *table, "", f"![admission full vs usage]({plot})", "",
-        *[f"- {line}" for line in info],
-    ])
 
 
 # ---- main -----------------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    DOCS.check()  # unpaired markers fail now, not after the run
+    args = COMPARISON.parse_args(__doc__.split("\n\n")[0], "a smaller workload", argv)
+    COMPARISON.docs.check()  # unpaired markers fail now, not after the run
     workload = WORKLOADS[args.quick]
     if workload.num_requests <= workload.full_sequences:
         raise SystemExit("the burst must exceed what \"full\" holds, or nothing queues")
     started = time.monotonic()
-    # Ray's socket paths must stay short: the state (model, token, logs) in a directory directly under /tmp.
-    state = Path(tempfile.mkdtemp(prefix="dcpadm-", dir="/tmp"))
-    say(f"state and Ray logs under {state}")
-    head = None
-    try:
+    with compare.state_dir("dcpadm-", say) as state:
         model_dir = write_tiny_model(state / "tiny-model")
         model = ModelConfig.from_pretrained(model_dir)
         budget_bytes = kv_budget_bytes(model, workload)
         prompts, plans = plan_stops(model_dir, workload.prompts(model.vocab_size, CANDIDATES_PER_REQUEST), workload)
         say("stop positions (output tokens): " + ", ".join(str(p.expected_tokens) for p in plans))
-        settings = local_cluster.LocalSettings(
-            http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
-            dashboard_port=local_cluster.free_port(), num_gpus=NUM_GPUS, state_dir=state,
-            config=state / "unused.yaml", deploy_timeout_s=args.deploy_timeout,
-        )
-        env = local_cluster.ray_env(state)
-        head = local_cluster.start_head(settings, env, state / "ray")
-        local_cluster.wait_for_dashboard(settings, head)
-        results = [measure_policy(policy, settings, env, head, model_dir, budget_bytes, workload, prompts, plans)
-                   for policy in POLICIES]
-    finally:
-        if head is not None:
-            local_cluster.stop_head(head)
-        if os.environ.get("DCPSERVE_BENCH_KEEP_STATE"):
-            say(f"kept {state}")
-        else:
-            shutil.rmtree(state, ignore_errors=True)
+        with compare.serve_head(state, args.deploy_timeout) as head:
+            results = [measure_policy(policy, head, model_dir, budget_bytes, workload, prompts, plans)
+                       for policy in POLICIES]
 
     for result in results:
         for i, record in enumerate(result.records):
             if record.error is not None:
-                say(f"{result.policy}: request {i} failed: {record.error}")
+                say(f"{result.label}: request {i} failed: {record.error}")
     for i, (a, b) in enumerate(zip(*(r.records for r in results))):
         if a.text != b.text or a.completion_tokens != b.completion_tokens:
             say(f"request {i}: outputs differ: full {a.completion_tokens} tokens {a.text[-40:]!r}, usage "
@@ -577,25 +351,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = table_rows(results, workload, plans)
     full, usage = results
-    headline = (f"**With the same KV budget, admission=usage runs {usage.peak_sequences / full.peak_sequences:.1f}x the "
-                f"concurrent sequences of admission=full ({usage.peak_sequences} vs {full.peak_sequences}) and "
+    headline = (f"**With the same KV budget, admission=usage runs {usage.peak_sequences / full.peak_sequences:.1f}x "
+                f"the concurrent sequences of admission=full ({usage.peak_sequences} vs {full.peak_sequences}) and "
                 f"serves {usage.output_tokens_per_s / full.output_tokens_per_s:.2f}x the output tokens/s**, with "
                 f"{full.errors + usage.errors} errors; requests wrote on average "
                 f"{written_fraction(full, workload):.0%} of the KV \"full\" reserved for them.")
-    print()
-    print(console_table(rows))
-    print()
-    print(headline.replace("**", ""))
-    print(f"total {time.monotonic() - started:.0f}s")
+    COMPARISON.report(rows, headline, started)
     if args.write_docs:
-        command = "python bench/admission.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                     else sys.argv[1:]))
-        write_plot(results, workload, PLOT_PATH)
-        section = markdown_section(command.strip(), header_lines(workload, model, budget_bytes, results), rows,
-                                   headline)
-        # Read-modify-write in one go: other benchmarks write their own sections of the same file.
-        DOCS.write(section)
-        say(f"updated {DOCS.path.relative_to(REPO_ROOT)} and {PLOT_PATH.relative_to(REPO_ROOT)}")
+        COMPARISON.write_docs(argv, headline, rows, header_lines(workload, model, budget_bytes, results),
+                              lambda path: write_plot(results, workload, path), say)
     return 0
 
 

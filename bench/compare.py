@@ -1,0 +1,426 @@
+"""Two app configurations measured side by side through the deployed app: what bench/capacity.py and
+bench/admission.py share.
+
+Each of those scripts starts a Ray head of its own with 4 logical GPUs (deployments/local_cluster.py, as `make
+serve`), then for each of its two configurations `serve deploy`s one replica of the tiny model, sends the same burst
+at once through the OpenAI API (official `openai` async client, streaming), polls /health for the sequences the
+admission queue has granted, and shuts Serve down before the next configuration. This module holds that machinery,
+the per-request records and the metrics derived from them, and the output: the two-column metric table (console and
+markdown), the docs section and the plot's two panels (concurrency timeline, throughput bars). The scripts keep their
+workload, their app settings and the metrics only their experiment has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+
+from bench.docs_section import DocsSection
+from deployments import local_cluster
+from engine.config import ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "dcpserve-tiny"
+NUM_GPUS = 4  # logical GPUs on the Ray head: one replica takes them all
+HEALTH_PERIOD_S = 0.2
+PROGRESS_PERIOD_S = 15.0
+COLORS = ("tab:gray", "tab:blue")  # the first configuration, the second
+
+Row = tuple[str, str, str, str]  # (metric, first, second, second / first)
+
+
+# ---- the records -----------------------------------------------------------------------------------------------
+
+@dataclass
+class RequestRecord:
+    """One streamed request, times in seconds from the start of the burst."""
+
+    sent: float
+    first_token: float | None = None
+    last_token: float | None = None
+    completion_tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class BurstResult:
+    """One configuration's burst: its requests, the granted-sequences timeline, and what is derived from them."""
+
+    label: str  # the configuration's column label, e.g. "dcp=4" or "usage"
+    capacity_blocks: int  # the replica's KV capacity from /health
+    deploy_s: float
+    records: list[RequestRecord] = field(default_factory=list)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, sequences granted)
+    makespan_s: float = 0.0
+
+    @property
+    def errors(self) -> int:
+        return sum(r.error is not None for r in self.records)
+
+    @property
+    def peak_sequences(self) -> int:
+        return max((n for _, n in self.timeline), default=0)
+
+    @property
+    def mean_sequences(self) -> float:
+        """Time-weighted mean of the granted sequences from the burst to its last token."""
+        points = [(t, n) for t, n in self.timeline if t <= self.makespan_s]
+        if len(points) < 2:
+            return float(self.peak_sequences)
+        area = sum((t1 - t0) * n0 for (t0, n0), (t1, _) in zip(points, points[1:]))
+        return area / (points[-1][0] - points[0][0])
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.records)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.makespan_s
+
+    @property
+    def ttft_median_s(self) -> float:
+        return statistics.median(r.first_token - r.sent for r in self.records if r.first_token is not None)
+
+    @property
+    def itl_median_s(self) -> float:
+        # Per request: (last token - first token) / (tokens - 1), from stream arrival times. Chunks, not tokens,
+        # arrive: the detokenizer holds back partial UTF-8, so a gap between chunks may span two tokens.
+        return statistics.median((r.last_token - r.first_token) / (r.completion_tokens - 1) for r in self.records
+                                 if r.first_token is not None and r.last_token is not None and r.completion_tokens > 1)
+
+
+R = TypeVar("R", bound=BurstResult)
+
+
+# ---- the cluster -------------------------------------------------------------------------------------------------
+
+def kv_budget_bytes(model: ModelConfig, tp: int, block_size: int, pages: int) -> int:
+    """Per-rank KV bytes (float32) that hold `pages` pages of `block_size` tokens."""
+    import torch
+
+    return pages * block_size * model.kv_bytes_per_token_per_rank(tp, torch.float32)
+
+
+def app_config(tp: int, dcp: int, block_size: int, budget_bytes: int, max_model_len: int, admission: str,
+               max_queued_requests: int) -> dict[str, Any]:
+    """The Serve config of one replica (the 4 logical GPUs) of the tiny model, float32, with `budget_bytes` of KV
+    per rank; requests wait in the admission FIFO up to `max_queued_requests`, and for up to 900 s."""
+    args = {
+        "model": "filled in by local_cluster.write_config",
+        "served_model_name": MODEL_NAME,
+        "tensor_parallel_size": tp,
+        "decode_context_parallel_size": dcp,
+        "dtype": "float32",
+        "block_size": block_size,
+        "kv_cache_memory_bytes": budget_bytes,
+        "max_model_len": max_model_len,
+        "admission": admission,
+        "max_queued_requests": max_queued_requests,
+        "queue_timeout_s": 900,
+        "routing_stats_period_s": 0.5,
+        "kv_report_period_s": 0.25,
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},  # one replica = the 4 logical GPUs
+    }
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
+                          "args": args}],
+    }
+
+
+@contextlib.contextmanager
+def state_dir(prefix: str, say: Callable[[str], None]) -> Iterator[Path]:
+    """A fresh directory directly under /tmp (Ray's socket paths must stay short) for the model, token and logs;
+    removed afterwards unless DCPSERVE_BENCH_KEEP_STATE is set."""
+    state = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    say(f"state and Ray logs under {state}")
+    try:
+        yield state
+    finally:
+        if os.environ.get("DCPSERVE_BENCH_KEEP_STATE"):
+            say(f"kept {state}")
+        else:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ServeHead:
+    """A Ray head of this process's own with NUM_GPUS logical GPUs, on which one app at a time is deployed."""
+
+    settings: local_cluster.LocalSettings
+    env: dict[str, str]
+    head: subprocess.Popen[bytes]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.http_port}"
+
+    def deploy(self, model_dir: Path, config: dict[str, Any], label: str) -> float:
+        """`serve deploy`s `config` (written as serve_config.{label}.yaml) and waits until it runs; seconds taken."""
+        path = self.settings.state_dir / f"serve_config.{label}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        start = time.monotonic()
+        settings = dataclasses.replace(self.settings, config=path)
+        local_cluster.deploy_and_wait(settings, self.env, local_cluster.write_config(settings, model_dir), self.head)
+        return time.monotonic() - start
+
+    def replica(self, label: str) -> tuple[str, dict[str, Any]]:
+        """The one engine replica's id (Serve's REST API) and its KV counts from /health (capacity, num_grants):
+        /health itself names no replica."""
+        counts = httpx.get(f"{self.base_url}/health", timeout=30).json()
+        token = Path(self.env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        details = httpx.get(f"http://127.0.0.1:{self.settings.dashboard_port}/api/serve/applications/",
+                            headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+        replicas = [r for r in details["applications"]["dcpserve"]["deployments"]["EngineReplica"]["replicas"]
+                    if r["state"] == "RUNNING"]
+        if len(replicas) != 1 or counts.get("replicas") != 1:
+            raise SystemExit(f"{label}: expected one engine replica; Serve lists {len(replicas)}, /health {counts}")
+        return replicas[0]["replica_id"], {"capacity": counts["kv_capacity_blocks"], "num_grants": counts["num_grants"]}
+
+    def shutdown_serve(self, timeout_s: float = 120) -> None:
+        """`serve shutdown`, then waits until no application is left (its replicas' GPUs are free again)."""
+        address = f"http://127.0.0.1:{self.settings.dashboard_port}"
+        subprocess.run([local_cluster.ray_bin("serve"), "shutdown", "-y", "--address", address], env=self.env,
+                       check=True, capture_output=True, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while local_cluster.serve_status(self.settings, self.env).get("applications"):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"Serve still lists applications {timeout_s:.0f}s after `serve shutdown`")
+            time.sleep(1)
+
+
+@contextlib.contextmanager
+def serve_head(state: Path, deploy_timeout_s: float) -> Iterator[ServeHead]:
+    """Starts a Ray head on free ports with its state under `state`, and stops it afterwards."""
+    settings = local_cluster.LocalSettings(
+        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
+        dashboard_port=local_cluster.free_port(), num_gpus=NUM_GPUS, state_dir=state,
+        config=state / "unused.yaml", deploy_timeout_s=deploy_timeout_s,
+    )
+    env = local_cluster.ray_env(state)
+    head = local_cluster.start_head(settings, env, state / "ray")
+    try:
+        local_cluster.wait_for_dashboard(settings, head)
+        yield ServeHead(settings, env, head)
+    finally:
+        local_cluster.stop_head(head)
+
+
+# ---- the burst ---------------------------------------------------------------------------------------------------
+
+async def run_burst(base_url: str, prompts: list[list[int]], max_tokens: int, result: BurstResult,
+                    stops: list[str] | None = None, progress: Callable[[str], None] | None = None) -> None:
+    """Sends every prompt at once (greedy, ignore_eos, streamed; request i cut at `stops[i]` if given) and fills
+    `result`'s records, makespan and the /health timeline of granted sequences. A request that fails is recorded
+    with its error. `progress`, if given, hears how the burst goes every PROGRESS_PERIOD_S."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900)
+    start = time.perf_counter()
+    done = asyncio.Event()
+    finished = 0
+
+    async def one(prompt: list[int], stop: str | None) -> RequestRecord:
+        nonlocal finished
+        record = RequestRecord(sent=time.perf_counter() - start)
+        parts = []
+        try:
+            stream = await client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                stop=[stop] if stop is not None else None, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async with stream:
+                async for chunk in stream:
+                    now = time.perf_counter() - start
+                    if chunk.choices:
+                        choice = chunk.choices[0]
+                        parts.append(choice.text or "")
+                        record.finish_reason = choice.finish_reason or record.finish_reason
+                        record.first_token = record.first_token if record.first_token is not None else now
+                        record.last_token = now
+                    if chunk.usage is not None:
+                        record.completion_tokens = chunk.usage.completion_tokens
+        except Exception as err:  # noqa: BLE001 - counted and reported
+            record.error = repr(err)
+        record.text = "".join(parts)
+        finished += 1
+        return record
+
+    async def watch() -> None:
+        last_said = 0.0
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+            while not done.is_set():
+                health = (await http.get("/health")).json()
+                granted = health.get("num_grants", 0)
+                now = time.perf_counter() - start
+                result.timeline.append((now, granted))
+                if progress is not None and now - last_said >= PROGRESS_PERIOD_S:
+                    progress(f"{result.label}: {now:.0f}s, {finished}/{len(prompts)} done, {granted} granted, "
+                             f"{health.get('queued', '?')} queued")
+                    last_said = now
+                await asyncio.sleep(HEALTH_PERIOD_S)
+
+    watcher = asyncio.create_task(watch())
+    per_request: list[str | None] = list(stops) if stops is not None else [None] * len(prompts)
+    try:
+        result.records = list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, per_request))))
+        result.makespan_s = time.perf_counter() - start
+    finally:
+        done.set()
+        await watcher
+        await client.close()
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+
+def metric_row(metric: str, results: Sequence[R], value: Callable[[R], Any], fmt: str, ratio: bool = True) -> Row:
+    """(metric, first, second, second / first): numbers formatted with `fmt`, anything else as is; the ratio is "-"
+    where `ratio` is off, the values are not numbers or the first is 0."""
+    a, b = value(results[0]), value(results[1])
+    cells = [format(v, fmt) if isinstance(v, (int, float)) else str(v) for v in (a, b)]
+    return metric, cells[0], cells[1], (f"{b / a:.2f}x" if ratio and isinstance(a, (int, float)) and a else "-")
+
+
+def bold(row: Row) -> Row:
+    """The row in bold (markdown; the console table drops the stars)."""
+    return tuple(f"**{cell}**" for cell in row)  # type: ignore[return-value]
+
+
+def table_header(labels: tuple[str, str]) -> Row:
+    return "metric", labels[0], labels[1], f"{labels[1]} / {labels[0]}"
+
+
+def console_table(rows: list[Row], labels: tuple[str, str]) -> str:
+    lines = [table_header(labels)] + [tuple(cell.replace("**", "") for cell in row) for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(line, widths))) for line in lines)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One script's experiment as the outside sees it: options, column labels, docs section and plot."""
+
+    script: str  # "bench/capacity.py": the docs section's marker and the quoted command
+    labels: tuple[str, str]  # the two configurations' columns, e.g. ("dcp=1", "dcp=4")
+    title: str  # the docs section's heading
+    plot_path: Path
+    plot_alt: str
+
+    @property
+    def docs(self) -> DocsSection:
+        return DocsSection(self.script)
+
+    def parse_args(self, description: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
+        """--quick, --write-docs, --deploy-timeout."""
+        parser = argparse.ArgumentParser(description=description)
+        parser.add_argument("--quick", action="store_true", help=quick_help)
+        parser.add_argument("--write-docs", action="store_true",
+                            help=f"write {self.plot_path.relative_to(REPO_ROOT)} and this script's section of "
+                                 f"{self.docs.path.relative_to(REPO_ROOT)}")
+        parser.add_argument("--deploy-timeout", type=float, default=300.0, help="seconds to wait for each deploy")
+        return parser.parse_args(argv)
+
+    def markdown_section(self, command: str, headline: str, rows: list[Row], info: list[str]) -> str:
+        plot = self.plot_path.relative_to(self.docs.path.parent).as_posix()
+        table = ["| " + " | ".join(table_header(self.labels)) + " |", "|:---|---:|---:|---:|"]
+        table += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join([
+            f"## {self.title}", "",
+            f"Command: `{command}`", "", headline, "", *table, "", f"![{self.plot_alt}]({plot})", "",
+            *[f"- {line}" for line in info],
+        ])
+
+    def report(self, rows: list[Row], headline: str, started: float) -> None:
+        """The console's table, headline and total time."""
+        print()
+        print(console_table(rows, self.labels))
+        print()
+        print(headline.replace("**", ""))
+        print(f"total {time.monotonic() - started:.0f}s")
+
+    def write_docs(self, argv: list[str] | None, headline: str, rows: list[Row], info: list[str],
+                   plot: Callable[[Path], None], say: Callable[[str], None]) -> None:
+        """Writes the plot (`plot(path)`), then replaces this script's section of docs/benchmarks.md."""
+        plot(self.plot_path)
+        command = f"python {self.script} " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                               else sys.argv[1:]))
+        # Read-modify-write in one go: other benchmarks write their own sections of the same file.
+        self.docs.write(self.markdown_section(command.strip(), headline, rows, info))
+        say(f"updated {self.docs.path.relative_to(REPO_ROOT)} and {self.plot_path.relative_to(REPO_ROOT)}")
+
+
+def cpu_run_line(tp: int) -> str:
+    """The start of the docs' first note: what a CPU run shares."""
+    cores = len(os.sched_getaffinity(0))
+    return (f"CPU RUN on {cores} cores with {NUM_GPUS} logical GPUs: the tp={tp} ranks are CPU actors sharing those "
+            f"cores")
+
+
+def deploy_line(results: Sequence[BurstResult]) -> str:
+    return "deploy time (not measured above): " + ", ".join(f"{r.label} {r.deploy_s:.0f}s" for r in results)
+
+
+def environment_line() -> str:
+    import openai
+    import ray
+    import torch
+
+    return (f"torch {torch.__version__}, ray {ray.__version__}, openai {openai.__version__}, python "
+            f"{platform.python_version()}, date {datetime.datetime.now().isoformat(timespec='seconds')}")
+
+
+def write_plot(path: Path, results: Sequence[BurstResult], legends: list[str], limits: list[tuple[int, float]],
+               title: str, ylabel: str, suptitle: str, title_size: float | None = None) -> None:
+    """Left: each configuration's granted sequences over the burst (`legends[i]` for results[i]), a dotted line at
+    y for each (i, y) in `limits` in results[i]'s color; right: output tokens/s bars and their ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (timeline, bars) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for result, legend, color in zip(results, legends, COLORS):
+        timeline.step([t for t, _ in result.timeline], [n for _, n in result.timeline], where="post", color=color,
+                      label=legend)
+    for i, y in limits:
+        timeline.axhline(y, color=COLORS[i], linestyle=":", linewidth=1)
+    timeline.set_xlabel("seconds since the burst")
+    timeline.set_ylabel(ylabel)
+    timeline.set_title(title, fontsize=title_size)
+    timeline.legend(loc="upper right")
+    values = [r.output_tokens_per_s for r in results]
+    bars.bar([r.label for r in results], values, color=COLORS[:len(results)])
+    for x, value in enumerate(values):
+        bars.annotate(f"{value:.0f}", (x, value), ha="center", va="bottom")
+    bars.set_ylabel("output tokens/s")
+    bars.set_title(f"throughput: {values[1] / values[0]:.2f}x")
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
