@@ -31,15 +31,9 @@ if str(REPO_ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from bench.docs_section import DocsSection  # noqa: E402
+from tests.e2e.faults import cpu_seconds  # noqa: E402
 
 DOCS = DocsSection("bench/burst.py")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a local process (Linux /proc), in seconds."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ingress_pid(dashboard_url: str, token_path: Path, app: str) -> int | None:

@@ -50,6 +50,13 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a local process (Linux /proc), in seconds."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def health(cluster: ServeCluster, headers: dict[str, str] | None = None) -> dict[str, Any]:
     reply = httpx.get(f"{cluster.url}/health", headers=headers, timeout=30)
     return {"http_status": reply.status_code, **reply.json()}
@@ -100,7 +107,7 @@ def _error_message(body: bytes) -> str:
 class Outcome:
     """One request of the load: how it ended."""
 
-    kind: str  # "stream" | "json"
+    kind: str  # "stream" | "json" | "chat" | "burst"
     started: float
     ended: float | None = None
     status: int | None = None  # HTTP status; for a stream that broke after 200: still 200, with error set
@@ -121,6 +128,7 @@ class Load:
     model: str
     streams: int = 2
     plain: int = 2
+    chats: int = 0
     max_tokens: int = 120
     client_timeout_s: float = 120.0
     headers: dict[str, str] = field(default_factory=dict)
@@ -151,11 +159,12 @@ class Load:
         return counts
 
     async def _run(self) -> None:
-        limits = httpx.Limits(max_connections=self.streams + self.plain + 4)
+        limits = httpx.Limits(max_connections=self.streams + self.plain + self.chats + 4)
         async with httpx.AsyncClient(base_url=self.url, timeout=self.client_timeout_s, limits=limits,
                                      headers=self.headers) as http:
             clients = [self._loop(http, "stream", i) for i in range(self.streams)]
             clients += [self._loop(http, "json", 100 + i) for i in range(self.plain)]
+            clients += [self._loop(http, "chat", 200 + i) for i in range(self.chats)]
             await asyncio.gather(*clients)
 
     async def _loop(self, http: httpx.AsyncClient, kind: str, index: int) -> None:
@@ -164,8 +173,12 @@ class Load:
             seed += 1
             outcome = Outcome(kind, time.monotonic())
             self.outcomes.append(outcome)
-            body = {"model": self.model, "prompt": [(index * 7 + j) % 200 + 3 for j in range(40)],
-                    "max_tokens": self.max_tokens, "temperature": 1.0, "seed": seed, "stream": kind == "stream"}
+            body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 1.0,
+                                    "seed": seed, "stream": kind == "stream"}
+            if kind == "chat":
+                body["messages"] = [{"role": "user", "content": f"question {seed}: tell me about load {index}"}]
+            else:
+                body["prompt"] = [(index * 7 + j) % 200 + 3 for j in range(40)]
             try:
                 await asyncio.wait_for(self._one(http, body, outcome), timeout=self.client_timeout_s)
             except asyncio.TimeoutError:
@@ -181,7 +194,8 @@ class Load:
     @staticmethod
     async def _one(http: httpx.AsyncClient, body: dict[str, Any], outcome: Outcome) -> None:
         if not body["stream"]:
-            reply = await http.post("/v1/completions", json=body)
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            reply = await http.post(path, json=body)
             outcome.status = reply.status_code
             if reply.status_code == 200:
                 outcome.tokens = reply.json()["usage"]["completion_tokens"]

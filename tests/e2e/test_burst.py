@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.e2e import faults
 from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(420)]
@@ -51,13 +51,6 @@ IDLE_CPU_MAX_S = 2.5  # a wedged router loop burns ~IDLE_S; an idle ingress a fe
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
     with serve_cluster(tmp_path_factory.mktemp("burst"), APP_ARGS) as running:
         yield running
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc), in seconds."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ingress_pid(cluster: ServeCluster) -> int:
@@ -118,8 +111,8 @@ def test_burst_of_long_sampled_requests_gets_200_or_429_and_the_app_stays_respon
 
     # The ingress is idle, not spinning: its CPU time over IDLE_S stays small.
     pid = _ingress_pid(cluster)
-    before = _cpu_seconds(pid)
+    before = faults.cpu_seconds(pid)
     time.sleep(IDLE_S)
-    used = _cpu_seconds(pid) - before
+    used = faults.cpu_seconds(pid) - before
     print(f"ingress pid {pid}: {used:.2f}s CPU over {IDLE_S:.0f}s idle")
     assert used < IDLE_CPU_MAX_S, f"the ingress used {used:.2f}s of CPU in {IDLE_S:.0f}s idle: a busy loop"
