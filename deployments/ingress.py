@@ -24,10 +24,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import protocol
 from deployments.config import AppArgs
@@ -42,6 +42,7 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
               description="OpenAI-compatible completions and chat completions over TP x DCP replicas with KV-aware "
                           "admission. /v1 routes need `Authorization: Bearer <key>` when the app has API keys.")
+
 
 def _openapi() -> dict[str, Any]:
     """FastAPI's document plus the request-body schemas the routes declare through openapi_extra."""
@@ -69,9 +70,9 @@ REQUEUE_MIN_WAIT_S = 1.0
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its body iterator however the response ends. Starlette leaves the iterator
-    suspended when the client disconnects (the response task is cancelled mid-stream), so its finally, which frees
-    the request's KV and grant, would wait for the garbage collector: seconds to minutes."""
+    """A StreamingResponse that closes its body iterator however the response ends. Starlette does not close it when
+    the response is cancelled while it waits on send(): the iterator then stays suspended at its yield, and its
+    finally, which frees the request's KV and grant, would wait for the garbage collector."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
