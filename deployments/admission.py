@@ -4,11 +4,13 @@ Every request asks for `need` logical blocks (engine.block_manager.admission_blo
 prompt + max_tokens for "full", the prompt for "usage"). The queue grants a replica that can hold it now,
 preferring the most free KV, and counts the grant against that replica until the caller releases it. Invariants:
 
-- never over-commit: for every replica, headroom + granted + external <= capacity, where a granted ticket counts
-  the larger of its grant and what the replica reports it holds (under "usage" a request grows past its grant),
-  `external` is what the replica reports holding for requests this queue did not grant (direct handle calls, or
-  grants lost when this queue restarted), and `headroom` is the growth room the replica's "usage" admission keeps. Replicas report what they hold every kv_report_period_s and also refuse what they cannot hold
-  (the authority), so stale knowledge here delays requests but never overfills a replica;
+- never over-commit: a grant is made only while, for its replica, headroom + granted + external + need <=
+  capacity, where a granted ticket counts the larger of its grant and what the replica reports it holds (under
+  "usage" a request grows past its grant, and the engine preempts when growth runs out of KV), `external` is what
+  the replica reports holding for requests this queue did not grant (direct handle calls, or grants lost when
+  this queue restarted), and `headroom` is the growth room the replica's "usage" admission keeps. Replicas report
+  what they hold every kv_report_period_s and also refuse what they cannot hold (the authority), so stale
+  knowledge here delays requests but never overfills a replica;
 - strict FIFO: a request waits while anyone is ahead of it, so the head is never starved by smaller requests
   behind it; a request a replica refused goes back to the head;
 - bounded: at most `max_queued` wait; more get QueueFull at once; a wait past its timeout gets QueueTimeout;

@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP front (FastAPI through Serve): validate, tokenize, count KV, admit, stream.
 
-Request path: parse and validate the body (400) -> tokenize (chat template for chat) -> max_tokens (unset: the
-rest of the context, max_model_len minus the prompt) and check max_model_len (400) -> need = admission_blocks
-under the app's policy (prompt + max_tokens for "full", the prompt for "usage") -> KvAdmission.acquire: a granted replica,
-or 400 never-fits / 429 queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the
-KV-aware router to that replica -> a refusal, or a replica that does not take the request within
-dispatch_timeout_s (still starting, draining, gone), gives the grant back and re-queues the request at the head
--> deltas back as JSON or SSE. Whatever
-ends the request (finish, error, client disconnect) cancels the engine stream (which aborts the request and
-frees its KV) and releases the grant.
+Request path: API key (401) and body size (413) -> parse and validate the body (400) -> tokenize (chat template
+for chat) -> max_tokens (unset: the rest of the context, max_model_len minus the prompt) and check max_model_len
+(400) -> need = admission_blocks under the app's policy (prompt + max_tokens for "full", the prompt for "usage")
+-> KvAdmission.acquire: a granted replica, or 400 never-fits / 429 queue full or timed out / 503 no healthy
+replica -> EngineReplica.generate through the KV-aware router to that replica -> a refusal, or a replica that
+does not take the request within dispatch_timeout_s (still starting, draining, gone), gives the grant back and
+re-queues the request at the head -> deltas back as JSON or SSE. Whatever ends the request (finish, error, client
+disconnect, request_timeout_s) cancels the engine stream (which aborts the request and frees its KV) and releases
+the grant.
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
@@ -341,7 +341,8 @@ class OpenAIIngress:
                     if late_chance_used or not returned:
                         raise ApiError(
                             429, f"waited {loop.time() - arrived:.1f}s (queue_timeout_s={self.args.queue_timeout_s:g}) "
-                            f"and no replica took the request: it was granted KV but {'; '.join(returned)}; retry later",
+                            f"and no replica took the request: it was granted KV but {'; '.join(returned)}; "
+                            f"retry later",
                             code="queue_timeout", retry_after=self.args.retry_after_s)
                     late_chance_used = True
                     timeout = REQUEUE_MIN_WAIT_S

@@ -4,8 +4,9 @@ The replica is the authority on its KV, and its engine's ledger (AsyncEngine.kv_
 scheduler) is the one place that counts it: a request is accepted only when its admission blocks under the app's
 policy (prompt + max_tokens under "full", the prompt under "usage", where the headroom keeps growth room for the
 sequences already there) fit what the ledger has free. generate() therefore first yields an `accepted` or
-`refused` message, then the token deltas. It reports KV to the routers (record_routing_stats), to the admission queue (every
-kv_report_period_s: what it holds per ticket) and to the autoscaler (record_autoscaling_stats).
+`refused` message, then the token deltas. It reports KV to the routers (record_routing_stats), to the admission
+queue (every kv_report_period_s: what it holds per ticket, its headroom) and to the autoscaler
+(record_autoscaling_stats).
 
 Serve's controller calls record_routing_stats and check_health only on RUNNING replicas, and routers learn of a
 replica when it becomes RUNNING. So the replica tells the admission queue it is routable only while those probes
