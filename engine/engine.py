@@ -7,7 +7,6 @@ and per-request detokenization with stop strings. LLM (batch) and AsyncEngine (s
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -209,17 +208,13 @@ class LLMEngine:
                        if r.request_id not in exclude}
         per_request.update({r.request_id: scheduler.committed_blocks(r) for r in pending
                             if r.request_id not in exclude})
-        pool = self.block_manager.num_blocks
-        headroom = 0
-        if scheduler.config.admission == "usage" and per_request:
-            headroom = min(pool, max(math.ceil(scheduler.config.kv_headroom * pool), len(per_request)))
         return KvLedger(
             admission=scheduler.config.admission,
-            capacity_blocks=pool,
+            capacity_blocks=self.block_manager.num_blocks,
             tokens_per_block=self.block_manager.tokens_per_block,
             used_blocks=self.block_manager.usage().used,
             committed_blocks=sum(per_request.values()),
-            headroom_blocks=headroom,
+            headroom_blocks=scheduler.headroom_blocks(num_sequences=len(per_request)),
             per_request=per_request,
         )
 

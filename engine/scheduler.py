@@ -273,13 +273,15 @@ class Scheduler:
     def usage(self) -> BlockUsage:
         return self.block_manager.usage()
 
-    def headroom_blocks(self) -> int:
-        """Blocks "usage" admission leaves free as growth room: kv_headroom of the pool and at least one per running
-        sequence; none while nothing runs (so any prompt that fits the pool can start), none under "full"."""
-        if self.config.admission == "full" or not self.running:
+    def headroom_blocks(self, num_sequences: int | None = None) -> int:
+        """Blocks "usage" admission leaves free as growth room for `num_sequences` sequences (default: the running
+        ones): kv_headroom of the pool and at least one per sequence; none for no sequence (so any prompt that fits
+        the pool can start), none under "full". The engine's ledger counts every sequence its replica holds."""
+        count = len(self.running) if num_sequences is None else num_sequences
+        if self.config.admission == "full" or count == 0:
             return 0
         pool = self.block_manager.num_blocks
-        return min(pool, max(math.ceil(self.config.kv_headroom * pool), len(self.running)))
+        return min(pool, max(math.ceil(self.config.kv_headroom * pool), count))
 
     def committed_blocks(self, request: Request) -> int:
         """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"
