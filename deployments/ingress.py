@@ -282,7 +282,8 @@ class OpenAIIngress:
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             return ClosingStreamingResponse(
-                self._sse(session, request_id, chat, body.include_usage), media_type="text/event-stream"
+                self._sse(session, request_id, chat, body.include_usage, body.continuous_usage, len(token_ids)),
+                media_type="text/event-stream",
             )
         text: list[str] = []
         finish, used = None, protocol.usage(len(token_ids), 0)
@@ -294,11 +295,14 @@ class OpenAIIngress:
         return JSONResponse(build(request_id, self.model_name, "".join(text), finish, used))
 
     async def _sse(self, session: AsyncIterator[dict[str, Any]], request_id: str, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, continuous_usage: bool, num_prompt_tokens: int) -> AsyncIterator[str]:
+        """SSE chunks; with continuous_usage every chunk also carries the usage so far (vLLM's extension)."""
         used = None
         try:
             if chat:
                 first = protocol.chat_chunk(request_id, self.model_name, {"role": "assistant", "content": ""}, None)
+                if continuous_usage:
+                    first["usage"] = protocol.usage(num_prompt_tokens, 0)
                 yield f"data: {json.dumps(first)}\n\n"
             async for delta in session:
                 used = protocol.usage(delta["num_prompt_tokens"], delta["num_output_tokens"])
@@ -310,6 +314,8 @@ class OpenAIIngress:
                                                 {"content": delta["new_text"]} if delta["new_text"] else {}, finish)
                 else:
                     chunk = protocol.completion_chunk(request_id, self.model_name, delta["new_text"], finish)
+                if continuous_usage:
+                    chunk["usage"] = used
                 yield f"data: {json.dumps(chunk)}\n\n"
             if include_usage and used is not None:
                 obj = "chat.completion.chunk" if chat else "text_completion"

@@ -1,7 +1,7 @@
 """OpenAI wire format: request bodies (validated), response and stream-chunk bodies, error bodies.
 
 Supported: completions and chat completions with max_tokens, temperature, top_p, top_k (extension), seed, stop,
-stream (+ stream_options.include_usage), ignore_eos (extension). Parameters OpenAI defines that this server does
+stream (+ stream_options.include_usage and vLLM's continuous_usage_stats), ignore_eos (extension). Parameters OpenAI defines that this server does
 not implement are accepted only at their neutral value (n=1, logprobs null, echo false, penalties 0, ...), so a
 client never silently gets something other than what it asked for.
 """
@@ -25,6 +25,8 @@ MAX_STOP_CHARS = 256
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's extension (guidellm sends it): with include_usage, every chunk also carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -93,6 +95,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

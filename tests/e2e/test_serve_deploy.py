@@ -70,6 +70,14 @@ def test_openai_client_completions_chat_and_streams(server: str) -> None:
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == chat.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    # vLLM's continuous_usage_stats (guidellm's default streaming request): usage rides on every chunk.
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                            temperature=0, seed=3, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(ch.usage is not None for ch in chunks)
+    assert [ch.usage.completion_tokens for ch in chunks] == sorted(ch.usage.completion_tokens for ch in chunks)
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens == chat.usage.prompt_tokens
 
 
 def test_greedy_output_equals_engine_llm(server: str, model_dir: Path) -> None:
