@@ -98,15 +98,8 @@ class AsyncEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("pass a prompt or prompt_token_ids")
-            prompt_token_ids = self.engine.tokenize(prompt)
+        prompt_token_ids = self.engine.prompt_token_ids(prompt, prompt_token_ids)
         self.check_request(len(prompt_token_ids), params.max_tokens)
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -117,7 +110,7 @@ class AsyncEngine:
                 raise KvFull(need, ledger.free_blocks)
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending_adds.append((Request(request_id, list(prompt_token_ids), params), prompt))
+        self._pending_adds.append((Request(request_id, prompt_token_ids, params), prompt))
         self._ensure_loop()
         return self._stream(request_id, queue)
 

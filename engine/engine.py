@@ -166,6 +166,18 @@ class LLMEngine:
             raise ValueError(f"the model directory {self.config.model} has no tokenizer: pass prompt_token_ids")
         return self.tokenizer.encode(prompt)
 
+    def prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The request's prompt as token ids (tokenized when given as text), each checked against the vocabulary."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("pass a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return list(prompt_token_ids)
+
     def add_request(
         self,
         prompt: str | None = None,
@@ -175,16 +187,9 @@ class LLMEngine:
     ) -> str:
         """Queues a request; raises (RequestRejected, ValueError) at once if it could never be served."""
         params = sampling_params or SamplingParams()
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("pass a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
+        prompt_token_ids = self.prompt_token_ids(prompt, prompt_token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
+        request = Request(request_id, prompt_token_ids, params, prompt=prompt)
         self.scheduler.add_request(request)
         detokenizer = (
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer is not None else None
