@@ -69,21 +69,6 @@ _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_re
 REQUEUE_MIN_WAIT_S = 1.0
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its body iterator however the response ends. Starlette does not close it when
-    the response is cancelled while it waits on send(): the iterator then stays suspended at its yield, and its
-    finally, which frees the request's KV and grant, would wait for the garbage collector."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                # Shielded: the task may be cancelled again while the generator's cleanup runs.
-                await asyncio.shield(close())
-
-
 class ApiError(Exception):
     """An error answered with an OpenAI-shaped body."""
 
@@ -281,7 +266,7 @@ class OpenAIIngress:
         await session.__anext__()  # admission: raises ApiError (400 / 429 / 503) before any byte is sent
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return ClosingStreamingResponse(
+            return StreamingResponse(
                 self._sse(session, request_id, chat, body.include_usage, body.continuous_usage, len(token_ids)),
                 media_type="text/event-stream",
             )
