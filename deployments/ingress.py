@@ -15,22 +15,20 @@ the grant.
 # must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
 import asyncio
 import contextvars
-import hmac
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import protocol
 from deployments.config import AppArgs
+from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
 from deployments.replica import EngineRequest
 from engine.block_manager import admission_blocks
@@ -39,29 +37,6 @@ from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ray.serve")
 
-api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
-              description="OpenAI-compatible completions and chat completions over TP x DCP replicas with KV-aware "
-                          "admission. /v1 routes need `Authorization: Bearer <key>` when the app has API keys.")
-
-
-def _openapi() -> dict[str, Any]:
-    """FastAPI's document plus the request-body schemas the routes declare through openapi_extra."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(protocol.OPENAPI_SCHEMAS)
-        api.openapi_schema = schema
-    return api.openapi_schema
-
-
-api.openapi = _openapi  # type: ignore[method-assign]
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes and methods (404 / 405) answer in OpenAI's error shape too."""
-    return JSONResponse(protocol.error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
-                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
 _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_replica": 503}
 
 # A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
@@ -69,29 +44,8 @@ _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_re
 REQUEUE_MIN_WAIT_S = 1.0
 
 
-class ApiError(Exception):
-    """An error answered with an OpenAI-shaped body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(protocol.error_body(self.status, self.message, self.param, self.code),
-                            status_code=self.status, headers=headers)
-
-
-def _validation_message(err: ValidationError) -> tuple[str, str | None]:
-    first = err.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    messages = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
-    return messages, param
-
-
-# Decorated here, at import, not in build_app: Serve pickles `api` by reference, so each replica re-imports this
-# module, and the routes must be bound to the class there too.
+# Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
+# this module (and deployments.http_edge, where `api` lives), and the routes must be bound to the class there too.
 @serve.ingress(api)
 class OpenAIIngress:
     """Serve deployment class (build_app wraps it with serve.deployment): the OpenAI HTTP API."""
@@ -133,7 +87,7 @@ class OpenAIIngress:
     @api.get("/v1/models", responses={200: {"model": protocol.ModelList}, **protocol.ERROR_RESPONSES})
     async def models(self, request: Request) -> Response:
         try:
-            self._authorize(request)
+            authorize(request, self._api_keys)
         except ApiError as err:
             return err.response()
         return JSONResponse({"object": "list", "data": [
@@ -179,40 +133,10 @@ class OpenAIIngress:
 
     # ---- steps ----------------------------------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        """401 unless the request carries one of the app's API keys (when it has any). Every key is compared in
-        constant time, all of them every time, and the answer never says which part was wrong."""
-        if not self._api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        sent = token.strip().encode() if scheme.lower() == "bearer" else b""
-        matched = False
-        for key in self._api_keys:
-            matched |= hmac.compare_digest(sent, key)
-        if not matched:
-            raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
-
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 past max_request_body_bytes (by Content-Length, then while reading)."""
-        limit = self.args.max_request_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body is {int(declared)} bytes; max_request_body_bytes={limit}",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is larger than max_request_body_bytes={limit}",
-                               code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> Any:
-        self._authorize(request)
+        authorize(request, self._api_keys)
         try:
-            raw = json.loads(await self._read_body(request))
+            raw = json.loads(await read_body(request, self.args.max_request_body_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from None
         if not isinstance(raw, dict):
@@ -220,7 +144,7 @@ class OpenAIIngress:
         try:
             body = model.model_validate(raw)
         except ValidationError as err:
-            message, param = _validation_message(err)
+            message, param = validation_message(err)
             raise ApiError(400, message, param=param) from None
         if body.model != self.model_name:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
