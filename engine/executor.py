@@ -54,6 +54,6 @@ def create_executor(config: EngineConfig) -> Executor:
     """The in-process runner for tp = 1; the Ray worker group (imported only then) for tp > 1."""
     if config.parallel.tp == 1:
         return InProcessExecutor(config)
-    from cluster.worker_group import RayWorkerGroup
+    from engine.ray_executor import RayWorkerGroup
 
     return RayWorkerGroup.in_current_placement(config)
