@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
-from engine.engine import KvLedger, LLMEngine, RequestDelta
+from engine.engine import LLMEngine
+from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -27,23 +28,13 @@ from engine.sampling_params import SamplingParams
 IDLE_RETRY_S = 0.1
 
 
-class EngineDeadError(RuntimeError):
-    """The engine's loop failed; requests in flight were ended with this error."""
-
-
-class KvFull(RuntimeError):
-    """submit(check_kv=True) refused a request: its admission blocks exceed the ledger's free blocks now."""
-
-    def __init__(self, need: int, free_blocks: int) -> None:
-        super().__init__(f"the request needs {need} KV blocks, {free_blocks} are free")
-        self.need = need
-        self.free_blocks = free_blocks
-
-
 class AsyncEngine:
-    """Streams token deltas per request from a background engine loop."""
+    """The native backend of the engine protocol (engine.protocol.EngineClient): streams token deltas per request
+    from a background engine loop."""
 
-    def __init__(self, config: EngineConfig, on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+    backend = "native"
+
+    def __init__(self, config: EngineConfig, on_step: Callable[[EngineStats], None] | None = None) -> None:
         """on_step(stats), when given, runs on the event loop after every engine step (the serving layer's metrics)."""
         self.engine = LLMEngine(config)
         self.on_step = on_step
@@ -54,7 +45,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
-        self._stats: dict[str, Any] = self.engine.stats()
+        self._stats: EngineStats = self.engine.stats()
         self.dead_error: BaseException | None = None
 
     # ---- public API ------------------------------------------------------------------------------------------
@@ -155,17 +146,15 @@ class AsyncEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engine's stats as of its last step, plus requests accepted but not yet handed to the scheduler."""
-        stats = dict(self._stats)
-        stats["num_pending"] = len(self._pending_adds)
-        stats["healthy"] = self.dead_error is None
-        return stats
+        return dataclasses.replace(self._stats, num_pending=len(self._pending_adds), healthy=self.dead_error is None)
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
+        """Raises if the loop failed or a TP rank does not answer (the rank ping runs off the event loop)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
-        self.engine.executor.check_health()
+        await asyncio.to_thread(self.engine.executor.check_health)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

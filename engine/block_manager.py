@@ -7,10 +7,11 @@ blocks_needed(); nothing else rounds tokens to blocks.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine.request import Request
+from engine.request import Request, RequestRejected
 
 
 def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
@@ -29,6 +30,40 @@ def admission_blocks(admission: str, num_prompt_tokens: int, max_tokens: int, to
     if admission == "usage":
         return blocks_needed(num_prompt_tokens, tokens_per_block)
     raise ValueError(f"admission must be 'full' or 'usage', got {admission!r}")
+
+
+def headroom_blocks(admission: str, kv_headroom: float, num_blocks: int, num_sequences: int) -> int:
+    """Blocks "usage" admission leaves free as growth room for `num_sequences` sequences: kv_headroom of the pool
+    and at least one per sequence; none for no sequence (so any prompt that fits the pool can start), none under
+    "full". Both engine backends count their ledger's headroom with it."""
+    if admission == "full" or num_sequences == 0:
+        return 0
+    return min(num_blocks, max(math.ceil(kv_headroom * num_blocks), num_sequences))
+
+
+def check_fits(admission: str, num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int,
+               tokens_per_block: int) -> None:
+    """Raises RequestRejected when a request could never be served, naming the numbers: an empty prompt, prompt +
+    max_tokens past max_model_len, or more KV than the pool holds (prompt + max_tokens under "full", the prompt
+    under "usage", where a request that outgrows the pool finishes with "length")."""
+    total = num_prompt_tokens + max_tokens
+    if num_prompt_tokens < 1:
+        raise RequestRejected("the prompt is empty: send at least one token")
+    if total > max_model_len:
+        raise RequestRejected(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens"
+        )
+    full = admission == "full"
+    needed = blocks_needed(total if full else num_prompt_tokens, tokens_per_block)
+    if needed > num_blocks:
+        what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}" if full else (
+            f"the prompt ({num_prompt_tokens})")
+        raise RequestRejected(
+            f"{what} tokens needs {needed} KV blocks of {tokens_per_block} tokens but the replica holds "
+            f"{num_blocks} ({num_blocks * tokens_per_block} tokens); shorten the request or give the KV cache more "
+            f"memory (or raise dcp)"
+        )
 
 
 def num_blocks_for_budget(kv_bytes_per_rank: int, block_size: int, kv_bytes_per_token_per_rank: int) -> int:

@@ -11,7 +11,6 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,6 +24,7 @@ from engine.config import (
     resolve_dtype,
 )
 from engine.executor import Executor, create_executor
+from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -87,43 +87,6 @@ def make_engine_config(
         device=device,
         seed=seed,
     )
-
-
-@dataclass(frozen=True)
-class KvLedger:
-    """One replica's KV in logical blocks (block_size * dcp tokens), read from its block manager and scheduler:
-    the one ledger that accept / refuse, the reports to the admission queue and routers, and the metrics use."""
-
-    admission: str  # "full" | "usage"
-    capacity_blocks: int
-    tokens_per_block: int
-    used_blocks: int  # allocated: KV written or being written
-    committed_blocks: int  # what the admission policy counts for every unfinished request (sum of per_request)
-    headroom_blocks: int  # "usage": growth room admission keeps free for the sequences it holds
-    per_request: dict[str, int]  # unfinished request id -> its committed blocks
-
-    @property
-    def free_blocks(self) -> int:
-        """What admission may still hand a new request."""
-        return max(0, self.capacity_blocks - self.committed_blocks - self.headroom_blocks)
-
-    def admits(self, need: int) -> bool:
-        """Whether a new request asking for `need` blocks (admission_blocks) is accepted: it fits the free blocks,
-        or the replica holds nothing (any request that passed the never-fits check may start alone)."""
-        return need <= self.free_blocks or not self.per_request
-
-
-@dataclass
-class RequestDelta:
-    """What one step added to a request: new tokens, newly completed text, and whether it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
 
 
 @dataclass
@@ -281,51 +244,45 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.capacity_tokens
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """KV blocks (replica and per rank), sequences, and token counters, for the serving layer."""
         usage = self.block_manager.usage()
         dcp = self.config.parallel.dcp
         running = self.scheduler.running
         computed = torch.tensor([r.num_computed_tokens for r in running], dtype=torch.int64)
         block_size = self.config.cache.block_size
-        per_rank = []
-        for rank in range(self.config.parallel.tp):
-            dcp_rank = rank % dcp
-            held = int(dcp_local_seq_lens(computed, dcp, dcp_rank).sum()) if running else 0
-            per_rank.append({
-                "rank": rank,
-                "dcp_rank": dcp_rank,
-                "pages_total": usage.total,
-                "pages_used": usage.used,
-                "tokens_capacity": usage.total * block_size,
-                "tokens_used": held,
-            })
-        return {
-            "kv_blocks_total": usage.total,
-            "kv_blocks_used": usage.used,
-            "kv_blocks_reserved": usage.reserved,
-            "kv_blocks_free": usage.free,
-            "kv_block_size_tokens": usage.tokens_per_block,
-            "kv_capacity_tokens": usage.total * usage.tokens_per_block,
-            "kv_used_tokens": usage.used * usage.tokens_per_block,
-            "kv_reserved_tokens": usage.reserved * usage.tokens_per_block,
-            "kv_free_tokens": usage.free * usage.tokens_per_block,
-            "kv_usage": usage.used / usage.total if usage.total else 0.0,
-            "per_rank": per_rank,
-            "num_running": len(running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
-            "admission": self.scheduler.config.admission,
-            "tokens_computed": self.num_tokens_computed,
-            "generation_tokens": self.num_generation_tokens,
-            "num_steps": self.num_steps,
-            "last_step_seconds": self.last_step_seconds,
-            "last_exchange_seconds": self.last_exchange_seconds,
-            "tp": self.config.parallel.tp,
-            "dcp": dcp,
-            "num_kv_heads": self.model_config.num_key_value_heads,
-        }
+        per_rank = tuple(
+            RankKvStats(
+                rank=rank,
+                dcp_rank=rank % dcp,
+                pages_total=usage.total,
+                pages_used=usage.used,
+                tokens_capacity=usage.total * block_size,
+                tokens_used=int(dcp_local_seq_lens(computed, dcp, rank % dcp).sum()) if running else 0,
+            )
+            for rank in range(self.config.parallel.tp)
+        )
+        return EngineStats(
+            backend="native",
+            tp=self.config.parallel.tp,
+            dcp=dcp,
+            num_kv_heads=self.model_config.num_key_value_heads,
+            admission=self.scheduler.config.admission,
+            kv_blocks_total=usage.total,
+            kv_block_size_tokens=usage.tokens_per_block,
+            kv_blocks_used=usage.used,
+            kv_blocks_reserved=usage.reserved,
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            tokens_computed=self.num_tokens_computed,
+            generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps,
+            last_step_seconds=self.last_step_seconds,
+            last_exchange_seconds=self.last_exchange_seconds,
+            per_rank=per_rank,
+        )
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -25,6 +25,10 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+class RequestRejected(ValueError):
+    """A request that could never be served with this configuration (never-fits); nothing was queued."""
+
+
 @dataclass
 class Request:
     """One sequence being generated.

@@ -21,18 +21,13 @@ The waiting queue is FIFO and its head blocks the rest, so a big request is neve
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, BlockUsage
+from engine.block_manager import BlockManager, BlockUsage, check_fits, headroom_blocks
 from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request, RequestRejected, RequestStatus  # noqa: F401 - RequestRejected re-exported
 from engine.sampling_params import SamplingParams
-
-
-class RequestRejected(ValueError):
-    """A request that could never be served with this configuration (never-fits); nothing was queued."""
 
 
 @dataclass
@@ -98,26 +93,8 @@ class Scheduler:
         """Raises RequestRejected when the request could never be served, naming the numbers: prompt + max_tokens
         past max_model_len, or more KV than the pool holds (prompt + max_tokens under "full", the prompt under
         "usage", where a request that outgrows the pool finishes with "length")."""
-        total = num_prompt_tokens + max_tokens
-        if num_prompt_tokens < 1:
-            raise RequestRejected("the prompt is empty: send at least one token")
-        if total > self.config.max_model_len:
-            raise RequestRejected(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len={self.config.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        capacity = self.block_manager.capacity_tokens
-        full = self.config.admission == "full"
-        counted = total if full else num_prompt_tokens
-        needed = self.block_manager.blocks_for(counted)
-        if needed > self.block_manager.num_blocks:
-            what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}" if full else (
-                f"the prompt ({num_prompt_tokens})")
-            raise RequestRejected(
-                f"{what} tokens needs {needed} KV blocks of {self.block_manager.tokens_per_block} tokens but the "
-                f"replica holds {self.block_manager.num_blocks} ({capacity} tokens); shorten the request or give "
-                f"the KV cache more memory (or raise dcp)"
-            )
+        check_fits(self.config.admission, num_prompt_tokens, max_tokens, self.config.max_model_len,
+                   self.block_manager.num_blocks, self.block_manager.tokens_per_block)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -278,10 +255,7 @@ class Scheduler:
         ones): kv_headroom of the pool and at least one per sequence; none for no sequence (so any prompt that fits
         the pool can start), none under "full". The engine's ledger counts every sequence its replica holds."""
         count = len(self.running) if num_sequences is None else num_sequences
-        if self.config.admission == "full" or count == 0:
-            return 0
-        pool = self.block_manager.num_blocks
-        return min(pool, max(math.ceil(self.config.kv_headroom * pool), count))
+        return headroom_blocks(self.config.admission, self.config.kv_headroom, self.block_manager.num_blocks, count)
 
     def committed_blocks(self, request: Request) -> int:
         """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"

@@ -59,10 +59,10 @@ def test_abandoned_stream_aborts_and_frees_kv(tiny: Path) -> None:
             await stream.aclose()  # what a client disconnect does to the ingress' iterator
             for _ in range(100):
                 stats = engine.stats()
-                if stats["num_running"] == 0 and stats["kv_blocks_reserved"] == 0:
+                if stats.num_running == 0 and stats.kv_blocks_reserved == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
+            assert stats.num_running == 0 and stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
             # The engine keeps serving after the abort.
             tokens, _, _ = await collect(engine, "next", SamplingParams(max_tokens=4, ignore_eos=True))
             assert len(tokens) == 4
@@ -78,10 +78,10 @@ def test_never_fits_raises_before_anything_is_queued(tiny: Path) -> None:
         try:
             with pytest.raises(RequestRejected, match="exceeds max_model_len=64"):
                 await collect(engine, "hi", SamplingParams(max_tokens=100))
-            assert engine.stats()["num_waiting"] == 0 and engine.stats()["num_pending"] == 0
+            assert engine.stats().num_waiting == 0 and engine.stats().num_pending == 0
             stats = engine.stats()
-            assert stats["kv_capacity_tokens"] == engine.kv_capacity_tokens > 0
-            assert stats["per_rank"][0]["tokens_capacity"] == stats["kv_capacity_tokens"]
+            assert stats.kv_capacity_tokens == engine.kv_capacity_tokens > 0
+            assert stats.per_rank[0].tokens_capacity == stats.kv_capacity_tokens
         finally:
             await engine.shutdown()
 

@@ -124,14 +124,14 @@ def test_preempted_requests_recompute_to_the_same_tokens(tiny: Path) -> None:
     tight = {"block_size": 4, "kv_cache_memory_bytes": 64 << 10, "admission": "usage", "kv_headroom": 0.0}
     with LLM(tiny, **tight) as llm:
         greedy_out = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
-        greedy_preemptions = llm.engine.stats()["num_preemptions"]
+        greedy_preemptions = llm.engine.stats().num_preemptions
         sampled_out = llm.generate(prompt_token_ids=batch, sampling_params=sampled)
         stats = llm.engine.stats()
-    assert greedy_preemptions > 0 and stats["num_preemptions"] > greedy_preemptions
-    assert stats["num_recomputed_tokens"] > 0
+    assert greedy_preemptions > 0 and stats.num_preemptions > greedy_preemptions
+    assert stats.num_recomputed_tokens > 0
     for tokens, output in zip(batch, greedy_out):
         assert output.outputs[0].token_ids == hf_greedy(tiny, tokens, 24)
     with LLM(tiny, block_size=4) as roomy:  # 128 MiB: no preemption
         expected = roomy.generate(prompt_token_ids=batch, sampling_params=sampled)
-        assert roomy.engine.stats()["num_preemptions"] == 0
+        assert roomy.engine.stats().num_preemptions == 0
     assert [o.outputs[0].token_ids for o in sampled_out] == [o.outputs[0].token_ids for o in expected]

@@ -50,8 +50,8 @@ def test_worker_group_greedy_equals_transformers(tp: int, dcp: int, tiny: Path, 
         stats = llm.engine.stats()
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"tp={tp} dcp={dcp} prompt of {len(prompt)}"
-    assert stats["tp"] == tp and stats["dcp"] == dcp and len(stats["per_rank"]) == tp
-    assert stats["kv_blocks_used"] == 0  # everything finished and freed
+    assert stats.tp == tp and stats.dcp == dcp and len(stats.per_rank) == tp
+    assert stats.kv_blocks_used == 0  # everything finished and freed
 
 
 def test_preempted_requests_recompute_to_the_same_greedy_tokens_at_tp2_dcp2(tiny: Path, hf_expected,
@@ -66,10 +66,10 @@ def test_preempted_requests_recompute_to_the_same_greedy_tokens_at_tp2_dcp2(tiny
              kv_cache_memory_bytes=32 << 10, admission="usage", kv_headroom=0.0) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         stats = llm.engine.stats()
-    assert stats["kv_blocks_total"] == 16 and stats["num_preemptions"] > 0, stats
+    assert stats.kv_blocks_total == 16 and stats.num_preemptions > 0, stats
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"prompt of {len(prompt)}"
-    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
 
 
 def test_dcp_multiplies_capacity_and_concurrency(tiny: Path, ray_cluster) -> None:
@@ -92,8 +92,8 @@ def test_dcp_multiplies_capacity_and_concurrency(tiny: Path, ray_cluster) -> Non
             while engine.has_unfinished_requests():
                 engine.step()
                 stats = engine.stats()
-                assert stats["kv_blocks_reserved"] <= stats["kv_blocks_total"]
-                peak = max(peak, stats["num_running"])
+                assert stats.kv_blocks_reserved <= stats.kv_blocks_total
+                peak = max(peak, stats.num_running)
             concurrency[dcp] = peak
     assert capacity[1] == 512 and capacity[4] == 4 * capacity[1]
     assert concurrency[1] == 4 and concurrency[4] == 16

@@ -1,0 +1,194 @@
+"""The engine protocol: what a Serve replica (and anything else that serves) may ask of one replica's engine.
+
+Two backends implement it: the native engine (engine.async_engine.AsyncEngine) and vLLM's AsyncLLM behind
+engine.vllm_engine.VllmEngine. Everything above the engine (the replica, admission, routing, autoscaling, metrics)
+talks to an `EngineClient` and reads its typed `EngineStats` and `KvLedger`, so both backends look the same from
+there. `start_engine(args)` picks the backend named by `EngineArgs.backend`.
+
+KV is counted in logical blocks of block_size * dcp tokens (a block is one page on every rank of a DCP group), the
+unit of the whole system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from engine.args import EngineArgs
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's loop failed; requests in flight were ended with this error."""
+
+
+class KvFull(RuntimeError):
+    """submit(check_kv=True) refused a request: its admission blocks exceed the ledger's free blocks now."""
+
+    def __init__(self, need: int, free_blocks: int) -> None:
+        super().__init__(f"the request needs {need} KV blocks, {free_blocks} are free")
+        self.need = need
+        self.free_blocks = free_blocks
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to a request: new tokens, newly completed text, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class KvLedger:
+    """One replica's KV in logical blocks (block_size * dcp tokens): the one ledger that accept / refuse, the reports
+    to the admission queue and routers, and the metrics use."""
+
+    admission: str  # "full" | "usage"
+    capacity_blocks: int
+    tokens_per_block: int
+    used_blocks: int  # allocated: KV written or being written
+    committed_blocks: int  # what the admission policy counts for every unfinished request (sum of per_request)
+    headroom_blocks: int  # "usage": growth room admission keeps free for the sequences it holds
+    per_request: dict[str, int]  # unfinished request id -> its committed blocks
+
+    @property
+    def free_blocks(self) -> int:
+        """What admission may still hand a new request."""
+        return max(0, self.capacity_blocks - self.committed_blocks - self.headroom_blocks)
+
+    def admits(self, need: int) -> bool:
+        """Whether a new request asking for `need` blocks (admission_blocks) is accepted: it fits the free blocks,
+        or the replica holds nothing (any request that passed the never-fits check may start alone)."""
+        return need <= self.free_blocks or not self.per_request
+
+
+@dataclass(frozen=True)
+class RankKvStats:
+    """One TP rank's KV: its pages (one per logical block) and the tokens of running sequences it holds."""
+
+    rank: int
+    dcp_rank: int
+    pages_total: int
+    pages_used: int
+    tokens_capacity: int
+    tokens_used: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One replica's engine as of its last step: KV in logical blocks, sequences, counters, layout."""
+
+    backend: str  # "native" | "vllm"
+    tp: int
+    dcp: int
+    num_kv_heads: int  # of the model (1 for MLA's latent cache)
+    admission: str
+    kv_blocks_total: int  # logical blocks the KV pool holds
+    kv_block_size_tokens: int  # tokens per logical block: block_size * dcp
+    kv_blocks_used: int  # allocated to sequences
+    kv_blocks_reserved: int  # promised to admitted sequences (used included)
+    num_running: int
+    num_waiting: int  # inside the engine, not yet running
+    num_pending: int = 0  # accepted by the serving front, not yet handed to the engine
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    tokens_computed: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    last_step_seconds: float = 0.0
+    last_exchange_seconds: float = 0.0  # of last_step_seconds, the DCP exchange (0 without DCP or unknown)
+    healthy: bool = True
+    per_rank: tuple[RankKvStats, ...] = ()
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return max(0, self.kv_blocks_total - self.kv_blocks_reserved)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_blocks_total * self.kv_block_size_tokens
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.kv_blocks_used * self.kv_block_size_tokens
+
+    @property
+    def kv_reserved_tokens(self) -> int:
+        return self.kv_blocks_reserved * self.kv_block_size_tokens
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return self.kv_blocks_free * self.kv_block_size_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (fields and the derived KV figures), for reports that cross process boundaries as JSON."""
+        data = asdict(self)
+        for name in ("kv_blocks_free", "kv_capacity_tokens", "kv_used_tokens", "kv_reserved_tokens",
+                     "kv_free_tokens", "kv_usage"):
+            data[name] = getattr(self, name)
+        return data
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """One replica's engine, as the serving layer uses it. Every method is called on the replica's event loop."""
+
+    backend: str
+    dead_error: BaseException | None  # set once the engine failed; every request in flight got an error
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    def submit(self, sampling_params: SamplingParams, prompt_token_ids: list[int], request_id: str,
+               check_kv: bool = False) -> AsyncIterator[RequestDelta]:
+        """Queues a request now, synchronously, and returns its stream of deltas (token ids, text, finish reason).
+        Raises ValueError (never fits, bad token ids), KvFull (check_kv and the ledger cannot admit it now) or
+        EngineDeadError before anything is queued. A caller that never iterates the stream must abort()."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV. Idempotent; unknown ids are ignored."""
+        ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The logical blocks a new request asks admission for under this engine's policy."""
+        ...
+
+    def kv_ledger(self) -> KvLedger: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def check_health(self) -> None:
+        """Raises if the engine (any rank) is dead."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+
+def start_engine(args: EngineArgs, on_step: Callable[[EngineStats], None] | None = None) -> EngineClient:
+    """Starts the backend `args.backend` names (blocking: loads weights, sizes the KV cache). on_step(stats), when
+    given, runs on the event loop after every engine step."""
+    if args.backend == "native":
+        from engine.async_engine import AsyncEngine
+
+        return AsyncEngine(args.create_engine_config(), on_step)
+    if args.backend == "vllm":
+        from engine.vllm_engine import VllmEngine
+
+        return VllmEngine(args, on_step)
+    raise ValueError(f"backend must be 'native' or 'vllm', got {args.backend!r}")
