@@ -1,8 +1,11 @@
 """Capacity planning: for each valid TP x DCP layout, how many KV tokens and long-context sequences fit.
 
-Per rank the budget is gpu_memory * gpu_memory_utilization; weights come off first, the rest is KV pages of
-block_size tokens. A replica holds pages_per_rank * block_size * dcp tokens (docs/dcp.md, Accounting).
-Activations, CUDA graphs and communication buffers are not counted, so real capacity is somewhat lower.
+gpu_memory_utilization means what it means to the engine (CacheConfig) and to vLLM: the fraction of
+each GPU's total memory the engine may use for weights, activations and KV cache together. Per rank the budget is
+gpu_memory * gpu_memory_utilization; weights come off first, the rest is KV pages of block_size tokens, as the
+engine sizes its cache. A replica holds pages_per_rank * block_size * dcp tokens (docs/dcp.md, Accounting).
+Activations, CUDA graphs and communication buffers are not counted (the engine does not measure them either: they
+live in the 1 - gpu_memory_utilization share), so real capacity is somewhat lower.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class PlanRequest:
     context_len: int  # tokens of one sequence (prompt + output)
     dtype: str = "bfloat16"  # of weights and KV cache
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # of a GPU's total memory for weights + activations + KV (the engine's)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
