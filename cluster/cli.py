@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.planner import PlanRequest, format_plan, parse_bytes, parse_tokens, plan_layouts
+from cluster.planner import PlanRequest, format_plan, plan_layouts
+from engine.args import parse_bytes, parse_tokens
 from engine.config import DTYPES, ModelConfig
 from engine.tiny_model import write_tiny_model
 from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
