@@ -1,5 +1,5 @@
-"""EngineArgs is the one definition of the engine's arguments: AppArgs and LLM's keywords derive from it, its
-checks name the value and the fix, and the command line round-trips."""
+"""EngineArgs is the one definition of the engine's arguments: AppArgs, the `dcpserve generate` flags and LLM's
+keywords all derive from it, its checks name the value and the fix, and the command line round-trips."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from cluster.cli import main as dcpserve_main
 from deployments.config import AppArgs, parse_args
 from engine.args import EngineArgs, cli_flags
 from engine.llm import LLM
@@ -80,6 +81,23 @@ def test_app_args_use_the_engine_checks_and_still_refuse_unknown_keys(tmp_path: 
         parse_args({"model": str(tmp_path), "backend": "sglang"})
     with pytest.raises(ValueError, match="gpu_memory_fraction: Extra inputs are not permitted"):
         parse_args({"model": str(tmp_path), "gpu_memory_fraction": 0.5})
+
+
+def generate_help(capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        dcpserve_main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_generate_help_lists_every_engine_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    text = generate_help(capsys)
+    for f in FIELDS:
+        for flag in cli_flags(f.name):
+            assert flag in text, f"`dcpserve generate --help` lacks {flag} ({f.name})"
+    assert "--tp" in text and "--dcp" in text and "--kv-cache-memory" in text  # the short flags it always had
+    assert "--backend {native,vllm}" in text and "--admission {full,usage}" in text
+    assert "--seed SAMPLING_SEED" in text  # --seed stays the per-request sampling seed; the engine's is --engine-seed
 
 
 def cli_argv(values: dict[str, Any]) -> list[str]:
