@@ -17,6 +17,7 @@ from engine.args import EngineArgs, cli_flags
 from engine.llm import LLM
 
 FIELDS = dataclasses.fields(EngineArgs)
+ROOT = Path(__file__).resolve().parents[2]
 
 # A value other than the default for every field (a new field must be added here, and so is covered).
 NON_DEFAULT: dict[str, Any] = {
@@ -185,3 +186,10 @@ def test_create_engine_config(model_dir: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         EngineArgs(str(model_dir / "missing")).create_engine_config()
 
+
+def test_operations_doc_lists_every_engine_arg() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("## Engine arguments"):]
+    section = section[: section.index("\n## ", 1)]
+    for f in FIELDS:
+        assert f"| {f.name} |" in section, f"docs/operations.md's engine arguments table lacks {f.name}"
