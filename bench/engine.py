@@ -39,8 +39,9 @@ from bench.docs_section import DocsSection  # noqa: E402
 from bench.engine_timing import Instrumented, Samples, timed  # noqa: E402
 import torch  # noqa: E402
 
+from engine.args import EngineArgs  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.engine import LLMEngine, make_engine_config  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
 from engine.tiny_model import write_tiny_model  # noqa: E402
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
@@ -198,11 +199,11 @@ def make_engines(args: argparse.Namespace, model_dir: Path) -> dict[str, Instrum
     engines = {}
     for label in args.configs:
         tp, dcp = CONFIGS[label]
-        config = make_engine_config(
+        config = EngineArgs(
             model_dir, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
             kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
             max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len),
-        )
+        ).create_engine_config()
         engines[label] = Instrumented(LLMEngine(config), args.threads)
         engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup
         engines[label].finish()

@@ -16,12 +16,13 @@ the module-level imports (tiny_model imports it when writing weights), so `layou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from collections.abc import Callable
 
 import torch
 
-from cluster.planner import PlanRequest, format_plan, parse_bytes, parse_tokens, plan_layouts
+from cluster.planner import PlanRequest, format_plan, plan_layouts
+from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
 from engine.config import DTYPES, ModelConfig
 from engine.tiny_model import write_tiny_model
 from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
@@ -104,20 +105,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             max_tokens=args.max_tokens,
-            seed=args.seed,
+            seed=args.sampling_seed,
             stop=tuple(args.stop) if args.stop else None,
         )
-        print(f"loading {args.model} (tp={args.tp}, dcp={args.dcp})...", file=sys.stderr, flush=True)
-        llm = LLM(
-            args.model,
-            tensor_parallel_size=args.tp,
-            decode_context_parallel_size=args.dcp,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            max_model_len=args.max_model_len,
+        engine_args = EngineArgs.from_cli_args(args)
+        print(
+            f"loading {engine_args.model} (backend={engine_args.backend}, tp={engine_args.tensor_parallel_size}, "
+            f"dcp={engine_args.decode_context_parallel_size})...", file=sys.stderr, flush=True,
         )
-    except (OSError, ValueError, RuntimeError) as err:
+        llm = LLM(**dataclasses.asdict(engine_args))
+    except (OSError, ValueError, RuntimeError) as err:  # RuntimeError includes NotImplementedError
         raise SystemExit(f"dcpserve generate: {err}") from err
     with llm:
         print(f"KV capacity: {llm.kv_capacity_tokens} tokens per replica", file=sys.stderr, flush=True)
@@ -131,18 +128,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"{completion.text}")
             print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
     return 0
-
-
-def _parsed(parse: Callable[[str], int]) -> Callable[[str], int]:
-    """An argparse `type` that reports the parser's own message (argparse would say only "invalid value")."""
-
-    def convert(text: str) -> int:
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from err
-
-    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="KV capacity of every valid TP x DCP layout for a model and GPU")
     plan.add_argument("--model", required=True, help="model directory or its config.json")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node (default 8)")
-    plan.add_argument("--gpu-memory", type=_parsed(parse_bytes), required=True,
+    plan.add_argument("--gpu-memory", type=cli_type(parse_bytes), required=True,
                       help="memory of one GPU: 80GiB, 80GB (10^9), 141G (= GiB) or bytes")
-    plan.add_argument("--context", type=_parsed(parse_tokens), required=True,
+    plan.add_argument("--context", type=cli_type(parse_tokens), required=True,
                       help="tokens per sequence: 128k (= 131072), 1M or a number")
     plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                       help="weights and KV cache dtype (default bfloat16)")
@@ -176,22 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     gen = commands.add_parser("generate", help="generate completions with the engine (tp > 1 uses Ray)")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    gen.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size, divides tp (default 1)")
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    gen.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off (default 0)")
-    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--stop", action="append", help="a stop string; repeat for several")
-    gen.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                     help="auto = the checkpoint's dtype on CUDA, float32 on CPU")
-    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
-    gen.add_argument("--kv-cache-memory", type=_parsed(parse_bytes), default=None,
-                     help="KV cache bytes per rank, e.g. 2GiB (default: 90%% of free GPU memory; 128MiB on CPU)")
-    gen.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    sampling = gen.add_argument_group("sampling (each prompt's SamplingParams)")
+    sampling.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    sampling.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off (default 0)")
+    sampling.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
+    sampling.add_argument("--stop", action="append", help="a stop string; repeat for several")
+    EngineArgs.add_cli_args(gen.add_argument_group("engine (EngineArgs, engine/args.py)"))
     gen.set_defaults(func=_cmd_generate)
     return parser
 

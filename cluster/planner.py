@@ -1,60 +1,20 @@
 """Capacity planning: for each valid TP x DCP layout, how many KV tokens and long-context sequences fit.
 
-Per rank the budget is gpu_memory * gpu_memory_utilization; weights come off first, the rest is KV pages of
-block_size tokens. A replica holds pages_per_rank * block_size * dcp tokens (docs/dcp.md, Accounting).
-Activations, CUDA graphs and communication buffers are not counted, so real capacity is somewhat lower.
+gpu_memory_utilization means what it means to the engine (EngineArgs, CacheConfig) and to vLLM: the fraction of
+each GPU's total memory the engine may use for weights, activations and KV cache together. Per rank the budget is
+gpu_memory * gpu_memory_utilization; weights come off first, the rest is KV pages of block_size tokens, as the
+engine sizes its cache. A replica holds pages_per_rank * block_size * dcp tokens (docs/dcp.md, Accounting).
+Activations, CUDA graphs and communication buffers are not counted (the engine does not measure them either: they
+live in the 1 - gpu_memory_utilization share), so real capacity is somewhat lower.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from engine.config import DTYPES, ModelConfig, ParallelConfig
 
-_BYTE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,  # bare letters are binary, like `ls -h`
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}  # 128k = 131072, as model cards count context
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _GIB = 1 << 30
-
-
-def parse_bytes(text: str) -> int:
-    """Memory size: 80GiB, 80GB (10^9), 141G (binary, = GiB), 512MiB, or a plain number of bytes."""
-    value, unit = _parse_number(text, "memory size", "e.g. 80GiB, 80GB, 141G or 85899345920")
-    factor = _BYTE_UNITS.get(unit.lower())
-    if factor is None:
-        raise ValueError(
-            f"memory size {text!r} has unknown unit {unit!r}; use B, KiB/MiB/GiB/TiB (or K/M/G/T, also binary), "
-            f"or KB/MB/GB/TB (powers of 10), e.g. 80GiB"
-        )
-    size = int(value * factor)
-    if size <= 0:
-        raise ValueError(f"memory size {text!r} must be positive, e.g. 80GiB")
-    return size
-
-
-def parse_tokens(text: str) -> int:
-    """Token count: 128k (= 131072), 1M (= 1048576), or a plain number such as 131072."""
-    value, unit = _parse_number(text, "token count", "e.g. 128k, 1M or 131072")
-    factor = _TOKEN_UNITS.get(unit.lower())
-    if factor is None:
-        raise ValueError(f"token count {text!r} has unknown unit {unit!r}; use k (1024) or M (1048576), e.g. 128k")
-    tokens = value * factor
-    if tokens != int(tokens) or tokens < 1:
-        raise ValueError(f"token count {text!r} must be a positive whole number of tokens, e.g. 128k or 131072")
-    return int(tokens)
-
-
-def _parse_number(text: str, what: str, example: str) -> tuple[float, str]:
-    match = _SIZE.match(str(text))
-    if match is None:
-        raise ValueError(f"cannot parse {what} {text!r}: write a number with an optional unit, {example}")
-    return float(match.group(1)), match.group(2)
 
 
 def format_bytes(size: int) -> str:
@@ -81,7 +41,7 @@ class PlanRequest:
     context_len: int  # tokens of one sequence (prompt + output)
     dtype: str = "bfloat16"  # of weights and KV cache
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # of a GPU's total memory for weights + activations + KV (the engine's)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:

@@ -1,17 +1,22 @@
 """The app's arguments (`args:` in serve_config.yaml), validated with pydantic before anything is deployed.
 
-Every knob has a default; unknown keys are refused by name. `AppArgs.engine_config()` runs the engine's own
-validation (model directory, TP x DCP layout rules, max_model_len), so a bad layout fails `serve deploy` with the
-engine's message instead of failing inside a replica later.
+The engine's arguments are not spelled here: `EngineArgsModel` is generated from the fields of EngineArgs
+(engine/args.py: types, defaults, help as descriptions) and checked by EngineArgs' own validation, so a field added
+there is an app arg too. Every knob has a default; unknown keys are refused by name. `AppArgs.engine_config()` runs
+the engine's validation that needs the model (directory, TP x DCP layout rules, max_model_len), so a bad layout
+fails `serve deploy` with the engine's message instead of failing inside a replica later.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, model_validator
 
+from engine.args import EngineArgs
 from engine.config import EngineConfig
 
 
@@ -49,33 +54,41 @@ class AutoscalingArgs(BaseModel):
         return self
 
 
-class AppArgs(BaseModel):
-    """Arguments of build_app: the engine of every replica, admission, autoscaling and the ingress."""
+def _engine_fields() -> dict[str, Any]:
+    """EngineArgs' fields as pydantic field definitions: (type, Field(default, description=help))."""
+    hints = typing.get_type_hints(EngineArgs)
+    definitions: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineArgs):
+        default = ... if f.default is dataclasses.MISSING else f.default
+        definitions[f.name] = (hints[f.name], Field(default, description=f.metadata["help"]))
+    return definitions
+
+
+def _check_engine_args(model: BaseModel) -> BaseModel:
+    """EngineArgs' own validation of the engine fields; its ValueError becomes the validation message."""
+    EngineArgs(**{f.name: getattr(model, f.name) for f in dataclasses.fields(EngineArgs)})
+    return model
+
+
+# The engine's arguments of one replica (both admission and the engine count KV by `admission`). Pydantic checks the
+# types; the ranges are EngineArgs.__post_init__'s, so they are stated once.
+EngineArgsModel = create_model(
+    "EngineArgsModel",
+    __config__=ConfigDict(extra="forbid", frozen=True),
+    __doc__="EngineArgs (engine/args.py) as app args: the engine of every replica.",
+    __module__=__name__,
+    __validators__={"_check_engine_args": model_validator(mode="after")(_check_engine_args)},
+    **_engine_fields(),
+)
+
+
+class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]
+    """Arguments of build_app: the engine of every replica (EngineArgsModel), admission, autoscaling, the ingress."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # ---- engine (one replica) ----
-    model: str = Field(description="local Hugging Face model directory, present on every node")
     served_model_name: str | None = Field(None, description="the `model` name clients send (default: the directory name)")
-    tensor_parallel_size: int = Field(1, ge=1, description="TP ranks (= GPUs) per replica")
-    decode_context_parallel_size: int = Field(1, ge=1, description="DCP group size; divides tp, adds no GPUs")
-    dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
-    block_size: int = Field(16, ge=1, description="tokens per KV page on one rank; a logical block is block_size*dcp")
-    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV budget per rank (default: the engine's)")
-    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's)")
-    max_num_seqs: int = Field(256, ge=1, description="sequences one engine step may batch")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of a step (default: engine's)")
-    seed: int = Field(0, description="engine seed for requests without their own")
-    device: Literal["cuda", "cpu"] | None = Field(None, description="default: cuda where available")
     # ---- admission ----
-    admission: Literal["full", "usage"] = Field(
-        "usage", description="full: reserve prompt + max_tokens per request, never preempt; usage: admit by the "
-        "prompt's KV plus kv_headroom, preempt (and recompute, losing nothing) when decode runs out"
-    )
-    kv_headroom: float = Field(
-        0.05, ge=0, lt=1, description="usage: fraction of a replica's KV (and at least one block per sequence) kept "
-        "free for running sequences to grow into; more means fewer preemptions, less means more concurrency"
-    )
     max_queued_requests: int = Field(64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue; past it -> 429")
     retry_after_s: int = Field(5, ge=1, description="the Retry-After header of a 429")
@@ -144,25 +157,13 @@ class AppArgs(BaseModel):
     def name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's validation of these arguments (raises ValueError / FileNotFoundError naming the fix)."""
-        from engine.engine import make_engine_config
+    def engine_args(self) -> EngineArgs:
+        """The engine arguments of every replica."""
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineArgs)})
 
-        return make_engine_config(
-            self.model,
-            tensor_parallel_size=self.tensor_parallel_size,
-            decode_context_parallel_size=self.decode_context_parallel_size,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            admission=self.admission,  # the replica's engine and the admission queue count KV the same way
-            kv_headroom=self.kv_headroom,
-            device=self.device,
-        )
+    def engine_config(self) -> EngineConfig:
+        """The native engine's validation of these arguments (raises ValueError / FileNotFoundError naming the fix)."""
+        return self.engine_args().create_engine_config()
 
 
 def parse_args(raw: dict[str, object] | AppArgs) -> AppArgs:
@@ -172,7 +173,15 @@ def parse_args(raw: dict[str, object] | AppArgs) -> AppArgs:
     try:
         return AppArgs.model_validate(raw)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in err.errors()
-        )
+        problems = "; ".join(_problem(e) for e in err.errors())
         raise ValueError(f"invalid dcpserve app args: {problems}") from None
+
+
+def _problem(error: Any) -> str:
+    """One pydantic error as `where: what`; a validator's own ValueError (EngineArgs', the autoscaling bounds)
+    names its keys, so it is shown as written unless it does not start with where it was raised."""
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "value_error":
+        message = str(error["ctx"]["error"])
+        return message if message.startswith(where) else f"{where}: {message}"
+    return f"{where or 'args'}: {error['msg']}"

@@ -15,7 +15,7 @@ _EXPORTS = {
     "CompletionOutput": "engine.request",
     "AsyncEngine": "engine.async_engine",
     "LLMEngine": "engine.engine",
-    "make_engine_config": "engine.engine",
+    "EngineArgs": "engine.args",
 }
 
 __all__ = list(_EXPORTS)

@@ -91,7 +91,10 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, dcp_size: int) -> None:
         if num_blocks < 1:
-            raise ValueError(f"the KV cache has no room for a single block (num_blocks={num_blocks}): raise the KV memory budget")
+            raise ValueError(
+                f"the KV cache has no room for a single block (num_blocks={num_blocks}): raise the KV memory budget "
+                f"(kv_cache_memory_bytes, or gpu_memory_utilization on GPUs)"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dcp_size = dcp_size

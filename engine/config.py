@@ -193,11 +193,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: page size on each rank and the per-rank memory budget."""
+    """Paged KV cache: page size on each rank and the per-rank memory budget.
+
+    gpu_memory_utilization has vLLM's meaning: the fraction of each device's TOTAL memory this engine may use for
+    weights, activations and KV cache together. Without kv_cache_memory_bytes a CUDA rank's KV cache gets
+    total * gpu_memory_utilization less what the process holds once the weights are loaded (`cuda_kv_budget`).
+    There is no profiling run: activations, the CUDA context and NCCL buffers are not measured, so they live in
+    the (1 - gpu_memory_utilization) share that is left; keep it below 1.
+    """
 
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # per rank; None: a fraction of free memory on CUDA
-    gpu_memory_utilization: float = 0.9  # of free device memory after loading, when no byte budget is set
+    kv_cache_memory_bytes: int | None = None  # per rank; None: the gpu_memory_utilization budget on CUDA
+    gpu_memory_utilization: float = 0.9  # of the device's total memory, weights + activations + KV
     cpu_default_kv_bytes: int = 128 << 20  # per rank on CPU when no byte budget is set
 
     def __post_init__(self) -> None:
@@ -207,6 +214,30 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def cuda_kv_budget(self, total_bytes: int, in_use_bytes: int, free_bytes: int) -> int:
+        """KV bytes of one CUDA rank without kv_cache_memory_bytes: total_bytes * gpu_memory_utilization less
+        in_use_bytes (what this process holds after loading the weights). free_bytes is the device's free memory
+        now; a budget above it means other processes hold memory this engine was meant to have."""
+        utilization = self.gpu_memory_utilization
+        allowed = int(total_bytes * utilization)
+        budget = allowed - in_use_bytes
+        gib = 1 << 30
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} allows "
+                f"{allowed / gib:.2f} GiB of the device's {total_bytes / gib:.2f} GiB, and the loaded weights already "
+                f"take {in_use_bytes / gib:.2f} GiB; raise gpu_memory_utilization, spread the weights over more GPUs "
+                f"(tensor_parallel_size), or set kv_cache_memory_bytes"
+            )
+        if budget > free_bytes:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} gives the KV cache {budget / gib:.2f} GiB, but only "
+                f"{free_bytes / gib:.2f} GiB of the device's {total_bytes / gib:.2f} GiB are free (other processes, "
+                f"or this one's CUDA context, hold the rest); lower gpu_memory_utilization or set "
+                f"kv_cache_memory_bytes"
+            )
+        return budget
 
 
 @dataclass(frozen=True)

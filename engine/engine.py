@@ -10,19 +10,11 @@ import itertools
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    resolve_dtype,
-)
+from engine.config import EngineConfig
 from engine.executor import Executor, create_executor
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta
 from engine.request import FinishReason, Request
@@ -32,61 +24,6 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from kernels import dcp_local_seq_lens
 
 
-def make_engine_config(
-    model: str | Path,
-    tensor_parallel_size: int = 1,
-    decode_context_parallel_size: int = 1,
-    dtype: str = "auto",
-    block_size: int = 16,
-    kv_cache_memory_bytes: int | None = None,
-    max_model_len: int | None = None,
-    seed: int = 0,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    enable_chunked_prefill: bool = True,
-    admission: str = "usage",
-    kv_headroom: float = 0.05,
-    device: str | None = None,
-) -> EngineConfig:
-    """Validates user-facing engine arguments into an EngineConfig (errors name the value and the fix)."""
-    model_path = Path(model)
-    if not model_path.is_dir():
-        raise FileNotFoundError(
-            f"model directory {str(model)!r} does not exist: pass a local Hugging Face model directory "
-            f"(config.json + *.safetensors); `dcpserve tiny-model DIR` writes a small one"
-        )
-    model_config = ModelConfig.from_pretrained(model_path)
-    parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size)
-    parallel.validate(model_config)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved_dtype = resolve_dtype(dtype, model_config, device)
-    limit = model_config.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = limit
-    elif max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; use at most {limit}"
-        )
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
-    return EngineConfig(
-        model=str(model_path),
-        model_config=model_config,
-        parallel=parallel,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes),
-        scheduler=SchedulerConfig(
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            admission=admission,  # type: ignore[arg-type]
-            kv_headroom=kv_headroom,
-        ),
-        dtype=resolved_dtype,
-        device=device,
-        seed=seed,
-    )
 
 
 @dataclass

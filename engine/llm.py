@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
-from typing import Sequence
+from typing import Any, Sequence
 
-from engine.engine import LLMEngine, make_engine_config
+from engine.args import EngineArgs
+from engine.engine import LLMEngine
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -14,30 +15,16 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """Generates for a batch of prompts on one replica (tp = 1 in process; tp > 1 on a Ray worker group)."""
 
-    def __init__(
-        self,
-        model: str | Path,
-        tensor_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        **engine_options: object,
-    ) -> None:
-        config = make_engine_config(
-            model,
-            tensor_parallel_size=tensor_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size,
-            dtype=dtype,
-            block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            max_model_len=max_model_len,
-            seed=seed,
-            **engine_options,  # type: ignore[arg-type]
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | Path, **engine_args: Any) -> None:
+        """`engine_args` are EngineArgs' fields by keyword (engine/args.py); an unknown one is a TypeError that
+        names it and lists the valid ones."""
+        self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        if self.engine_args.backend == "vllm":
+            # The vLLM backend replaces this branch: it builds vLLM's engine from self.engine_args.
+            raise NotImplementedError(
+                "backend='vllm' is not available yet in LLM: use backend='native' (the default) for now"
+            )
+        self.engine = LLMEngine(self.engine_args.create_engine_config())
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -46,12 +46,16 @@ class ModelRunner:
         return 2 * mc.num_hidden_layers * self.parallel.kv_heads_per_rank * mc.head_dim * element
 
     def kv_budget_bytes(self) -> int:
+        """This rank's KV bytes: kv_cache_memory_bytes when set; on CUDA gpu_memory_utilization of the device's
+        total memory less what this process holds after loading (CacheConfig.cuda_kv_budget); on CPU a fixed
+        default."""
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * cache.gpu_memory_utilization)
+            torch.cuda.empty_cache()  # hand back loading's temporary blocks so only the weights count
+            free, total = torch.cuda.mem_get_info(self.device)
+            return cache.cuda_kv_budget(total, torch.cuda.memory_reserved(self.device), free)
         return cache.cpu_default_kv_bytes
 
     def available_blocks(self) -> int:

@@ -126,7 +126,8 @@ class RayWorkerGroup:
             self.num_blocks = min(available)
             if self.num_blocks < 1:
                 raise RuntimeError(
-                    f"no room for KV cache on some rank (pages per rank: {available}); raise kv_cache_memory_bytes"
+                    f"no room for KV cache on some rank (pages per rank: {available}); raise kv_cache_memory_bytes "
+                    f"(or gpu_memory_utilization on GPUs)"
                 )
             ray.get([w.allocate.remote(self.num_blocks) for w in self.workers], timeout=startup_timeout_s)
         except BaseException:

@@ -115,3 +115,33 @@ def test_plan_without_a_model_config(tmp_path: Path) -> None:
     result = dcpserve("plan", "--model", str(tmp_path), "--gpu-memory", "80GiB", "--context", "128k")
     assert result.returncode != 0
     assert "dcpserve plan: no config.json at" in result.stderr
+
+
+def test_generate_takes_the_engine_args_flags(tiny_model: TinyModelRun) -> None:
+    """`generate`'s engine flags come from EngineArgs.add_cli_args: the short and long spellings, byte sizes, and a
+    bool flag reach the engine; --seed stays the per-request sampling seed."""
+    directory, _ = tiny_model
+    common = ("--model", str(directory), "--prompt", "hello", "--max-tokens", "4", "--temperature", "1", "--seed", "5")
+    result = dcpserve("generate", *common, "--tp", "1", "--kv-cache-memory", "1MiB", "--block-size", "8",
+                      "--no-enable-chunked-prefill", "--max-model-len", "256", "--engine-seed", "3", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    # The tiny model on CPU: K and V x 2 layers x 1 KV head x 32 dims x 4 B (fp32) = 512 B per token; 1 MiB = 2048.
+    assert "KV capacity: 2048 tokens per replica" in result.stderr
+    assert "4 tokens, finish_reason=length" in result.stdout
+    long = dcpserve("generate", *common, "--tensor-parallel-size", "1", "--kv-cache-memory-bytes", "1048576",
+                    "--block-size", "8", "--no-enable-chunked-prefill", "--max-model-len", "256", "--engine-seed", "9",
+                    "--device", "cpu")
+    assert long.returncode == 0, long.stderr
+    assert long.stdout == result.stdout  # the request's own seed decides its tokens, not the engine seed
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--backend", "vllm"), "dcpserve generate: backend='vllm' is not available yet"),
+    (("--gpu-memory-utilization", "1.5"), "dcpserve generate: gpu_memory_utilization must be a fraction in (0, 1]"),
+    (("--admission", "prompt"), "argument --admission: invalid choice: 'prompt'"),
+])
+def test_generate_rejects_bad_engine_args_clearly(tiny_model: TinyModelRun, args: tuple[str, ...], message: str) -> None:
+    directory, _ = tiny_model
+    result = dcpserve("generate", "--model", str(directory), "--prompt", "hi", *args)
+    assert result.returncode != 0
+    assert message in result.stderr

@@ -10,11 +10,10 @@ from cluster.planner import (
     PlanRequest,
     count_parameters,
     format_plan,
-    parse_bytes,
-    parse_tokens,
     plan_layouts,
     weight_bytes_per_rank,
 )
+from engine.args import parse_bytes, parse_tokens
 from engine.config import ModelConfig
 
 

@@ -55,10 +55,13 @@ def test_args_name_unknown_and_invalid_keys(tmp_path: Path) -> None:
         parse_args({"model": str(tmp_path), "autoscaling": {"min_replicas": 3, "max_replicas": 2}})
     with pytest.raises(ValueError, match="queue_timeout_s"):
         parse_args({"model": str(tmp_path), "queue_timeout_s": -1})
-    with pytest.raises(ValueError, match=r"kv_headroom: Input should be less than 1"):
+    # The engine fields' ranges are EngineArgs' own checks (engine/args.py), named the same way.
+    with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got 1.0"):
         parse_args({"model": str(tmp_path), "kv_headroom": 1.0})
-    with pytest.raises(ValueError, match=r"kv_headroom: Input should be greater than or equal to 0"):
+    with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got -0.1"):
         parse_args({"model": str(tmp_path), "kv_headroom": -0.1})
+    with pytest.raises(ValueError, match=r"invalid dcpserve app args: tensor_parallel_size must be >= 1, got 0"):
+        parse_args({"model": str(tmp_path), "tensor_parallel_size": 0})
     with pytest.raises(ValueError, match=r"admission: Input should be 'full' or 'usage'"):
         parse_args({"model": str(tmp_path), "admission": "prompt"})
     args = parse_args({"model": str(tmp_path)})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
-from engine.engine import make_engine_config
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected
@@ -38,7 +38,7 @@ def test_concurrent_streams_equal_batch_generation(tiny: Path) -> None:
         expected = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
 
     async def main() -> list[tuple[list[int], str, str | None]]:
-        engine = AsyncEngine(make_engine_config(tiny))
+        engine = AsyncEngine(EngineArgs(tiny).create_engine_config())
         try:
             return await asyncio.gather(*(collect(engine, p, params) for p in prompts))
         finally:
@@ -50,7 +50,7 @@ def test_concurrent_streams_equal_batch_generation(tiny: Path) -> None:
 
 def test_abandoned_stream_aborts_and_frees_kv(tiny: Path) -> None:
     async def main() -> None:
-        engine = AsyncEngine(make_engine_config(tiny))
+        engine = AsyncEngine(EngineArgs(tiny).create_engine_config())
         try:
             stream = engine.generate("a long one", SamplingParams(max_tokens=500, ignore_eos=True))
             async for delta in stream:
@@ -74,7 +74,7 @@ def test_abandoned_stream_aborts_and_frees_kv(tiny: Path) -> None:
 
 def test_never_fits_raises_before_anything_is_queued(tiny: Path) -> None:
     async def main() -> None:
-        engine = AsyncEngine(make_engine_config(tiny, max_model_len=64))
+        engine = AsyncEngine(EngineArgs(tiny, max_model_len=64).create_engine_config())
         try:
             with pytest.raises(RequestRejected, match="exceeds max_model_len=64"):
                 await collect(engine, "hi", SamplingParams(max_tokens=100))
@@ -95,7 +95,7 @@ def test_a_request_that_cannot_be_scheduled_does_not_busy_loop(tiny: Path) -> No
     from engine.request import Request
 
     async def main() -> None:
-        engine = AsyncEngine(make_engine_config(tiny, kv_cache_memory_bytes=64 * 1024))
+        engine = AsyncEngine(EngineArgs(tiny, kv_cache_memory_bytes=64 * 1024).create_engine_config())
         blocks = engine.engine.block_manager
         holder = Request("holder", [1], SamplingParams(max_tokens=1))
         assert blocks.reserve(holder, blocks.capacity_tokens) and blocks.num_free_blocks == 0

@@ -67,3 +67,20 @@ def test_scheduler_config_names_a_bad_admission_or_headroom() -> None:
         SchedulerConfig(max_model_len=64, kv_headroom=1.5)
     with pytest.raises(ValueError, match=r"admission must be 'full' or 'usage', got 'prompt'"):
         SchedulerConfig(max_model_len=64, admission="prompt")  # type: ignore[arg-type]
+
+
+def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:
+    """vLLM's meaning: total * utilization for weights, activations and KV; the KV cache gets it less the weights."""
+    from engine.config import CacheConfig
+
+    gib = 1 << 30
+    cache = CacheConfig(gpu_memory_utilization=0.9)
+    # 80 GiB device, 16 GiB of weights loaded, 63 GiB free: 72 - 16 = 56 GiB of KV (not 0.9 of the free 63).
+    assert cache.cuda_kv_budget(total_bytes=80 * gib, in_use_bytes=16 * gib, free_bytes=63 * gib) == 56 * gib
+    with pytest.raises(ValueError, match=r"no GPU memory left for the KV cache: gpu_memory_utilization=0.2 allows "
+                                         r"16.00 GiB of the device's 80.00 GiB, and the loaded weights already take "
+                                         r"16.00 GiB; raise gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=0.2).cuda_kv_budget(80 * gib, 16 * gib, 63 * gib)
+    with pytest.raises(ValueError, match=r"gives the KV cache 56.00 GiB, but only 40.00 GiB of the device's 80.00 GiB "
+                                         r"are free .* lower gpu_memory_utilization or set kv_cache_memory_bytes"):
+        cache.cuda_kv_budget(80 * gib, 16 * gib, 40 * gib)  # another process holds 24 GiB

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
-from engine.engine import make_engine_config
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected
@@ -90,11 +90,11 @@ def test_bad_input_gives_clear_errors(tiny: Path, tiny_gqa: Path, tmp_path: Path
     with pytest.raises(ValueError, match="dcp=2 must divide tp=1"):
         LLM(tiny, decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="dcp=2 needs tp > kv_heads: model has 2 KV heads, tp=2"):
-        make_engine_config(tiny_gqa, tensor_parallel_size=2, decode_context_parallel_size=2)
+        EngineArgs(tiny_gqa, tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match=r"dcp=4 must be <= tp // kv_heads = 4 // 2 = 2"):
-        make_engine_config(tiny_gqa, tensor_parallel_size=4, decode_context_parallel_size=4)
+        EngineArgs(tiny_gqa, tensor_parallel_size=4, decode_context_parallel_size=4).create_engine_config()
     with pytest.raises(ValueError, match="tp=3 must divide the model's 4 attention heads"):
-        make_engine_config(tiny, tensor_parallel_size=3)
+        EngineArgs(tiny, tensor_parallel_size=3).create_engine_config()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
