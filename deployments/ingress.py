@@ -32,6 +32,7 @@ from deployments.http_edge import ApiError, api, authorize, read_body, validatio
 from deployments.metrics import IngressMetrics
 from deployments.replica import EngineRequest
 from engine.block_manager import admission_blocks
+from engine.protocol import model_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -54,13 +55,13 @@ class OpenAIIngress:
         self.args = args
         self.engine = engine
         self.admission = admission
-        config = args.engine_config()
+        limits = model_limits(args.engine_args())  # either backend: the replica stays the authority
         self.model_name = args.name
-        self.max_model_len = config.scheduler.max_model_len
-        self.vocab_size = config.model_config.vocab_size
-        self.tokens_per_block = config.cache.block_size * config.parallel.dcp
-        self.admission_policy = config.scheduler.admission
-        self.tokenizer = load_tokenizer(config.model, config.model_config.eos_token_ids)
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
+        self.tokens_per_block = limits.tokens_per_block
+        self.admission_policy = limits.admission
+        self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
         self._api_keys = [key.encode() for key in args.resolved_api_keys()]  # never logged
         self._background: set[asyncio.Task[Any]] = set()
         self.metrics = IngressMetrics()

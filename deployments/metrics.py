@@ -13,9 +13,10 @@ latencies as the client sees them; OpenAIIngress). Units are in the names (secon
 
 from __future__ import annotations
 
-from typing import Any
 
 from ray.serve import metrics
+
+from engine.protocol import EngineStats, KvLedger
 
 # Outcomes of one KvAdmission.acquire call (label `outcome` of dcpserve_admission_requests_total).
 ADMISSION_OUTCOMES = (
@@ -107,40 +108,39 @@ class ReplicaMetrics:
                              "kv_head_copies": str(copies // dcp), "duplication_removed": str(dcp)}
         self._target_sequences = float(target_sequences_per_replica)
 
-    def on_step(self, stats: dict[str, Any]) -> None:
-        """After every engine step (AsyncEngine's on_step): the step's timings."""
-        self.steps.observe(float(stats["last_step_seconds"]))
-        self.exchange.observe(float(stats.get("last_exchange_seconds", 0.0)))
+    def on_step(self, stats: EngineStats) -> None:
+        """After every engine step (the engine's on_step): the step's timings."""
+        self.steps.observe(stats.last_step_seconds)
+        self.exchange.observe(stats.last_exchange_seconds)
 
-    def update(self, stats: dict[str, Any], ledger: Any) -> None:
-        """Gauges from the engine's stats() and KV ledger (engine.engine.KvLedger), every GAUGE_PERIOD_S. Constant
-        gauges are set again each time too: Ray exports a gauge only while it is being recorded."""
+    def update(self, stats: EngineStats, ledger: KvLedger) -> None:
+        """Gauges from the engine's stats() and KV ledger, every GAUGE_PERIOD_S. Constant gauges are set again each
+        time too: Ray exports a gauge only while it is being recorded."""
         self.layout.set(1, tags=self._layout_tags)
         self.target.set(self._target_sequences)
-        self.kv_capacity.set(stats["kv_capacity_tokens"])
-        self.kv_used.set(stats["kv_used_tokens"])
-        self.kv_reserved.set(stats["kv_reserved_tokens"])
-        self.kv_usage.set(float(stats["kv_usage"]))
+        self.kv_capacity.set(stats.kv_capacity_tokens)
+        self.kv_used.set(stats.kv_used_tokens)
+        self.kv_reserved.set(stats.kv_reserved_tokens)
+        self.kv_usage.set(stats.kv_usage)
         self.kv_held.set(ledger.committed_blocks * ledger.tokens_per_block)
         self.kv_headroom.set(ledger.headroom_blocks * ledger.tokens_per_block)
-        self.kv_block.set(stats["kv_block_size_tokens"])
-        for rank in stats["per_rank"]:
-            tags = {"rank": str(rank["rank"]), "dcp_rank": str(rank["dcp_rank"])}
-            capacity = rank["tokens_capacity"]
-            self.rank_capacity.set(capacity, tags=tags)
-            self.rank_used.set(rank["tokens_used"], tags=tags)
-            self.rank_usage.set(rank["tokens_used"] / capacity if capacity else 0.0, tags=tags)
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"] + stats.get("num_pending", 0))
-        self.healthy.set(1 if stats.get("healthy", True) else 0)
-        new = stats["num_preemptions"] - self._preemptions_seen
+        self.kv_block.set(stats.kv_block_size_tokens)
+        for rank in stats.per_rank:
+            tags = {"rank": str(rank.rank), "dcp_rank": str(rank.dcp_rank)}
+            self.rank_capacity.set(rank.tokens_capacity, tags=tags)
+            self.rank_used.set(rank.tokens_used, tags=tags)
+            self.rank_usage.set(rank.tokens_used / rank.tokens_capacity if rank.tokens_capacity else 0.0, tags=tags)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting + stats.num_pending)
+        self.healthy.set(1 if stats.healthy else 0)
+        new = stats.num_preemptions - self._preemptions_seen
         if new > 0:
             self.preemptions.inc(new)
-        self._preemptions_seen = stats["num_preemptions"]
-        recomputed = stats["num_recomputed_tokens"] - self._recomputed_seen
+        self._preemptions_seen = stats.num_preemptions
+        recomputed = stats.num_recomputed_tokens - self._recomputed_seen
         if recomputed > 0:
             self.recomputed.inc(recomputed)
-        self._recomputed_seen = stats["num_recomputed_tokens"]
+        self._recomputed_seen = stats.num_recomputed_tokens
 
 
 class AdmissionMetrics:

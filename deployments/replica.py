@@ -1,8 +1,8 @@
-"""One Serve replica = one AsyncEngine = one TP x DCP worker group, in the replica's own placement group.
+"""One Serve replica = one engine (native or vLLM, behind engine.protocol.EngineClient) = one TP x DCP worker
+group, in the replica's own placement group.
 
-The replica is the authority on its KV, and its engine's ledger (AsyncEngine.kv_ledger: the block manager and the
-scheduler) is the one place that counts it: a request is accepted only when its admission blocks under the app's
-policy (prompt + max_tokens under "full", the prompt under "usage", where the headroom keeps growth room for the
+The replica is the authority on its KV, and its engine's ledger (EngineClient.kv_ledger) is the one place that
+counts it: a request is accepted only when its admission blocks under the app's policy (prompt + max_tokens under "full", the prompt under "usage", where the headroom keeps growth room for the
 sequences already there) fit what the ledger has free. generate() therefore first yields an `accepted` or
 `refused` message, then the token deltas. It reports KV to the routers (record_routing_stats), to the admission
 queue (every kv_report_period_s: what it holds per ticket, its headroom) and to the autoscaler
@@ -27,6 +27,7 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
+from engine.protocol import EngineClient, EngineStats
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -64,7 +65,7 @@ class EngineReplica:
     """Serve deployment class (wrapped by build_app): runs one engine and reports its KV."""
 
     async def __init__(self, args: AppArgs, admission: Any | None = None) -> None:
-        from engine.async_engine import AsyncEngine
+        from engine.protocol import start_engine
 
         device = args.device
         if device is None:
@@ -72,15 +73,15 @@ class EngineReplica:
 
             device = "cuda" if torch.cuda.is_available() or _node_has_cuda() else "cpu"
         self.args = args.model_copy(update={"device": device})
-        self.config = self.args.engine_config()
+        self.metrics: ReplicaMetrics | None = None
+        # Starting the engine blocks (rank actors or vLLM's workers, weights, KV sizing): keep it off the event loop.
+        self.engine: EngineClient = await asyncio.to_thread(start_engine, self.args.engine_args(), self._on_step)
+        stats = self.engine.stats()
         self.metrics = ReplicaMetrics(
-            tp=self.config.parallel.tp, dcp=self.config.parallel.dcp,
-            num_kv_heads=self.config.model_config.num_key_value_heads,
+            tp=stats.tp, dcp=stats.dcp, num_kv_heads=stats.num_kv_heads,
             target_sequences_per_replica=self.args.autoscaling.target_sequences_per_replica,
-            admission=self.config.scheduler.admission,
+            admission=stats.admission,
         )
-        # Starting the worker group blocks on Ray (actors, weights, KV allocation): keep it off the event loop.
-        self.engine = await asyncio.to_thread(AsyncEngine, self.config, self._on_step)
         ledger = self.engine.kv_ledger()
         self.tokens_per_block = ledger.tokens_per_block
         self.capacity_blocks = ledger.capacity_blocks
@@ -96,9 +97,9 @@ class EngineReplica:
         self._metrics_task: asyncio.Task[None] | None = None
         self._ensure_reporting()
         logger.info(
-            "engine replica %s: tp=%d dcp=%d, KV %d blocks of %d tokens (%d tokens)",
-            self.replica_id, self.config.parallel.tp, self.config.parallel.dcp, self.capacity_blocks,
-            self.tokens_per_block, self.capacity_blocks * self.tokens_per_block,
+            "engine replica %s: %s backend, tp=%d dcp=%d, KV %d blocks of %d tokens (%d tokens)",
+            self.replica_id, stats.backend, stats.tp, stats.dcp, self.capacity_blocks, self.tokens_per_block,
+            self.capacity_blocks * self.tokens_per_block,
         )
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class EngineReplica:
     async def generate(self, request: EngineRequest):  # noqa: ANN201 - async generator of dicts
         """Yields {"accepted": True}, {"refused": True, "free_blocks": n} (no room now) or {"rejected": message}
         (it can never run here), then one dict per RequestDelta."""
-        from engine.async_engine import KvFull
+        from engine.protocol import KvFull
 
         need = self.engine.admission_blocks(len(request.prompt_token_ids), request.sampling_params.max_tokens)
         if need != request.kv_blocks:
@@ -127,7 +128,7 @@ class EngineReplica:
             return
         finished = False
         try:
-            self.metrics.accepted.inc(tags={"admission": self.config.scheduler.admission})
+            self.metrics.accepted.inc(tags={"admission": self.args.admission})
             yield {"accepted": True, "replica_id": self.replica_id}
             async for delta in stream:
                 finished = delta.finished
@@ -138,7 +139,7 @@ class EngineReplica:
                 self.engine.abort(request.ticket)
 
     async def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
+        stats = self.engine.stats().as_dict()
         stats.update(self._kv_report())
         stats["replica_id"] = self.replica_id
         return stats
@@ -175,10 +176,10 @@ class EngineReplica:
         engine = self.engine.stats()
         report = self._kv_report()
         report.update({
-            "kv_reserved_tokens": engine["kv_reserved_tokens"],
-            "num_running": engine["num_running"],
-            "num_waiting": engine["num_waiting"] + engine["num_pending"],
-            "healthy": engine["healthy"],
+            "kv_reserved_tokens": engine.kv_reserved_tokens,
+            "num_running": engine.num_running,
+            "num_waiting": engine.num_waiting + engine.num_pending,
+            "healthy": engine.healthy,
         })
         return report
 
@@ -187,14 +188,14 @@ class EngineReplica:
         engine = self.engine.stats()
         ledger = self.engine.kv_ledger()
         return {
-            "sequences": float(max(len(ledger.per_request), engine["num_running"] + engine["num_waiting"])),
+            "sequences": float(max(len(ledger.per_request), engine.num_running + engine.num_waiting)),
             "kv_usage": min(1.0, (ledger.committed_blocks + ledger.headroom_blocks) / ledger.capacity_blocks),
             "admission_queued": float(self.admission_queued),
         }
 
     async def check_health(self) -> None:
         """Serve's health check: the engine loop is alive and every TP rank answers."""
-        await asyncio.to_thread(self.engine.check_health)
+        await self.engine.check_health()
         self._probed()
         self._ensure_reporting()
 
@@ -217,7 +218,9 @@ class EngineReplica:
                 logger.warning("KV report to the admission queue failed: %r", err)
             await asyncio.sleep(self.args.kv_report_period_s)
 
-    def _on_step(self, stats: dict[str, Any]) -> None:
+    def _on_step(self, stats: EngineStats) -> None:
+        if self.metrics is None:
+            return
         try:
             self.metrics.on_step(stats)
         except Exception as err:  # noqa: BLE001 - metrics must never stop the engine loop
@@ -227,7 +230,8 @@ class EngineReplica:
         """Gauges from the engine's stats every GAUGE_PERIOD_S (idle replicas too, so a quiet replica reads 0)."""
         while True:
             try:
-                self.metrics.update(self.engine.stats(), self.engine.kv_ledger())
+                if self.metrics is not None:
+                    self.metrics.update(self.engine.stats(), self.engine.kv_ledger())
             except Exception as err:  # noqa: BLE001 - keep reporting
                 logger.warning("recording replica metrics failed: %r", err)
             await asyncio.sleep(GAUGE_PERIOD_S)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Sequence
@@ -13,26 +15,49 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """Generates for a batch of prompts on one replica (tp = 1 in process; tp > 1 on a Ray worker group)."""
+    """Generates for a batch of prompts on one replica: the native engine (tp = 1 in process; tp > 1 on a Ray worker
+    group) or, with backend="vllm", vLLM's engine behind engine.vllm_engine."""
 
     def __init__(self, model: str | Path, **engine_args: Any) -> None:
         """`engine_args` are EngineArgs' fields by keyword (engine/args.py); an unknown one is a TypeError that
         names it and lists the valid ones."""
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        self.engine: LLMEngine | None = None
+        self._ids = itertools.count()
+        self._vllm: Any = None  # engine.vllm_engine.VllmEngine, on an event loop of this LLM's own
+        self._loop: asyncio.AbstractEventLoop | None = None
         if self.engine_args.backend == "vllm":
-            # The vLLM backend replaces this branch: it builds vLLM's engine from self.engine_args.
-            raise NotImplementedError(
-                "backend='vllm' is not available yet in LLM: use backend='native' (the default) for now"
-            )
-        self.engine = LLMEngine(self.engine_args.create_engine_config())
+            from engine.vllm_engine import VllmEngine
+
+            self._loop = asyncio.new_event_loop()
+
+            async def start() -> VllmEngine:  # vLLM binds its output handler to the loop it first runs on
+                return VllmEngine(self.engine_args)
+
+            self._vllm = self._loop.run_until_complete(start())
+        else:
+            self.engine = LLMEngine(self.engine_args.create_engine_config())
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.engine.kv_capacity_tokens
+        return self.engine.kv_capacity_tokens if self.engine is not None else self._vllm.kv_capacity_tokens
 
     @property
     def tokenizer(self):  # noqa: ANN201 - engine.tokenizer.Tokenizer | None
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self._vllm.tokenizer
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        if self.engine is not None:
+            return self.engine.tokenize(prompt)
+        if self._vllm.tokenizer is None:
+            raise ValueError(f"the model directory {self.engine_args.model} has no tokenizer: pass prompt_token_ids")
+        return self._vllm.tokenizer.encode(prompt)
+
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if self.engine is not None:
+            self.engine.scheduler.check_fits(num_prompt_tokens, max_tokens)
+        else:
+            self._vllm.check_request(num_prompt_tokens, max_tokens)
 
     def generate(
         self,
@@ -56,11 +81,19 @@ class LLM:
                 raise ValueError(f"{len(params_list)} sampling_params for {count} prompts")
         # Validate and tokenize everything before queueing anything: a bad prompt fails the call cleanly.
         token_lists = [
-            list(prompt_token_ids[i]) if prompt_token_ids is not None else self.engine.tokenize(prompts[i])  # type: ignore[index]
+            list(prompt_token_ids[i]) if prompt_token_ids is not None else self._tokenize(prompts[i])  # type: ignore[index]
             for i in range(count)
         ]
         for tokens, params in zip(token_lists, params_list):
-            self.engine.scheduler.check_fits(len(tokens), params.max_tokens)
+            self._check_fits(len(tokens), params.max_tokens)
+        if self.engine is None:
+            results = self._loop.run_until_complete(self._run_vllm(token_lists, params_list))  # type: ignore[union-attr]
+            return [
+                RequestOutput(request_id=rid, prompt=prompts[i] if prompts is not None else None,
+                              prompt_token_ids=token_lists[i],
+                              outputs=[CompletionOutput(0, text, tokens, reason)], finished=True)
+                for i, (rid, text, tokens, reason) in enumerate(results)
+            ]
         ids = [
             self.engine.add_request(prompts[i] if prompts is not None else None, params_list[i], token_lists[i])
             for i in range(count)
@@ -89,8 +122,29 @@ class LLM:
             for i, rid in enumerate(ids)
         ]
 
+    async def _run_vllm(self, token_lists: list[list[int]],
+                        params_list: list[SamplingParams]) -> list[tuple[str, str, list[int], str | None]]:
+        """Every request through the vLLM engine at once; (id, text, tokens, finish reason) in input order."""
+        start = next(self._ids)
+
+        async def one(i: int) -> tuple[str, str, list[int], str | None]:
+            rid = f"req-{start}-{i}"
+            text, tokens, reason = [], [], None
+            async for delta in self._vllm.submit(sampling_params=params_list[i], prompt_token_ids=token_lists[i],
+                                                 request_id=rid):
+                tokens += delta.new_token_ids
+                text.append(delta.new_text)
+                reason = delta.finish_reason if delta.finished else reason
+            return rid, "".join(text), tokens, reason
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(token_lists)))))
+
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+        elif self._vllm is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.run_until_complete(self._vllm.shutdown())
+            self._loop.close()
 
     def __enter__(self) -> LLM:
         return self

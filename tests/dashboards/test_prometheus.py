@@ -1,7 +1,7 @@
 """The metrics, the Grafana dashboard and the alert rules against a real Prometheus on loopback.
 
-One app (TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens, an admission queue of 1, a 12 s queue timeout) on a
-Ray head this module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), and Prometheus started
+One app per engine backend (native: TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens; vLLM, in `make
+test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, on a Ray head this module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), and Prometheus started
 the way `make observe` starts it (deployments/observe.py), with the project's scrape config pointed at this
 cluster's service-discovery file. A bounded load makes every metric move: a normal stream, a never-fits 400, a long
 request that fills the KV, a queued request that times out (429), one refused by a full queue (429), and one that
@@ -18,8 +18,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,7 +30,7 @@ import yaml
 
 from deployments import local_cluster, observe
 from engine.tiny_model import write_tiny_model
-from tests.e2e.cluster import CAPACITY_BLOCKS, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, replica_stats, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"
@@ -46,12 +44,38 @@ pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 MODEL = "tiny-observe"
 APP = "dcpserve"
-APP_ARGS = tiny_app_args(
-    MODEL,
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One engine backend's variant of the scenario."""
+
+    name: str
+    app_args: dict
+    capacity_blocks: int
+    never_fits_prompt: int  # prompt tokens of the request that can never run
+    long_max_tokens: int  # the request that holds (nearly) all the KV long enough for the queue to time out
+    outcomes: tuple[str, ...]  # admission outcomes the scenario produces
+
+
+_COMMON = dict(
     admission="full",  # the scenario's requests hold their whole KV, so the queue waits and times out on cue
     max_queued_requests=1,
     queue_timeout_s=12,  # the long request outlives it; a loaded machine still frees its KV in time
     retry_after_s=1,
+)
+NATIVE = Backend("native", tiny_app_args(MODEL, **_COMMON), CAPACITY_BLOCKS, never_fits_prompt=1500,
+                 long_max_tokens=1000,
+                 outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_never_fits"))
+# vLLM: tp=2 dcp=1 (its CPU attention cannot shard KV), pages of 32 tokens, and a pool that holds one max_model_len
+# request (vLLM's minimum), so the request that never fits is one past max_model_len (the ingress' 400, before
+# admission). vLLM decodes the tiny model much faster: its long request is 8,000 tokens to outlive the queue timeout.
+VLLM = Backend(
+    "vllm",
+    tiny_app_args(MODEL, backend="vllm", decode_context_parallel_size=1, block_size=32, max_model_len=8192,
+                  kv_cache_memory_bytes=257 * 16384, **_COMMON),
+    capacity_blocks=256, never_fits_prompt=8200, long_max_tokens=8000,
+    outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout"),
 )
 
 
@@ -59,6 +83,7 @@ APP_ARGS = tiny_app_args(
 class Stack:
     """The app's URL, Prometheus' URL, and what it takes to reach the cluster."""
 
+    backend: Backend
     http: str
     prometheus: str
     prometheus_config: Path
@@ -70,8 +95,10 @@ def prompt_tokens(count: int) -> list[int]:
     return [(7 * i) % 250 + 5 for i in range(count)]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=[pytest.param(NATIVE, id="native"),
+                                        pytest.param(VLLM, id="vllm", marks=pytest.mark.vllm)])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    backend: Backend = request.param
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("CI is set but prometheus is not installed: .ci/run installs it before `make test`")
@@ -81,7 +108,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": 8000},
         "applications": [{"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
-                          "args": dict(APP_ARGS)}],
+                          "args": dict(backend.app_args)}],
     }
     (state / "serve_config.yaml").write_text(yaml.safe_dump(config))
     settings = local_cluster.LocalSettings(
@@ -102,7 +129,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         prometheus = observe.start_prometheus(binary, prometheus_config, port, state / "prometheus" / "data",
                                               state / "prometheus" / "prometheus.log")
         observe.wait_ready(port, prometheus)
-        yield Stack(f"http://127.0.0.1:{settings.http_port}", f"http://127.0.0.1:{port}", prometheus_config, env,
+        yield Stack(backend, f"http://127.0.0.1:{settings.http_port}", f"http://127.0.0.1:{port}", prometheus_config, env,
                     f"127.0.0.1:{settings.ray_port}")
     finally:
         if prometheus is not None:
@@ -147,15 +174,15 @@ def drive_load(stack: Stack) -> dict[str, int]:
         statuses["chat"] = http.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code
         statuses["never_fits"] = http.post("/v1/completions", json={
-            "model": MODEL, "prompt": prompt_tokens(1500), "max_tokens": 16}).status_code
+            "model": MODEL, "prompt": prompt_tokens(stack.backend.never_fits_prompt), "max_tokens": 16}).status_code
 
     async def contention() -> None:
-        # The long request holds all 32 blocks ((3 + 1000) / 32, about 17 s of decode even on a quiet machine);
-        # each later one needs 13 ((380 + 20) / 32).
+        # The long request holds all 32 blocks natively ((3 + 1000) / 32, about 17 s of decode even on a quiet
+        # machine), 251 of 256 with vLLM ((3 + 8000) / 32); each later one needs 13 ((380 + 20) / 32).
         need_13 = {"model": MODEL, "prompt": prompt_tokens(380), "max_tokens": 20, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=stack.http, timeout=120) as http:
             async with http.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "def hello", "max_tokens": 1000, "ignore_eos": True,
+                    "model": MODEL, "prompt": "def hello", "max_tokens": stack.backend.long_max_tokens, "ignore_eos": True,
                     "stream": True}) as long:
                 statuses["long"] = long.status_code
                 lines = long.aiter_lines()
@@ -178,18 +205,7 @@ def drive_load(stack: Stack) -> dict[str, int]:
 
 
 def engine_stats(stack: Stack) -> dict:
-    """EngineReplica.stats() through a Serve handle, from a separate driver (this process stays off that cluster)."""
-    script = (
-        "import json, ray; from ray import serve; "
-        f"ray.init(address={stack.ray_address!r}, log_to_driver=False); "
-        f"h = serve.get_deployment_handle('EngineReplica', app_name={APP!r}); "
-        "print('STATS' + json.dumps(h.stats.remote().result(timeout_s=60)))"
-    )
-    result = subprocess.run([sys.executable, "-c", script], env=stack.ray_env, capture_output=True, text=True,
-                            timeout=120, cwd=REPO)
-    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
-    assert line is not None, result.stderr[-2000:]
-    return json.loads(line[len("STATS"):])
+    return replica_stats(stack.ray_address, stack.ray_env, APP)
 
 
 def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
@@ -210,7 +226,7 @@ def loaded(stack: Stack) -> Stack:
                         "timeout": 429, "queued_then_admitted": 200}, statuses
     # Samples of everything, and the counters' latest values (Ray exports every second, Prometheus scrapes every 5).
     expected = [f'ray_dcpserve_admission_requests_total{{outcome="{o}"}} > 0'
-                for o in ("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_never_fits")]
+                for o in stack.backend.outcomes]
     expected += [f"{name}_count > 0" if kind == "histogram" else name for name, kind in documented_metrics().items()]
     expected += ['ray_dcpserve_http_responses_total{status_code="429"} >= 2']
     missing = wait_for(stack, expected, timeout_s=60)
@@ -299,11 +315,12 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # quiet: nothing held, queued or running
         health = httpx.get(f"{loaded.http}/health", timeout=30).json()
-        if health["queued"] == 0 and health["kv_free_blocks"] == CAPACITY_BLOCKS:
+        if health["queued"] == 0 and health["kv_free_blocks"] == loaded.backend.capacity_blocks:
             break
         time.sleep(0.5)
     stats = engine_stats(loaded)
-    assert stats["num_running"] == 0 and stats["kv_capacity_tokens"] == CAPACITY_BLOCKS * 32
+    assert stats["num_running"] == 0 and stats["kv_capacity_tokens"] == loaded.backend.capacity_blocks * 32
+    assert stats["backend"] == loaded.backend.name
     replica = stats["replica_id"]
     expected = {
         "ray_dcpserve_kv_capacity_tokens": stats["kv_capacity_tokens"],

@@ -7,7 +7,10 @@ processes it started, whatever happens. Built on deployments/local_cluster.py, t
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +56,11 @@ class ServeCluster:
     settings: local_cluster.LocalSettings
     env: dict[str, str]  # RAY_AUTH_MODE=token with this cluster's own token file
     model_dir: Path
+    temp_dir: Path  # Ray's temp dir (session logs under session_latest/logs)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """EngineReplica.stats() through a Serve handle, from a separate driver (the test process stays off it)."""
+        return replica_stats(f"127.0.0.1:{self.settings.ray_port}", self.env)
 
     def serve_details(self) -> dict[str, Any]:
         """GET /api/serve/applications/ on the dashboard (ServeInstanceDetails), with this cluster's token."""
@@ -69,6 +77,21 @@ class ServeCluster:
         for replica in app.get("deployments", {}).get(deployment, {}).get("replicas", []):
             counts[replica["state"]] = counts.get(replica["state"], 0) + 1
         return counts
+
+
+def replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> dict[str, Any]:
+    """EngineReplica.stats() through a Serve handle, from a separate driver process."""
+    script = (
+        "import json, ray; from ray import serve; "
+        f"ray.init(address={ray_address!r}, log_to_driver=False); "
+        f"h = serve.get_deployment_handle('EngineReplica', app_name={app!r}); "
+        "print('STATS' + json.dumps(h.stats.remote().result(timeout_s=60)))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
+    assert line is not None, result.stderr[-2000:]
+    return json.loads(line[len("STATS"):])
 
 
 def serve_config(app_args: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +129,7 @@ def serve_cluster(
     try:
         local_cluster.wait_for_dashboard(settings, head)
         local_cluster.deploy_and_wait(settings, env, local_cluster.write_config(settings, model_dir), head)
-        yield ServeCluster(f"http://127.0.0.1:{settings.http_port}", settings, env, model_dir)
+        yield ServeCluster(f"http://127.0.0.1:{settings.http_port}", settings, env, model_dir, temp_dir)
     finally:
         local_cluster.stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)

