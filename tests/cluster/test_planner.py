@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from cluster.model_specs import GqaSpec, MlaSpec, load_model_spec, model_spec_from_dict
 from cluster.planner import (
@@ -21,6 +22,8 @@ from cluster.planner import (
 )
 from engine.config import ModelConfig
 from tests.cluster.model_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def llama(**overrides: object) -> ModelConfig:
@@ -328,3 +331,26 @@ def test_load_model_spec_reads_a_deepseek_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no config.json at"):
         load_model_spec(tmp_path / "missing")
 
+
+def test_vllm_serve_config_is_a_valid_mla_layout_for_v2_lite() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.config import AppArgs
+
+    config = yaml.safe_load((REPO / "serve_config.vllm.yaml").read_text())
+    ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    args = app["args"]
+    assert args["backend"] == "vllm"
+    # Not AppArgs(**args): `backend` is being added on another branch. Every other key must be one of AppArgs'.
+    assert set(args) - {"backend"} <= set(AppArgs.model_fields)
+    assert Path(args["model"]).name == "DeepSeek-V2-Lite-Chat"
+    tp, dcp = args["tensor_parallel_size"], args["decode_context_parallel_size"]
+    assert (tp, dcp) == (8, 8)
+    V2_LITE.validate_layout(tp, dcp)
+    request = PlanRequest(tp, H200, args["max_model_len"], block_size=args["block_size"])
+    row = next(r for r in plan_layouts(V2_LITE, request) if (r.tp, r.dcp) == (tp, dcp))
+    assert row.weights_fit and row.kv_head_copies_with_dcp == 1 and row.seqs_per_replica > 0
+    assert args["block_size"] == 64  # FlashMLA's page
+    assert args["max_model_len"] <= V2_LITE.max_position_embeddings
