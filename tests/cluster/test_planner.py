@@ -354,3 +354,15 @@ def test_vllm_serve_config_is_a_valid_mla_layout_for_v2_lite() -> None:
     assert row.weights_fit and row.kv_head_copies_with_dcp == 1 and row.seqs_per_replica > 0
     assert args["block_size"] == 64  # FlashMLA's page
     assert args["max_model_len"] <= V2_LITE.max_position_embeddings
+
+
+@pytest.mark.parametrize("spec,name,weight_dtype", [
+    (V2_LITE, "DeepSeek-V2-Lite-Chat", None), (V3, "DeepSeek-V3", None), (V3, "DeepSeek-V3", "float8"),
+])
+def test_operations_doc_shows_the_planners_own_output(spec: MlaSpec, name: str, weight_dtype: str | None) -> None:
+    """docs/operations.md pastes these plans; they must stay what the planner prints."""
+    request = PlanRequest(8, H200, 131072, block_size=64, weight_dtype=weight_dtype)
+    text = format_plan(spec, request, plan_layouts(spec, request), model_name=name)
+    doc = (REPO / "docs" / "operations.md").read_text()
+    pasted = "\n".join(f"    {line}" if line else "" for line in text.splitlines())
+    assert pasted in doc
