@@ -158,7 +158,8 @@ def test_parse_errors(parse: Callable[[str], int], text: str, message: str) -> N
     ({"gpus_per_node": 0}, "gpus_per_node must be >= 1"),
     ({"dtype": "int8"}, "dtype 'int8' is not supported"),
     ({"weight_dtype": "int4"}, "weight_dtype 'int4' is not supported"),
-    ({"kv_dtype": "fp8"}, r"kv_dtype 'fp8' is not supported; choose one of \['bfloat16', 'float16', 'float32', 'float8'\]"),
+    ({"kv_dtype": "fp8"},
+     r"kv_dtype 'fp8' is not supported; choose one of \['bfloat16', 'float16', 'float32', 'float8'\]"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"block_size": 0}, "block_size must be >= 1"),
 ])
