@@ -5,7 +5,8 @@
     dcpserve tiny-model DIR [--seed 0] [--force]
         write the embedded default model (tiny random Llama, one KV head, byte-level BPE tokenizer)
     dcpserve plan --model DIR --gpus-per-node 8 --gpu-memory 80GiB --context 128k [--dtype bfloat16] ...
-        KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout
+        KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout, for
+        Llama / Qwen (GQA) and DeepSeek-V2 / V3 (MLA) configs
     dcpserve generate --model DIR [--tp 2 --dcp 2] --prompt "..." [--max-tokens 32 --temperature 0 ...]
         run the engine on one or more prompts and print the completions (tp > 1 runs a Ray worker group)
 
@@ -21,9 +22,9 @@ import sys
 
 import torch
 
-from cluster.planner import PlanRequest, format_plan, plan_layouts
+from cluster.model_specs import load_model_spec
+from cluster.planner import PLAN_DTYPES, PlanRequest, format_plan, plan_layouts
 from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
-from engine.config import DTYPES, ModelConfig
 from engine.tiny_model import write_tiny_model
 from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from kernels.layout import check_dcp_args
@@ -80,7 +81,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
-        model = ModelConfig.from_pretrained(args.model)
+        model = load_model_spec(args.model)  # GQA (Llama / Qwen) or MLA (DeepSeek-V2 / V3), from config.json
         request = PlanRequest(
             gpus_per_node=args.gpus_per_node,
             gpu_memory_bytes=args.gpu_memory,
@@ -88,6 +89,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype,
         )
     except (OSError, ValueError) as err:
         raise SystemExit(f"dcpserve plan: {err}") from err
@@ -153,8 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="memory of one GPU: 80GiB, 80GB (10^9), 141G (= GiB) or bytes")
     plan.add_argument("--context", type=cli_type(parse_tokens), required=True,
                       help="tokens per sequence: 128k (= 131072), 1M or a number")
-    plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+    plan.add_argument("--dtype", default="bfloat16", choices=sorted(PLAN_DTYPES),
                       help="weights and KV cache dtype (default bfloat16)")
+    plan.add_argument("--weight-dtype", default=None, choices=sorted(PLAN_DTYPES),
+                      help="weights dtype, e.g. float8 for an fp8 checkpoint such as DeepSeek-V3 (default: --dtype)")
+    plan.add_argument("--kv-dtype", default=None, choices=sorted(PLAN_DTYPES),
+                      help="KV cache dtype, e.g. float8 for vLLM's --kv-cache-dtype fp8 (default: --dtype)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                       help="fraction of GPU memory for weights + KV (default 0.9)")

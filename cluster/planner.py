@@ -6,13 +6,22 @@ gpu_memory * gpu_memory_utilization; weights come off first, the rest is KV page
 engine sizes its cache. A replica holds pages_per_rank * block_size * dcp tokens (docs/dcp.md, Accounting).
 Activations, CUDA graphs and communication buffers are not counted (the engine does not measure them either: they
 live in the 1 - gpu_memory_utilization share), so real capacity is somewhat lower.
+What a model caches per token and what it weighs per rank comes from its ModelSpec (cluster/model_specs.py: GQA
+through the engine's ModelConfig, MLA for DeepSeek-V2 / V3); `plan_layouts` is the one place capacity is computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import DTYPES, ModelConfig, ParallelConfig
+import torch
+
+from cluster.model_specs import ModelSpec, as_model_spec
+from engine.block_manager import num_blocks_for_budget
+from engine.config import DTYPES, ModelConfig
+
+# The engine's dtypes, and float8 (1 byte): vLLM serves fp8 checkpoints (DeepSeek-V3) and an fp8 KV cache.
+PLAN_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8": torch.float8_e4m3fn}
 
 _GIB = 1 << 30
 
@@ -39,9 +48,11 @@ class PlanRequest:
     gpus_per_node: int
     gpu_memory_bytes: int  # per GPU
     context_len: int  # tokens of one sequence (prompt + output)
-    dtype: str = "bfloat16"  # of weights and KV cache
+    dtype: str = "bfloat16"  # of weights and KV cache, unless one of the two below is set
     block_size: int = 16
     gpu_memory_utilization: float = 0.9  # of a GPU's total memory for weights + activations + KV (the engine's)
+    weight_dtype: str | None = None  # None: dtype
+    kv_dtype: str | None = None  # None: dtype
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -50,8 +61,13 @@ class PlanRequest:
             raise ValueError(f"gpu_memory_bytes must be positive, got {self.gpu_memory_bytes}")
         if self.context_len < 1:
             raise ValueError(f"context_len must be >= 1, got {self.context_len}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        for name in ("dtype", "weight_dtype", "kv_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in PLAN_DTYPES:
+                raise ValueError(f"{name} {value!r} is not supported; choose one of {sorted(PLAN_DTYPES)}")
+        # Frozen: resolve the defaults once, so every reader sees the dtypes the plan is for.
+        object.__setattr__(self, "weight_dtype", self.weight_dtype or self.dtype)
+        object.__setattr__(self, "kv_dtype", self.kv_dtype or self.dtype)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -88,57 +104,45 @@ class PlanRow:
     weights_fit: bool
 
 
-def count_parameters(model: ModelConfig) -> int:
-    """Parameters of the whole model: embeddings, attention, MLP, norms and the LM head unless tied."""
-    return _parameters_per_rank(model, tp=1)
+def count_parameters(model: ModelConfig | ModelSpec) -> int:
+    """Parameters of the whole model (ModelSpec.parameters_per_rank at tp=1)."""
+    return as_model_spec(model).parameters_per_rank(1)
 
 
-def weight_bytes_per_rank(model: ModelConfig, tp: int, dtype: str) -> int:
-    """Weight bytes on one TP rank (embedding and LM head vocab-parallel; KV projections copied when tp > kv_heads)."""
-    return _parameters_per_rank(model, tp) * DTYPES[dtype].itemsize
+def weight_bytes_per_rank(model: ModelConfig | ModelSpec, tp: int, dtype: str) -> int:
+    """Weight bytes on one TP rank, every parameter in `dtype` (what a rank holds: ModelSpec.parameters_per_rank)."""
+    return as_model_spec(model).parameters_per_rank(tp) * PLAN_DTYPES[dtype].itemsize
 
 
-def _parameters_per_rank(model: ModelConfig, tp: int) -> int:
-    hidden, head_dim = model.hidden_size, model.head_dim
-    vocab_shard = -(-model.vocab_size // tp)
-    heads = model.num_attention_heads // tp
-    kv_heads = max(1, model.num_key_value_heads // tp)  # a rank holds at least one whole KV head
-    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
-    if model.attention_bias:
-        attention += (heads + 2 * kv_heads) * head_dim
-    mlp = 3 * hidden * -(-model.intermediate_size // tp)  # gate, up, down
-    norms = 2 * hidden + (2 * head_dim if model.qk_norm else 0)
-    embeddings = vocab_shard * hidden * (1 if model.tie_word_embeddings else 2)
-    return embeddings + model.num_hidden_layers * (attention + mlp + norms) + hidden
-
-
-def invalid_tp_sizes(model: ModelConfig, request: PlanRequest) -> list[tuple[int, str]]:
-    """TP sizes of the request that the model cannot use at all, with ParallelConfig.validate's reason."""
+def invalid_tp_sizes(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[tuple[int, str]]:
+    """TP sizes of the request that the model cannot use at all, with the layout rules' reason."""
+    spec = as_model_spec(model)
     invalid = []
     for tp in request.tp_sizes:
         try:
-            ParallelConfig(tp, 1).validate(model)
+            spec.validate_layout(tp, 1)
         except ValueError as err:
             invalid.append((tp, str(err)))
     return invalid
 
 
-def plan_layouts(model: ModelConfig, request: PlanRequest) -> list[PlanRow]:
-    """One row per (tp, dcp) that ParallelConfig.validate accepts, tp in request.tp_sizes, in (tp, dcp) order."""
+def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[PlanRow]:
+    """One row per (tp, dcp) the model's layout rules accept, tp in request.tp_sizes, in (tp, dcp) order."""
+    spec = as_model_spec(model)
+    kv_dtype = PLAN_DTYPES[request.kv_dtype]
     rows = []
-    dtype = DTYPES[request.dtype]
     for tp in request.tp_sizes:
         for dcp in (d for d in range(1, tp + 1) if tp % d == 0):
             try:
-                ParallelConfig(tp, dcp).validate(model)
+                spec.validate_layout(tp, dcp)
             except ValueError:
                 continue
-            weights = weight_bytes_per_rank(model, tp, request.dtype)
-            kv_per_token = model.kv_bytes_per_token_per_rank(tp, dtype)
+            weights = weight_bytes_per_rank(spec, tp, request.weight_dtype)
+            kv_per_token = spec.kv_bytes_per_token_per_rank(tp, kv_dtype)
             free = request.budget_bytes_per_rank - weights
-            pages_per_rank = max(0, free // kv_per_token // request.block_size)
+            pages_per_rank = num_blocks_for_budget(max(0, free), request.block_size, kv_per_token)
             kv_tokens = pages_per_rank * request.block_size * dcp
-            copies = tp // model.num_key_value_heads if tp > model.num_key_value_heads else 1
+            copies = tp // spec.num_kv_heads if tp > spec.num_kv_heads else 1
             seqs = kv_tokens // request.context_len
             replicas = request.gpus_per_node // tp
             rows.append(PlanRow(
@@ -157,21 +161,24 @@ def plan_layouts(model: ModelConfig, request: PlanRequest) -> list[PlanRow]:
     return rows
 
 
-def format_plan(model: ModelConfig, request: PlanRequest, rows: list[PlanRow], model_name: str) -> str:
+def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list[PlanRow], model_name: str) -> str:
     """The plan as text: a header with the model, memory and context, an aligned table, and notes."""
-    params = count_parameters(model)
+    spec = as_model_spec(model)
+    if request.weight_dtype == request.kv_dtype:
+        dtypes = f"dtype {request.weight_dtype}"
+    else:
+        dtypes = f"weights {request.weight_dtype}, KV cache {request.kv_dtype}"
     lines = [
-        f"model    {model_name}: {model.architecture}, {format_count(params)} parameters, {model.num_hidden_layers} "
-        f"layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, {model.num_key_value_heads} KV "
-        f"head{'s' if model.num_key_value_heads > 1 else ''}, head_dim {model.head_dim}, vocab {model.vocab_size}",
+        f"model    {model_name}: {spec.architecture}, {format_count(count_parameters(spec))} parameters, "
+        f"{spec.describe_shape()}",
         f"memory   {request.gpus_per_node} GPUs per node x {format_bytes(request.gpu_memory_bytes)}, utilization "
         f"{request.gpu_memory_utilization:g} -> {format_bytes(request.budget_bytes_per_rank)} per rank for weights "
-        f"+ KV; dtype {request.dtype}; block size {request.block_size}",
+        f"+ KV; {dtypes}; block size {request.block_size}",
         f"context  {request.context_len:,} tokens per sequence",
     ]
-    if request.context_len > model.max_position_embeddings:
+    if request.context_len > spec.max_position_embeddings:
         lines.append(
-            f"warning  the context exceeds the model's max_position_embeddings ({model.max_position_embeddings:,})"
+            f"warning  the context exceeds the model's max_position_embeddings ({spec.max_position_embeddings:,})"
         )
     header = ("tp", "dcp", "weights/rank", "KV B/token/rank", "KV tokens/replica", "KV head copies",
               "seqs/replica", "replicas/node", "seqs/node", "")
@@ -196,14 +203,58 @@ def format_plan(model: ModelConfig, request: PlanRequest, rows: list[PlanRow], m
         lines.append(f"{text}  {cells[-1]}".rstrip())
     lines.append("")
     lines.append("Weights and KV cache only: activations, CUDA graphs and communication buffers are not counted.")
-    largest_tp = max(request.tp_sizes)
-    if largest_tp <= model.num_key_value_heads:
+    if rows and not any(row.weights_fit for row in rows):
+        smallest = min(rows, key=lambda row: row.weight_bytes_per_rank)
         lines.append(
-            f"dcp=1 only: DCP needs tp > the model's {model.num_key_value_heads} KV heads, and tp is at most "
-            f"{largest_tp} with {request.gpus_per_node} GPUs per node"
+            f"no layout fits the weights: at best {format_bytes(smallest.weight_bytes_per_rank)} per rank "
+            f"(tp={smallest.tp}, {request.weight_dtype}) against {format_bytes(request.budget_bytes_per_rank)} per "
+            f"rank; use a smaller --weight-dtype, GPUs with more memory, or more GPUs per node"
         )
-    for tp, reason in invalid_tp_sizes(model, request):
+    lines += _dcp_gain(rows, request)
+    lines += spec.notes()
+    lines += _weight_dtype_notes(spec, request)
+    largest_tp = max(request.tp_sizes)
+    kv_heads = spec.num_kv_heads
+    if largest_tp <= kv_heads:
+        lines.append(
+            f"dcp=1 only: DCP needs tp > the model's {kv_heads} KV head{'s' if kv_heads > 1 else ''}, and tp is at "
+            f"most {largest_tp} with {request.gpus_per_node} GPUs per node"
+        )
+    for tp, reason in invalid_tp_sizes(spec, request):
         lines.append(f"tp={tp} not shown: {reason}")
     if not rows:
         lines.append(f"no valid layout: the model's heads do not divide across any tp in {request.tp_sizes}")
     return "\n".join(lines)
+
+
+def _dcp_gain(rows: list[PlanRow], request: PlanRequest) -> list[str]:
+    """The largest DCP of the largest tp that has one, against dcp=1 at that tp (same GPUs, same weights)."""
+    by_layout = {(row.tp, row.dcp): row for row in rows if row.weights_fit}
+    sharded = [row for row in by_layout.values() if row.dcp > 1 and (row.tp, 1) in by_layout]
+    if not sharded:
+        return []
+    best = max(sharded, key=lambda row: (row.tp, row.dcp))
+    base = by_layout[(best.tp, 1)]
+    if base.kv_tokens_per_replica == 0:
+        return []
+    return [
+        f"DCP at tp={best.tp}: dcp={best.dcp} holds {best.kv_tokens_per_replica:,} KV tokens per replica against "
+        f"{base.kv_tokens_per_replica:,} at dcp=1 ({best.kv_tokens_per_replica / base.kv_tokens_per_replica:g}x), "
+        f"{best.seqs_per_replica:,} sequences of {request.context_len:,} tokens against {base.seqs_per_replica:,}, "
+        f"on the same {best.tp} GPUs"
+    ]
+
+
+def _weight_dtype_notes(spec: ModelSpec, request: PlanRequest) -> list[str]:
+    notes = []
+    if spec.checkpoint_weight_dtype == "float8" and request.weight_dtype != "float8":
+        notes.append(
+            f"The checkpoint's weights are fp8 (quantization_config); this plan counts them as {request.weight_dtype}. "
+            f"--weight-dtype float8 plans them as shipped."
+        )
+    if request.weight_dtype == "float8":
+        notes.append(
+            "float8 weights: every parameter counted at 1 byte; fp8 checkpoints keep the embedding, LM head, norms "
+            "and router in bf16 and add block scales, so real weights are slightly larger."
+        )
+    return notes

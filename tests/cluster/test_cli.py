@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cluster.model_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3
 
 
 def dcpserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -97,12 +100,74 @@ def test_plan_for_a_70b_config(tmp_path: Path) -> None:
     assert one.endswith("weights do not fit")
 
 
+def plan_rows(stdout: str) -> dict[tuple[int, int], list[str]]:
+    """The plan's table rows by (tp, dcp), split into cells."""
+    return {(int(line.split()[0]), int(line.split()[1])): line.split()
+            for line in stdout.splitlines() if line[:4].strip().isdigit()}
+
+
+def write_config(directory: Path, config: dict[str, object]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_plan_reads_a_deepseek_v2_lite_directory_as_mla(tmp_path: Path) -> None:
+    model = write_config(tmp_path / "DeepSeek-V2-Lite-Chat", DEEPSEEK_V2_LITE)
+    result = dcpserve("plan", "--model", str(model), "--gpus-per-node", "8", "--gpu-memory", "141GB",
+                      "--context", "128k", "--block-size", "64")
+    assert result.returncode == 0, result.stderr
+    assert "DeepseekV2ForCausalLM, 15.71B parameters" in result.stdout
+    assert "MLA: 1 latent KV head of 512 + 64 = 576 values per token per layer" in result.stdout
+    rows = plan_rows(result.stdout)
+    assert list(rows) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (8, 8)]
+    tokens = {key: int(cells[5].replace(",", "")) for key, cells in rows.items()}
+    assert tokens[(8, 8)] == 8 * tokens[(8, 1)] == 8 * 3_951_616
+    assert rows[(8, 1)][4] == rows[(8, 8)][4] == "31,104"  # KV bytes per token per rank: the same latent on every rank
+    assert rows[(8, 8)][6:9] == ["8", "->", "1"]  # KV head copies: 8 at dcp=1, none left at dcp=8
+    assert "(8x)" in result.stdout
+
+
+def test_plan_says_when_deepseek_v3_weights_do_not_fit(tmp_path: Path) -> None:
+    model = write_config(tmp_path / "DeepSeek-V3", DEEPSEEK_V3)
+    common = ("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k", "--block-size", "64")
+    bf16 = dcpserve(*common)
+    assert bf16.returncode == 0, bf16.stderr
+    assert "671.03B parameters" in bf16.stdout
+    assert all(cells[-4:] == ["weights", "do", "not", "fit"] for cells in plan_rows(bf16.stdout).values())
+    assert "no layout fits the weights" in bf16.stdout and "--weight-dtype float8 plans them as shipped" in bf16.stdout
+    fp8 = dcpserve(*common, "--weight-dtype", "float8")
+    assert fp8.returncode == 0, fp8.stderr
+    rows = plan_rows(fp8.stdout)
+    assert rows[(4, 4)][-4:] == ["weights", "do", "not", "fit"]
+    assert (rows[(8, 1)][9], rows[(8, 8)][9]) == ("4", "36")  # sequences of 128k per replica
+    assert "weights float8, KV cache bfloat16" in fp8.stdout
+
+
+def test_plan_names_tp_sizes_an_mla_model_cannot_use(tmp_path: Path) -> None:
+    model = write_config(tmp_path / "v2-lite", DEEPSEEK_V2_LITE)
+    result = dcpserve("plan", "--model", str(model), "--gpus-per-node", "32", "--gpu-memory", "141GB",
+                      "--context", "128k")
+    assert result.returncode == 0, result.stderr
+    assert (16, 16) in plan_rows(result.stdout)
+    assert "tp=32 not shown: tp=32 must divide the model's 16 attention heads" in result.stdout
+
+
+def test_plan_refuses_an_mla_architecture_it_cannot_count(tmp_path: Path) -> None:
+    model = write_config(tmp_path / "minicpm3", {**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"]})
+    result = dcpserve("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k")
+    assert result.returncode != 0
+    assert "dcpserve plan:" in result.stderr and "have kv_lora_rank" in result.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (("--gpu-memory", "80XB", "--context", "128k"), "argument --gpu-memory: memory size '80XB' has unknown unit 'XB'"),
     (("--gpu-memory", "80GiB", "--context", "lots"), "argument --context: cannot parse token count 'lots'"),
     (("--gpu-memory", "80GiB", "--context", "0.3k"), "must be a positive whole number of tokens"),
     (("--gpu-memory", "80GiB", "--context", "128k", "--gpu-memory-utilization", "2"),
      "dcpserve plan: gpu_memory_utilization must be in (0, 1], got 2.0"),
+    (("--gpu-memory", "80GiB", "--context", "128k", "--weight-dtype", "int4"),
+     "argument --weight-dtype: invalid choice: 'int4'"),
 ])
 def test_plan_rejects_bad_values_clearly(tiny_model: TinyModelRun, args: tuple[str, ...], message: str) -> None:
     directory, _ = tiny_model
@@ -136,7 +201,10 @@ def test_generate_takes_the_engine_args_flags(tiny_model: TinyModelRun) -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--backend", "vllm"), "dcpserve generate: backend='vllm' is not available yet"),
+    pytest.param(("--backend", "vllm"), "dcpserve generate: backend='vllm' but vLLM is not installed",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")),
+    pytest.param(("--backend", "vllm", "--block-size", "16", "--device", "cpu"), "dcpserve generate: block_size=16",
+                 marks=pytest.mark.vllm),
     (("--gpu-memory-utilization", "1.5"), "dcpserve generate: gpu_memory_utilization must be a fraction in (0, 1]"),
     (("--admission", "prompt"), "argument --admission: invalid choice: 'prompt'"),
 ])

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
+from cluster.model_specs import GqaSpec, MlaSpec, load_model_spec, model_spec_from_dict
 from cluster.planner import (
     PlanRequest,
     count_parameters,
@@ -15,6 +20,9 @@ from cluster.planner import (
 )
 from engine.args import parse_bytes, parse_tokens
 from engine.config import ModelConfig
+from tests.cluster.model_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def llama(**overrides: object) -> ModelConfig:
@@ -148,6 +156,9 @@ def test_parse_errors(parse: Callable[[str], int], text: str, message: str) -> N
 @pytest.mark.parametrize("kwargs,message", [
     ({"gpus_per_node": 0}, "gpus_per_node must be >= 1"),
     ({"dtype": "int8"}, "dtype 'int8' is not supported"),
+    ({"weight_dtype": "int4"}, "weight_dtype 'int4' is not supported"),
+    ({"kv_dtype": "fp8"},
+     r"kv_dtype 'fp8' is not supported; choose one of \['bfloat16', 'float16', 'float32', 'float8'\]"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"block_size": 0}, "block_size must be >= 1"),
 ])
@@ -155,3 +166,203 @@ def test_plan_request_rejects_bad_values(kwargs: dict[str, object], message: str
     args: dict[str, object] = {"gpus_per_node": 8, "gpu_memory_bytes": 80 << 30, "context_len": 1024, **kwargs}
     with pytest.raises(ValueError, match=message):
         PlanRequest(**args)
+
+
+# ---- MLA (DeepSeek-V2 / V3 architecture) ----
+
+V2_LITE = MlaSpec.from_dict(DEEPSEEK_V2_LITE)
+V3 = MlaSpec.from_dict(DEEPSEEK_V3)
+H200 = 141 * 10**9  # NVIDIA's published H200 memory, in bytes
+
+
+def test_mla_config_is_read_as_mla_and_llama_as_gqa() -> None:
+    assert isinstance(model_spec_from_dict(DEEPSEEK_V2_LITE), MlaSpec)
+    assert isinstance(model_spec_from_dict(DEEPSEEK_V3), MlaSpec)
+    kimi = model_spec_from_dict(KIMI_K2)  # model_type kimi_k2, the V3 architecture
+    assert isinstance(kimi, MlaSpec) and kimi.architecture == "DeepseekV3ForCausalLM"
+    no_architectures = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k not in ("architectures", "kv_lora_rank")}
+    with pytest.raises(ValueError, match="missing required fields \\['kv_lora_rank'\\] of DeepseekV2ForCausalLM"):
+        model_spec_from_dict(no_architectures)  # found by model_type deepseek_v2
+    llama_raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
+                 "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1}
+    gqa = model_spec_from_dict(llama_raw)
+    assert isinstance(gqa, GqaSpec) and gqa.attention == "MQA"
+    assert V2_LITE.q_lora_rank is None and V3.q_lora_rank == 1536
+    assert V2_LITE.checkpoint_weight_dtype == "bfloat16" and V3.checkpoint_weight_dtype == "float8"
+
+
+def test_unsupported_configs_are_named() -> None:
+    with pytest.raises(ValueError, match=r"architectures \['MiniCPM3ForCausalLM'\] have kv_lora_rank"):
+        model_spec_from_dict({**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"]})
+    with pytest.raises(ValueError, match="the planner reads LlamaForCausalLM.*DeepseekV2ForCausalLM"):
+        model_spec_from_dict({"architectures": ["MistralForCausalLM"]})
+    without = {k: v for k, v in DEEPSEEK_V3.items() if k != "qk_rope_head_dim"}
+    with pytest.raises(ValueError, match=r"missing required fields \['qk_rope_head_dim'\]"):
+        model_spec_from_dict(without)
+
+
+def test_mla_kv_bytes_per_token_are_one_latent_head_on_every_rank() -> None:
+    # One latent of kv_lora_rank + qk_rope_head_dim = 512 + 64 values per token per layer, whatever tp is and whatever
+    # num_key_value_heads the config carries (16 and 128: MLA does not use it).
+    for tp in (1, 2, 4, 8):
+        assert V2_LITE.kv_bytes_per_token_per_rank(tp, torch.bfloat16) == 27 * 576 * 2 == 31_104
+        assert V3.kv_bytes_per_token_per_rank(tp, torch.bfloat16) == 61 * 576 * 2 == 70_272
+    assert V3.kv_bytes_per_token_per_rank(8, torch.float8_e4m3fn) == 61 * 576
+    # GQA at the same size would be 2 * kv_heads * head_dim: DeepSeek-V3 as 128 heads of K 192 + V 128 per layer.
+    assert 61 * 128 * (192 + 128) * 2 // 70_272 == 71
+
+
+def test_mla_parameter_counts_match_the_published_sizes() -> None:
+    # DeepSeek-V2-Lite by hand: embed + head 2*102400*2048; per layer q_proj 2048*16*192, kv_a_proj 2048*576,
+    # kv_a_layernorm 512, kv_b_proj 512*16*256, o_proj 16*128*2048, norms 2*2048; layer 0 dense 3*2048*10944;
+    # 26 MoE layers of (64 routed + 2 shared) * 3*2048*1408 + router 64*2048; final norm 2048.
+    attention = 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048
+    moe = 66 * 3 * 2048 * 1408 + 64 * 2048
+    v2_lite = 2 * 102400 * 2048 + 27 * (attention + 2 * 2048) + 3 * 2048 * 10944 + 26 * moe + 2048
+    assert count_parameters(V2_LITE) == v2_lite == 15_706_484_224
+    assert abs(v2_lite / 15.7e9 - 1) < 0.01  # the model card's 15.7B
+    # DeepSeek-V3 by hand: q_a_proj 7168*1536 + q_a_layernorm 1536 + q_b_proj 1536*128*192, kv_a_proj 7168*576,
+    # kv_a_layernorm 512, kv_b_proj 512*128*256, o_proj 128*128*7168; 3 dense layers of 3*7168*18432; 58 MoE layers of
+    # 257 experts of 3*7168*2048 + router 256*7168 + its correction bias 256.
+    attention = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    moe = 257 * 3 * 7168 * 2048 + 256 * 7168 + 256
+    v3 = 2 * 129280 * 7168 + 61 * (attention + 2 * 7168) + 3 * 3 * 7168 * 18432 + 58 * moe + 7168
+    assert count_parameters(V3) == v3 == 671_026_419_200
+    # The published 671B is the main model alone: DeepSeek-V3 on Hugging Face is 685B = 671B + the 14B MTP module
+    # (one more MoE layer, its projections and its own copy of embedding and head), which the count leaves out.
+    assert abs(v3 / 671e9 - 1) < 0.01
+    mtp = attention + 2 * 7168 + moe + 2 * 7168 * 7168 + 3 * 7168 + 2 * 129280 * 7168
+    assert abs((v3 + mtp) / 685e9 - 1) < 0.01
+    # Kimi K2: about 1T (model card: 1T total, tech report: 1.04T).
+    assert 1.0e12 < count_parameters(MlaSpec.from_dict(KIMI_K2)) < 1.05e12
+
+
+def test_mla_weights_per_rank_split_heads_and_experts_and_copy_the_latent_projections() -> None:
+    # DeepSeek-V3 at tp=8: 16 heads per rank; q_a_proj, kv_a_proj_with_mqa, their norms, the router and the layer
+    # norms whole on every rank; vocab 129280/8 = 16160 rows of embedding and head; 2304 of the dense MLP's 18432
+    # and 256 of each expert's 2048.
+    attention = 7168 * 1536 + 1536 + 1536 * 16 * 192 + 7168 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 7168
+    moe = 257 * 3 * 7168 * 256 + 256 * 7168 + 256
+    per_rank = 2 * 16160 * 7168 + 61 * (attention + 2 * 7168) + 3 * 3 * 7168 * 2304 + 58 * moe + 7168
+    assert weight_bytes_per_rank(V3, 8, "float8") == per_rank == 84_780_357_120
+    assert weight_bytes_per_rank(V3, 8, "bfloat16") == 2 * per_rank
+    # Close to total / tp: what is copied is about 1% of a rank's share.
+    assert 1 < per_rank / (count_parameters(V3) / 8) < 1.011
+
+
+def test_mla_layouts_are_every_tp_dividing_the_heads_and_every_dcp_dividing_tp() -> None:
+    rows = plan_layouts(V2_LITE, PlanRequest(8, H200, 131072, block_size=64))
+    assert [(r.tp, r.dcp) for r in rows] == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4),
+                                             (8, 1), (8, 2), (8, 4), (8, 8)]
+    copies = {(r.tp, r.dcp): (r.kv_head_copies, r.kv_head_copies_with_dcp) for r in rows}
+    assert copies[(8, 1)] == (8, 8) and copies[(8, 4)] == (8, 2) and copies[(8, 8)] == (8, 1)
+    assert copies[(1, 1)] == (1, 1)
+    V2_LITE.validate_layout(16, 16)  # 16 heads: tp=16 is valid and dcp may equal it
+    with pytest.raises(ValueError, match="tp=32 must divide the model's 16 attention heads"):
+        V2_LITE.validate_layout(32, 1)
+    with pytest.raises(ValueError, match="dcp=3 must divide tp=8"):
+        V2_LITE.validate_layout(8, 3)
+
+
+def test_invalid_mla_tp_sizes_are_named_in_the_plan() -> None:
+    request = PlanRequest(32, H200, 131072, block_size=64)
+    text = format_plan(V2_LITE, request, plan_layouts(V2_LITE, request), model_name="v2-lite")
+    assert "tp=32 not shown: tp=32 must divide the model's 16 attention heads" in text
+    assert any(line.split()[:2] == ["16", "16"] for line in text.splitlines())
+
+
+def test_v2_lite_at_tp8_dcp8_holds_8x_the_kv_of_dcp1() -> None:
+    request = PlanRequest(8, H200, 131072, block_size=64)
+    rows = {(r.tp, r.dcp): r for r in plan_layouts(V2_LITE, request)}
+    budget = int(H200 * 0.9)
+    dcp1, dcp8 = rows[(8, 1)], rows[(8, 8)]
+    assert dcp1.weight_bytes_per_rank == dcp8.weight_bytes_per_rank == 2 * V2_LITE.parameters_per_rank(8)
+    assert dcp1.kv_tokens_per_replica == (budget - dcp1.weight_bytes_per_rank) // 31_104 // 64 * 64 == 3_951_616
+    assert dcp8.kv_tokens_per_replica == 8 * dcp1.kv_tokens_per_replica
+    assert (dcp1.seqs_per_replica, dcp8.seqs_per_replica) == (30, 241)
+    for dcp in (2, 4):
+        assert rows[(8, dcp)].kv_tokens_per_replica == dcp * dcp1.kv_tokens_per_replica
+    text = format_plan(V2_LITE, request, list(rows.values()), model_name="DeepSeek-V2-Lite-Chat")
+    assert "MLA: 1 latent KV head of 512 + 64 = 576 values per token per layer" in text
+    assert "DCP at tp=8: dcp=8 holds 31,612,928 KV tokens per replica against 3,951,616 at dcp=1 (8x)" in text
+    assert "Not counted" not in text  # V2-Lite has no MTP layer
+
+
+def test_v3_does_not_fit_8_h200_in_bf16_and_does_in_fp8() -> None:
+    bf16 = PlanRequest(8, H200, 131072, block_size=64)
+    rows = plan_layouts(V3, bf16)
+    assert rows and not any(r.weights_fit for r in rows)
+    assert all(r.kv_tokens_per_replica == 0 and r.seqs_per_node == 0 for r in rows)
+    text = format_plan(V3, bf16, rows, model_name="DeepSeek-V3")
+    table = [line for line in text.splitlines() if line[:3].strip().isdigit()]
+    assert len(table) == len(rows) and all(line.endswith("weights do not fit") for line in table)
+    assert "no layout fits the weights: at best 157.92 GiB per rank (tp=8, bfloat16) against 118.18 GiB" in text
+    assert "The checkpoint's weights are fp8 (quantization_config)" in text
+    assert "Not counted: the 1 multi-token-prediction layer" in text
+
+    fp8 = PlanRequest(8, H200, 131072, block_size=64, weight_dtype="float8")
+    assert (fp8.weight_dtype, fp8.kv_dtype) == ("float8", "bfloat16")
+    rows8 = {(r.tp, r.dcp): r for r in plan_layouts(V3, fp8)}
+    assert not rows8[(4, 4)].weights_fit  # 157 GiB of fp8 weights per rank at tp=4
+    dcp1, dcp8 = rows8[(8, 1)], rows8[(8, 8)]
+    assert dcp1.weights_fit and dcp1.kv_bytes_per_token_per_rank == 70_272
+    assert dcp8.kv_tokens_per_replica == 8 * dcp1.kv_tokens_per_replica == 8 * 599_360
+    assert (dcp1.seqs_per_replica, dcp8.seqs_per_replica) == (4, 36)
+    text = format_plan(V3, fp8, list(rows8.values()), model_name="DeepSeek-V3")
+    assert "weights float8, KV cache bfloat16" in text and "no layout fits" not in text
+    assert "float8 weights: every parameter counted at 1 byte" in text
+
+
+def test_fp8_kv_cache_doubles_mla_tokens() -> None:
+    bf16_kv = PlanRequest(8, H200, 131072, block_size=64, weight_dtype="float8")
+    fp8_kv = PlanRequest(8, H200, 131072, block_size=64, dtype="float8")  # weights and KV cache
+    base = next(r for r in plan_layouts(V3, bf16_kv) if (r.tp, r.dcp) == (8, 8))
+    half = next(r for r in plan_layouts(V3, fp8_kv) if (r.tp, r.dcp) == (8, 8))
+    assert half.weight_bytes_per_rank == base.weight_bytes_per_rank
+    assert half.kv_bytes_per_token_per_rank == 61 * 576
+    pages, base_pages = half.kv_tokens_per_replica // (64 * 8), base.kv_tokens_per_replica // (64 * 8)
+    assert pages in (2 * base_pages, 2 * base_pages + 1)  # the same free bytes in pages half the size
+
+
+def test_load_model_spec_reads_a_deepseek_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
+    assert load_model_spec(tmp_path) == V2_LITE
+    assert load_model_spec(tmp_path / "config.json") == V2_LITE
+    with pytest.raises(FileNotFoundError, match="no config.json at"):
+        load_model_spec(tmp_path / "missing")
+
+
+def test_vllm_serve_config_is_a_valid_mla_layout_for_v2_lite() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.config import AppArgs
+
+    config = yaml.safe_load((REPO / "serve_config.vllm.yaml").read_text())
+    ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    args = app["args"]
+    assert args["backend"] == "vllm"
+    # Not AppArgs(**args): `backend` is being added on another branch. Every other key must be one of AppArgs'.
+    assert set(args) - {"backend"} <= set(AppArgs.model_fields)
+    assert Path(args["model"]).name == "DeepSeek-V2-Lite-Chat"
+    tp, dcp = args["tensor_parallel_size"], args["decode_context_parallel_size"]
+    assert (tp, dcp) == (8, 8)
+    V2_LITE.validate_layout(tp, dcp)
+    request = PlanRequest(tp, H200, args["max_model_len"], block_size=args["block_size"])
+    row = next(r for r in plan_layouts(V2_LITE, request) if (r.tp, r.dcp) == (tp, dcp))
+    assert row.weights_fit and row.kv_head_copies_with_dcp == 1 and row.seqs_per_replica > 0
+    assert args["block_size"] == 64  # FlashMLA's page
+    assert args["max_model_len"] <= V2_LITE.max_position_embeddings
+
+
+@pytest.mark.parametrize("spec,name,weight_dtype", [
+    (V2_LITE, "DeepSeek-V2-Lite-Chat", None), (V3, "DeepSeek-V3", None), (V3, "DeepSeek-V3", "float8"),
+])
+def test_operations_doc_shows_the_planners_own_output(spec: MlaSpec, name: str, weight_dtype: str | None) -> None:
+    """docs/operations.md pastes these plans; they must stay what the planner prints."""
+    request = PlanRequest(8, H200, 131072, block_size=64, weight_dtype=weight_dtype)
+    text = format_plan(spec, request, plan_layouts(spec, request), model_name=name)
+    doc = (REPO / "docs" / "operations.md").read_text()
+    pasted = "\n".join(f"    {line}" if line else "" for line in text.splitlines())
+    assert pasted in doc
