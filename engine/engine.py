@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,21 +19,10 @@ from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from kernels import dcp_local_seq_lens
 
 
-
-
-@dataclass
-class _TextState:
-    """Per-request detokenization and stop-string state."""
-
-    detokenizer: IncrementalDetokenizer | None
-    stop: tuple[str, ...]
-    emitted: int = 0  # characters of text already sent
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -50,7 +38,7 @@ class LLMEngine:
         self.executor: Executor = create_executor(config)
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size, config.parallel.dcp)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, frozenset(eos))
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.num_tokens_computed = 0  # prompt, recompute and decode tokens run through the model
         self.num_generation_tokens = 0
@@ -91,10 +79,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, prompt=prompt)
         self.scheduler.add_request(request)
-        detokenizer = (
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer is not None else None
-        )
-        self._text[request_id] = _TextState(detokenizer, params.stop or ())
+        self._text[request_id] = TextStream(self.tokenizer, prompt_token_ids, params.stop or ())
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -143,26 +128,13 @@ class LLMEngine:
         return deltas
 
     def _delta(self, request: Request, token: int, finished: bool) -> RequestDelta:
-        state = self._text.get(request.request_id)
+        stream = self._text.get(request.request_id)
         new_text = ""
-        if state is not None:
-            state.token_ids.append(token)
-            if state.detokenizer is not None:
-                state.detokenizer.push(token)
-                if finished:
-                    state.detokenizer.flush()
-                state.text = state.detokenizer.text
-            stop_at = min((i for i in (state.text.find(s) for s in state.stop) if i >= 0), default=-1)
-            if stop_at >= 0 and not finished:
+        if stream is not None:
+            new_text, stopped = stream.push([token], finished)
+            if stopped and not finished:
                 self.scheduler.finish_request(request.request_id, FinishReason.STOP)
                 finished = True
-            if stop_at >= 0:
-                state.text = state.text[:stop_at]
-            # Hold back a possible stop-string prefix until it is decided.
-            hold = 0 if finished else max((len(s) - 1 for s in state.stop), default=0)
-            upto = max(state.emitted, len(state.text) - hold)
-            new_text = state.text[state.emitted : upto]
-            state.emitted = upto
             if finished:
                 del self._text[request.request_id]
         return RequestDelta(

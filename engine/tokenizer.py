@@ -170,3 +170,33 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+
+class TextStream:
+    """One request's output text for either engine backend: incremental detokenization (seeded with the prompt) and
+    stop strings, found in the text, cut there, and held back while the text might still be the start of one."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self._stop = tuple(stop)
+        self._hold = max((len(s) - 1 for s in self._stop), default=0)
+        self._emitted = 0  # characters of text already returned
+        self.text = ""
+
+    def push(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
+        """Adds generated tokens; returns (the text now safe to send, whether a stop string was found). A found stop
+        string ends the request: the text is cut before it and everything up to there is returned."""
+        if self._detokenizer is not None:
+            for token in token_ids:
+                self._detokenizer.push(token)
+            if finished:
+                self._detokenizer.flush()
+            self.text = self._detokenizer.text
+        stop_at = min((i for i in (self.text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            self.text = self.text[:stop_at]
+        hold = 0 if finished or stop_at >= 0 else self._hold
+        upto = max(self._emitted, len(self.text) - hold)
+        new_text = self.text[self._emitted:upto]
+        self._emitted = upto
+        return new_text, stop_at >= 0

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
 from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RankKvStats, RequestDelta
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
@@ -114,7 +114,9 @@ def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
         "tokenizer": args.model,
         "tensor_parallel_size": tp,
         "decode_context_parallel_size": args.decode_context_parallel_size,
-        "dtype": args.dtype,
+        # "auto" means what it means to the native engine: the checkpoint's dtype on CUDA, float32 on CPU (vLLM's own
+        # "auto" would take bfloat16 on a CPU that has it).
+        "dtype": "float32" if args.dtype == "auto" and device == "cpu" else args.dtype,
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "seed": args.seed,
@@ -301,26 +303,34 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         held = self._held[request_id]
-        finished = False
+        # Our text and stop strings, as the native engine's (vLLM's detokenizer would also emit undecodable prompt
+        # bytes in the first delta): vLLM only generates tokens.
+        text = TextStream(self._tokenizer, prompt_token_ids, params.stop or ())
+        finished = vllm_finished = False
         try:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
                                                   to_vllm_sampling_params(params), request_id):
                 completion = output.outputs[0]
                 new_ids = list(completion.token_ids)
                 held.num_output_tokens += len(new_ids)
-                finished = output.finished
+                finished = vllm_finished = output.finished
+                new_text, stopped = text.push(new_ids, finished)
                 reason = completion.finish_reason if finished else None
+                if stopped and not finished:
+                    finished, reason = True, "stop"  # the stream's end aborts the request inside vLLM
                 if finished and reason not in ("stop", "length", "abort"):
                     reason = "stop"
                 yield RequestDelta(
                     request_id=request_id,
                     new_token_ids=new_ids,
-                    new_text=completion.text,
+                    new_text=new_text,
                     finished=finished,
                     finish_reason=reason,
                     num_prompt_tokens=held.num_prompt_tokens,
                     num_output_tokens=held.num_output_tokens,
                 )
+                if finished:
+                    break
         except Exception as err:
             if _is_vllm_client_error(err):
                 raise ValueError(str(err)) from None  # vLLM's validation: the client's error (an OpenAI 400)
@@ -330,8 +340,8 @@ class VllmEngine:
             raise EngineDeadError(f"the engine failed: {err!r}") from err
         finally:
             self._held.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            if not vllm_finished:
+                self.abort(request_id)  # the client went away, or a stop string ended it before vLLM did
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._held
@@ -438,10 +448,10 @@ def to_vllm_sampling_params(params: SamplingParams) -> Any:
         top_k=params.top_k,
         max_tokens=params.max_tokens,
         seed=params.seed,
-        stop=list(params.stop or ()),
         stop_token_ids=list(params.stop_token_ids or ()),
         ignore_eos=params.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
+        detokenize=False,  # engine.tokenizer.TextStream makes the text and finds stop strings, as natively
     )
 
 

@@ -118,17 +118,18 @@ def test_burst_past_the_kv_splits_exactly_and_vllm_never_preempts(cluster: Serve
 
 
 def test_disconnect_frees_the_request_inside_vllm(cluster: ServeCluster) -> None:
-    wait_quiet(cluster)
+    before = wait_quiet(cluster)["generation_tokens"]
     api = client(cluster)
     stream = api.completions.create(model=MODEL, prompt="def hello", max_tokens=900, temperature=1.0, seed=5,
                                     stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 5:
             break
-    assert cluster.engine_stats()["num_running"] == 1
     stream.close()  # the client goes away mid-stream
     stats = wait_quiet(cluster)
     assert stats["num_waiting"] == 0 and stats["kv_held_blocks"] == 0
+    # vLLM stopped it: it generated far fewer than the 900 tokens it was asked for (it runs ~1 ms a token here).
+    assert 5 <= stats["generation_tokens"] - before < 900
     # And the replica serves the next request normally.
     assert client(cluster).completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens >= 1
 
