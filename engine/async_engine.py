@@ -89,7 +89,7 @@ class AsyncEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
-        prompt_token_ids = self.engine.prompt_token_ids(prompt, prompt_token_ids)
+        prompt_token_ids = self.engine.prompt_token_ids(prompt, prompt_token_ids, params)
         self.check_request(len(prompt_token_ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._queues:

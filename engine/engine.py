@@ -15,10 +15,11 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.executor import Executor, create_executor
-from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta
+from engine.outputs import ModelRunnerOutput
+from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from kernels import dcp_local_seq_lens
 
@@ -39,6 +40,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size, config.parallel.dcp)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, frozenset(eos))
         self._text: dict[str, TextStream] = {}
+        # Prompt logprobs gathered chunk by chunk until the request's first token delivers them.
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._ids = itertools.count()
         self.num_tokens_computed = 0  # prompt, recompute and decode tokens run through the model
         self.num_generation_tokens = 0
@@ -54,8 +57,10 @@ class LLMEngine:
             raise ValueError(f"the model directory {self.config.model} has no tokenizer: pass prompt_token_ids")
         return self.tokenizer.encode(prompt)
 
-    def prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The request's prompt as token ids (tokenized when given as text), each checked against the vocabulary."""
+    def prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         sampling_params: SamplingParams | None = None) -> list[int]:
+        """The request's prompt as token ids (tokenized when given as text), each checked against the vocabulary, as
+        are the token ids its sampling params name (logit_bias)."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("pass a prompt or prompt_token_ids")
@@ -64,6 +69,8 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if sampling_params is not None:
+            sampling_params.check_vocab(vocab)
         return list(prompt_token_ids)
 
     def add_request(
@@ -75,16 +82,17 @@ class LLMEngine:
     ) -> str:
         """Queues a request; raises (RequestRejected, ValueError) at once if it could never be served."""
         params = sampling_params or SamplingParams()
-        prompt_token_ids = self.prompt_token_ids(prompt, prompt_token_ids)
+        prompt_token_ids = self.prompt_token_ids(prompt, prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, prompt=prompt)
         self.scheduler.add_request(request)
-        self._text[request_id] = TextStream(self.tokenizer, prompt_token_ids, params.stop or ())
+        self._text[request_id] = TextStream.for_params(self.tokenizer, prompt_token_ids, params)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its KV; the next step tells the workers to drop its state."""
         self._text.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -117,17 +125,32 @@ class LLMEngine:
         self.last_step_idle = output.is_empty and not output.finished_request_ids
         if self.last_step_idle:
             return []  # nothing could run (waiting requests, no KV or seats): only an add or abort changes that
-        sampled = self.executor.execute(output)
-        updates = self.scheduler.update(output, sampled)
+        result = self.executor.execute(output)
+        self._gather_prompt_logprobs(output, result)
+        updates = self.scheduler.update(output, result.sampled_token_ids)
         self.num_tokens_computed += output.num_tokens
         self.num_generation_tokens += len(updates)
-        deltas = [self._delta(u.request, u.token_id, u.finished) for u in updates]
+        deltas = [self._delta(u.request, u.token_id, u.finished, result) for u in updates]
         self.num_steps += 1
         self.last_step_seconds = time.perf_counter() - start
         self.last_exchange_seconds = self.executor.last_exchange_seconds
         return deltas
 
-    def _delta(self, request: Request, token: int, finished: bool) -> RequestDelta:
+    def _gather_prompt_logprobs(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Appends this step's prompt logprobs to each asking request's list (a chunk at position 0, the first or a
+        recompute after preemption before any token, starts the list again)."""
+        for entry in output.scheduled:
+            if entry.sampling_params.prompt_logprobs is None or entry.num_output_tokens:
+                continue
+            if entry.request_id not in self.scheduler.requests:
+                continue  # aborted
+            if entry.start_position == 0:
+                self._prompt_logprobs[entry.request_id] = [None]
+            gathered = self._prompt_logprobs.get(entry.request_id)
+            if gathered is not None:
+                gathered.extend(result.prompt_logprobs.get(entry.request_id, ()))
+
+    def _delta(self, request: Request, token: int, finished: bool, result: ModelRunnerOutput) -> RequestDelta:
         stream = self._text.get(request.request_id)
         new_text = ""
         if stream is not None:
@@ -137,6 +160,8 @@ class LLMEngine:
                 finished = True
             if finished:
                 del self._text[request.request_id]
+        logprob = result.logprobs.get(request.request_id)
+        first = len(request.output_token_ids) == 1
         return RequestDelta(
             request_id=request.request_id,
             new_token_ids=[token],
@@ -145,6 +170,8 @@ class LLMEngine:
             finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
+            logprobs=[logprob] if logprob is not None else None,
+            prompt_logprobs=self._prompt_logprobs.pop(request.request_id, None) if first else None,
         )
 
     # ---- state -----------------------------------------------------------------------------------------------

@@ -7,17 +7,18 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
 from engine.scheduler import SchedulerOutput
 
 
 class Executor(Protocol):
-    """Runs steps on every rank and returns the driver rank's sampled tokens."""
+    """Runs steps on every rank and returns the driver rank's sampled tokens and logprobs."""
 
     num_blocks: int
     last_exchange_seconds: float  # DCP exchange time of the last execute() (max over ranks; 0 without DCP)
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def check_health(self) -> None: ...
 
@@ -35,9 +36,9 @@ class InProcessExecutor:
         self.num_blocks = self.runner.available_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = self.runner.execute(output)
-        return result if result is not None else {}
+        return result if result is not None else ModelRunnerOutput()
 
     @property
     def last_exchange_seconds(self) -> float:

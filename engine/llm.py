@@ -10,8 +10,35 @@ from typing import Any, Sequence
 
 from engine.args import EngineArgs
 from engine.engine import LLMEngine
+from engine.protocol import RequestDelta, TokenLogprob
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+
+
+class _Collected:
+    """One request's deltas put together: tokens, text, finish reason, logprobs."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.text.append(delta.new_text)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(0, "".join(self.text), self.token_ids, self.finish_reason, self.logprobs)
 
 
 class LLM:
@@ -84,58 +111,51 @@ class LLM:
             list(prompt_token_ids[i]) if prompt_token_ids is not None else self._tokenize(prompts[i])  # type: ignore[index]
             for i in range(count)
         ]
+        vocab_size = self.engine.model_config.vocab_size if self.engine is not None else self._vllm.vocab_size
         for tokens, params in zip(token_lists, params_list):
             self._check_fits(len(tokens), params.max_tokens)
+            params.check_vocab(vocab_size)
         if self.engine is None:
             results = self._loop.run_until_complete(self._run_vllm(token_lists, params_list))  # type: ignore[union-attr]
-            return [
-                RequestOutput(request_id=rid, prompt=prompts[i] if prompts is not None else None,
-                              prompt_token_ids=token_lists[i],
-                              outputs=[CompletionOutput(0, text, tokens, reason)], finished=True)
-                for i, (rid, text, tokens, reason) in enumerate(results)
-            ]
-        ids = [
-            self.engine.add_request(prompts[i] if prompts is not None else None, params_list[i], token_lists[i])
-            for i in range(count)
+        else:
+            results = self._run_native(self.engine, prompts, token_lists, params_list)
+        return [
+            RequestOutput(request_id=rid, prompt=prompts[i] if prompts is not None else None,
+                          prompt_token_ids=token_lists[i], outputs=[collected.completion()], finished=True,
+                          prompt_logprobs=collected.prompt_logprobs)
+            for i, (rid, collected) in enumerate(results)
         ]
-        texts: dict[str, list[str]] = {rid: [] for rid in ids}
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-        reasons: dict[str, str | None] = {rid: None for rid in ids}
+
+    @staticmethod
+    def _run_native(engine: LLMEngine, prompts: Sequence[str] | None, token_lists: list[list[int]],
+                    params_list: list[SamplingParams]) -> list[tuple[str, _Collected]]:
+        """Every request through the native engine, stepping until all finish; (id, what it got) in input order."""
+        ids = [
+            engine.add_request(prompts[i] if prompts is not None else None, params_list[i], token_lists[i])
+            for i in range(len(token_lists))
+        ]
+        collected = {rid: _Collected() for rid in ids}
         pending = set(ids)
         while pending:
-            for delta in self.engine.step():
-                if delta.request_id not in pending:
-                    continue
-                tokens[delta.request_id].extend(delta.new_token_ids)
-                texts[delta.request_id].append(delta.new_text)
-                if delta.finished:
-                    reasons[delta.request_id] = delta.finish_reason
-                    pending.discard(delta.request_id)
-        return [
-            RequestOutput(
-                request_id=rid,
-                prompt=prompts[i] if prompts is not None else None,
-                prompt_token_ids=token_lists[i],
-                outputs=[CompletionOutput(0, "".join(texts[rid]), tokens[rid], reasons[rid])],
-                finished=True,
-            )
-            for i, rid in enumerate(ids)
-        ]
+            for delta in engine.step():
+                if delta.request_id in pending:
+                    collected[delta.request_id].add(delta)
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+        return [(rid, collected[rid]) for rid in ids]
 
     async def _run_vllm(self, token_lists: list[list[int]],
-                        params_list: list[SamplingParams]) -> list[tuple[str, str, list[int], str | None]]:
-        """Every request through the vLLM engine at once; (id, text, tokens, finish reason) in input order."""
+                        params_list: list[SamplingParams]) -> list[tuple[str, _Collected]]:
+        """Every request through the vLLM engine at once; (id, what it got) in input order."""
         start = next(self._ids)
 
-        async def one(i: int) -> tuple[str, str, list[int], str | None]:
+        async def one(i: int) -> tuple[str, _Collected]:
             rid = f"req-{start}-{i}"
-            text, tokens, reason = [], [], None
+            collected = _Collected()
             async for delta in self._vllm.submit(sampling_params=params_list[i], prompt_token_ids=token_lists[i],
                                                  request_id=rid):
-                tokens += delta.new_token_ids
-                text.append(delta.new_text)
-                reason = delta.finish_reason if delta.finished else reason
-            return rid, "".join(text), tokens, reason
+                collected.add(delta)
+            return rid, collected
 
         return list(await asyncio.gather(*(one(i) for i in range(len(token_lists)))))
 

@@ -1,8 +1,10 @@
 """One rank's model, KV cache shard and per-step inputs.
 
 execute() turns a SchedulerOutput into tensors (token ids, positions, this rank's AttentionMetadata), runs the
-model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence. Every rank of
-a worker group runs execute() with the same SchedulerOutput; only the slot mapping and local lengths differ.
+model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence; for requests
+that asked for prompt logprobs every rank also runs the vocab-parallel LM head over their prompt rows, and the
+driver returns their logprobs with the step's tokens (ModelRunnerOutput). Every rank of a worker group runs
+execute() with the same SchedulerOutput; only the slot mapping and local lengths differ.
 The model runner never changes scheduler state.
 """
 
@@ -14,11 +16,16 @@ from engine.attention_metadata import AttentionMetadata
 from engine.block_manager import num_blocks_for_budget
 from engine.config import EngineConfig
 from engine.loader import load_model
+from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
-from engine.sampler import Sampler
+from engine.protocol import TokenLogprob
+from engine.sampler import Sampler, SamplingRow, token_logprobs
 from engine.scheduler import SchedulerOutput
 from engine.step_timer import ExchangeTimer
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
+
+# Prompt-logprob rows per pass through the LM head: bounds the vocabulary-wide logits a long chunk materializes.
+PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
@@ -125,22 +132,71 @@ class ModelRunner:
         return ids, to_device(positions_t), metadata, sample_rows
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int] | None:
-        """Runs one step. The driver returns {request_id: sampled token}; other ranks return None."""
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Runs one step. The driver returns the sampled tokens (and the logprobs requests asked for); other ranks
+        return None."""
         if self.sampler is not None and output.finished_request_ids:
             self.sampler.forget(output.finished_request_ids)
         self._exchange_timer = None
         if output.is_empty:
-            return {} if self.parallel.is_driver else None
+            return ModelRunnerOutput() if self.parallel.is_driver else None
+        if self.sampler is not None:
+            for entry in output.scheduled:
+                if entry.sampling_params.has_penalties:
+                    self.sampler.record(entry.request_id, entry.start_position, entry.token_ids)
         input_ids, positions, metadata, sample_rows = self.prepare(output)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
         self._exchange_timer = metadata.exchange_timer
-        if not sample_rows:
-            return {} if self.parallel.is_driver else None
-        # Every rank takes part in the vocab-parallel gather; only the driver samples.
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-        if self.sampler is None:
-            return None
-        sampling = [e for e in output.scheduled if e.sample]
-        tokens = self.sampler.sample(logits, [(e.request_id, e.sampling_params) for e in sampling])
-        return {e.request_id: t for e, t in zip(sampling, tokens)}
+        result = ModelRunnerOutput() if self.parallel.is_driver else None
+        if sample_rows:
+            # Every rank takes part in the vocab-parallel gather; only the driver samples.
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            if self.sampler is not None and result is not None:
+                sampling = [e for e in output.scheduled if e.sample]
+                sampled = self.sampler.sample(logits, [
+                    SamplingRow(e.request_id, e.sampling_params, e.num_output_tokens, e.blocked_token_ids)
+                    for e in sampling
+                ])
+                result.sampled_token_ids = {e.request_id: t for e, t in zip(sampling, sampled.token_ids)}
+                result.logprobs = {e.request_id: lp for e, lp in zip(sampling, sampled.logprobs) if lp is not None}
+        prompt_logprobs = self._prompt_logprobs(output, hidden)
+        if result is not None:
+            result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _prompt_logprobs(self, output: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[TokenLogprob]]:
+        """The prompt logprobs this step's chunks complete, for the requests that asked and have not yet sampled a
+        token (a recompute after preemption does not repeat them). Every rank computes the full-vocabulary logits
+        of those rows (a collective); the driver turns them into TokenLogprob lists. Rows go through the LM head in
+        slices of PROMPT_LOGPROBS_ROWS so a long chunk never holds more than that many vocabulary-wide rows."""
+        rows: list[int] = []  # rows of `hidden`
+        targets: list[int] = []  # the prompt token each row predicts
+        num_top: list[int] = []  # the alternatives each row reports
+        owners: list[tuple[str, int, int]] = []  # (request id, its first index in rows, how many)
+        offset = 0
+        for entry in output.scheduled:
+            num_top_k = entry.sampling_params.prompt_logprobs
+            if num_top_k is not None and entry.num_output_tokens == 0:
+                # Row j predicts the token at position start + j + 1: the chunk's next token, or (last row) the
+                # token after the chunk; a chunk that ends the prompt samples from its last row instead.
+                chunk_targets = entry.token_ids[1:]
+                if not entry.sample and entry.next_token_id is not None:
+                    chunk_targets = chunk_targets + [entry.next_token_id]
+                owners.append((entry.request_id, len(rows), len(chunk_targets)))
+                rows.extend(range(offset, offset + len(chunk_targets)))
+                targets.extend(chunk_targets)
+                num_top.extend([num_top_k] * len(chunk_targets))
+            offset += len(entry.token_ids)
+        if not owners:
+            return {}
+        entries: list[TokenLogprob] = []
+        for start in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            index = torch.tensor(rows[start:start + PROMPT_LOGPROBS_ROWS], device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])
+            if self.parallel.is_driver:
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                stop = start + len(index)
+                entries.extend(token_logprobs(logprobs, targets[start:stop], num_top[start:stop]))
+        if not self.parallel.is_driver:
+            return {}
+        return {request_id: entries[first:first + count] for request_id, first, count in owners}

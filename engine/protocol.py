@@ -34,6 +34,18 @@ class KvFull(RuntimeError):
         self.free_blocks = free_blocks
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the raw model logits (log_softmax over the whole vocabulary, before
+    temperature, penalties, bias and top-k / top-p), its rank (1 + the tokens with a strictly higher logprob) and
+    the top alternatives the request asked for, best first, as (token_id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestDelta:
     """What one step added to a request: new tokens, newly completed text, and whether it finished."""
@@ -45,6 +57,11 @@ class RequestDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # One per new token when the request asked for logprobs (SamplingParams.logprobs), else None.
+    logprobs: list[TokenLogprob] | None = None
+    # Only on the request's first delta, when it asked for prompt_logprobs: one per prompt token; entry 0 is None,
+    # entry i is prompt token i given the tokens before it.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ GPUs: it reuses the TP ranks); the group may be given (a Serve replica's own pla
 bundles belong to the replica) or created here. On a cluster without GPU resources the ranks run as CPU
 actors. Each group picks its own rendezvous address and port (rank 0's node, a free port), so several groups
 share a host. Every step the driver puts the SchedulerOutput once into the object store, every rank executes
-it, and rank 0 returns the sampled tokens.
+it, and rank 0 returns the sampled tokens (and the logprobs requests asked for: a ModelRunnerOutput).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput
 from engine.scheduler import SchedulerOutput
 
 
@@ -71,8 +72,8 @@ class RankWorker:
     def allocate(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int] | None, float]:
-        """(sampled tokens on rank 0, None elsewhere; this rank's DCP exchange seconds in the step)."""
+    def execute(self, output: SchedulerOutput) -> tuple[ModelRunnerOutput | None, float]:
+        """(sampled tokens and logprobs on rank 0, None elsewhere; this rank's DCP exchange seconds in the step)."""
         tokens = self.runner.execute(output)
         return tokens, self.runner.last_exchange_seconds
 
@@ -157,7 +158,7 @@ class RayWorkerGroup:
             )
         return group
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         ref = ray.put(output)
         refs = [w.execute.remote(ref) for w in self.workers]
         # Fail as soon as any rank fails: a dead rank leaves the others blocked in a collective that never ends, so
@@ -169,7 +170,7 @@ class RayWorkerGroup:
         results = ray.get(refs)
         # Every rank waits in the same collectives, so the slowest rank's exchange time is the step's.
         self.last_exchange_seconds = max(seconds for _, seconds in results)
-        return results[0][0] or {}
+        return results[0][0] or ModelRunnerOutput()
 
     def check_health(self) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=60)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.protocol import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -81,6 +82,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -92,3 +94,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # When SamplingParams.prompt_logprobs is set: one per prompt token (entry 0 None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -1,14 +1,23 @@
-"""Picks each sampling row's next token from its logits, per request's SamplingParams.
+"""Picks each sampling row's next token from its logits, per request's SamplingParams, and reports logprobs.
+
+Order (vLLM v1's): logprobs are taken from the raw logits (log_softmax over the whole vocabulary); then min_tokens
+masks the stop tokens, logit_bias is added, the repetition penalty (prompt + output tokens) and the frequency and
+presence penalties (output tokens) are applied, then temperature, top-k, top-p, and the draw.
 
 A request with a seed draws from its own generator, created at its first token and kept until it finishes, so
 its tokens depend only on its own logits and seed, never on what else is in the batch. Requests without a
-seed share the engine's generator (seeded from the engine's seed).
+seed share the engine's generator (seeded from the engine's seed). Requests with penalties have their token
+history kept here (recorded from every scheduled chunk, so a recompute after preemption rebuilds it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from engine.protocol import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -28,16 +37,94 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:
+    """logprobs [N, vocab] (log_softmax of raw logits, any device); for row i the entry of token_ids[i] with its
+    rank and the num_top[i] best alternatives. Only the gathered values leave the device."""
+    if logprobs.shape[0] == 0:
+        return []
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, ids)  # [N, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    k = min(max(num_top), logprobs.shape[1])
+    top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], ids[:, :0]))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(token_id=int(token), logprob=value, rank=rank,
+                     top=tuple(zip(top_ids[i][:count], top_values[i][:count])))
+        for i, (token, value, rank, count) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks, num_top))
+    ]
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[len(rows), vocab_size] int64: how often each token id occurs in each row."""
+    width = max((len(r) for r in rows), default=0)
+    padded = torch.full((len(rows), max(width, 1)), vocab_size, dtype=torch.int64)  # vocab_size: padding
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    counts = torch.zeros((len(rows), vocab_size + 1), dtype=torch.int64)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, prompts: list[list[int]], outputs: list[list[int]],
+                    params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, vocab] fp32 (one row per request): the repetition penalty over each row's prompt + output tokens
+    (a positive logit divided by it, a negative one multiplied), then frequency (per occurrence) and presence
+    (once) penalties over its output tokens subtracted. vLLM's semantics (OpenAI's for frequency / presence)."""
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(outputs, vocab_size)
+    output_mask = output_counts > 0
+    seen = (_token_counts(prompts, vocab_size) > 0) | output_mask
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).unsqueeze(1)
+    penalties = torch.where(seen, repetition, torch.ones_like(repetition))
+    logits = torch.where(logits > 0, logits / penalties, logits * penalties)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).unsqueeze(1)
+    return logits - frequency * output_counts - presence * output_mask
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of a step's logits to sample: whose it is and what constrains it."""
+
+    request_id: str
+    params: SamplingParams
+    num_output_tokens: int = 0  # outputs before this one (penalties split the history into prompt and output)
+    blocked_token_ids: tuple[int, ...] = ()  # stop tokens min_tokens forbids for now (set by the scheduler)
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of each row, and its TokenLogprob where the row's request asked for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
 class Sampler:
     """Greedy or random sampling per row; per-request generators make seeded requests reproducible."""
 
     def __init__(self, seed: int) -> None:
         self._shared = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._history: dict[str, list[int]] = {}  # requests with penalties: every token id of the sequence so far
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+            self._history.pop(request_id, None)
+
+    def record(self, request_id: str, start_position: int, token_ids: Sequence[int]) -> None:
+        """A scheduled chunk of a request with penalties: its tokens at positions start_position onwards (a chunk
+        at position 0 after preemption rewrites the history)."""
+        history = self._history.setdefault(request_id, [])
+        if start_position > len(history):
+            raise RuntimeError(
+                f"request {request_id!r}: a chunk at position {start_position} but only {len(history)} earlier "
+                f"tokens were recorded"
+            )
+        del history[start_position:]
+        history.extend(token_ids)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -48,17 +135,55 @@ class Sampler:
             self._generators[request_id] = generator
         return generator
 
-    def sample(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> list[int]:
-        """logits [num_rows, vocab] fp32 (any device); rows: (request_id, params) in the same order."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits [num_rows, vocab] fp32 (any device), the raw model logits; rows in the same order."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         logits = logits.float().cpu()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
+        logits = self._process(logits, rows)
+        greedy = logits.argmax(dim=-1).tolist()
         tokens: list[int] = []
-        for row, (request_id, params) in zip(logits, rows):
-            if params.greedy:
-                tokens.append(int(torch.argmax(row)))
+        for i, row in enumerate(rows):
+            if row.params.greedy:
+                tokens.append(int(greedy[i]))
                 continue
-            probs = torch.softmax(filter_logits(row, params), dim=-1)
-            token = torch.multinomial(probs, 1, generator=self._generator(request_id, params))
+            probs = torch.softmax(filter_logits(logits[i], row.params), dim=-1)
+            token = torch.multinomial(probs, 1, generator=self._generator(row.request_id, row.params))
             tokens.append(int(token))
-        return tokens
+        if raw_logprobs is not None:
+            entries = token_logprobs(raw_logprobs, [tokens[i] for i in wants_logprobs],
+                                     [rows[i].params.logprobs or 0 for i in wants_logprobs])
+            for i, entry in zip(wants_logprobs, entries):
+                logprobs[i] = entry
+        return SamplerOutput(tokens, logprobs)
+
+    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """min_tokens masks, logit_bias and penalties, batched; the logits untouched when no row uses them."""
+        blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if t < logits.shape[1]]
+        biased = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias or ()]
+        penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if not (blocked or biased or penalized):
+            return logits
+        logits = logits.clone()
+        if blocked:
+            index = torch.tensor(blocked, dtype=torch.int64)
+            logits[index[:, 0], index[:, 1]] = float("-inf")
+        if biased:
+            index = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.int64)
+            bias = torch.tensor([b for _, _, b in biased], dtype=torch.float32)
+            logits.index_put_((index[:, 0], index[:, 1]), bias, accumulate=True)
+        if penalized:
+            prompts, outputs = [], []
+            for i in penalized:
+                history = self._history.get(rows[i].request_id)
+                if history is None:
+                    raise RuntimeError(f"request {rows[i].request_id!r} has penalties but no recorded tokens")
+                split = len(history) - rows[i].num_output_tokens
+                prompts.append(history[:split])
+                outputs.append(history[split:])
+            index = torch.tensor(penalized, dtype=torch.int64)
+            logits[index] = apply_penalties(logits[index], prompts, outputs, [rows[i].params for i in penalized])
+        return logits

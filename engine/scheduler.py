@@ -40,7 +40,11 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's block table (covers start_position + len(token_ids) tokens)
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
     sampling_params: SamplingParams
-    num_output_tokens: int  # outputs so far (the sampler uses it for per-request seeds)
+    num_output_tokens: int  # outputs so far (penalties split the history into prompt and output with it)
+    # The token after this chunk when the chunk does not reach the end of the sequence (prompt logprobs' target).
+    next_token_id: int | None = None
+    # Stop tokens (EOS, stop_token_ids) the sampler must not pick yet: the request has fewer than min_tokens outputs.
+    blocked_token_ids: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -196,15 +200,23 @@ class Scheduler:
 
     def _entry(self, request: Request, count: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + count]
+        all_token_ids = request.all_token_ids
+        sample = start + count == request.num_tokens
+        params = request.sampling_params
+        num_outputs = len(request.output_token_ids)
+        # vLLM's min_tokens: EOS is masked too when ignore_eos is set (it would not stop the request anyway).
+        blocked = (tuple(sorted(self.eos_token_ids | set(params.stop_token_ids or ())))
+                   if sample and num_outputs < params.min_tokens else ())
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tokens,
+            token_ids=all_token_ids[start : start + count],
             start_position=start,
             block_ids=list(request.block_ids),
-            sample=start + count == request.num_tokens,
-            sampling_params=request.sampling_params,
-            num_output_tokens=len(request.output_token_ids),
+            sample=sample,
+            sampling_params=params,
+            num_output_tokens=num_outputs,
+            next_token_id=None if sample else all_token_ids[start + count],
+            blocked_token_ids=blocked,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[TokenUpdate]:

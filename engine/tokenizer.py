@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
 
 # Any of these in a model directory means it ships a tokenizer (loading it must then succeed).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -174,29 +177,61 @@ class IncrementalDetokenizer:
 
 class TextStream:
     """One request's output text for either engine backend: incremental detokenization (seeded with the prompt) and
-    stop strings, found in the text, cut there, and held back while the text might still be the start of one."""
+    stop strings, found in the text, cut there, and held back while the text might still be the start of one.
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+    As vLLM: a stop string only counts when it ends after the text of the first `min_tokens` tokens; with
+    `include_stop_str_in_output` the text keeps the stop string (cut after it) and nothing is held back."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], stop: Sequence[str] = (), *,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+                             if tokenizer is not None else None)
         self._stop = tuple(stop)
-        self._hold = max((len(s) - 1 for s in self._stop), default=0)
+        self._include_stop = include_stop_str_in_output
+        self._hold = 0 if include_stop_str_in_output else max((len(s) - 1 for s in self._stop), default=0)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        self._stop_from: int | None = 0 if min_tokens == 0 else None  # text offset a stop string must end after
         self._emitted = 0  # characters of text already returned
         self.text = ""
 
+    @classmethod
+    def for_params(cls, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
+        """The stream a request with these SamplingParams gets (stop strings, min_tokens, include_stop_str_in_output,
+        skip_special_tokens)."""
+        return cls(tokenizer, prompt_ids, params.stop or (),
+                   include_stop_str_in_output=params.include_stop_str_in_output,
+                   skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
+
     def push(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
         """Adds generated tokens; returns (the text now safe to send, whether a stop string was found). A found stop
-        string ends the request: the text is cut before it and everything up to there is returned."""
-        if self._detokenizer is not None:
-            for token in token_ids:
+        string ends the request: the text is cut before it (after it with include_stop_str_in_output) and
+        everything up to there is returned."""
+        for token in token_ids:
+            if self._detokenizer is not None:
                 self._detokenizer.push(token)
+            self._num_tokens += 1
+            if self._stop_from is None and self._num_tokens >= self._min_tokens:
+                # The text of the first min_tokens tokens (what the detokenizer could complete of it).
+                self._stop_from = len(self._detokenizer.text) if self._detokenizer is not None else 0
+        if self._detokenizer is not None:
             if finished:
                 self._detokenizer.flush()
             self.text = self._detokenizer.text
-        stop_at = min((i for i in (self.text.find(s) for s in self._stop) if i >= 0), default=-1)
+        stop_at, stop_len = self._find_stop()
         if stop_at >= 0:
-            self.text = self.text[:stop_at]
+            self.text = self.text[:stop_at + stop_len] if self._include_stop else self.text[:stop_at]
         hold = 0 if finished or stop_at >= 0 else self._hold
         upto = max(self._emitted, len(self.text) - hold)
         new_text = self.text[self._emitted:upto]
         self._emitted = upto
         return new_text, stop_at >= 0
+
+    def _find_stop(self) -> tuple[int, int]:
+        """(where the first stop string in the text starts, its length), or (-1, 0)."""
+        if not self._stop or self._stop_from is None:
+            return -1, 0
+        found = [(at, len(stop)) for stop in self._stop
+                 if (at := self.text.find(stop, max(0, self._stop_from - len(stop) + 1))) >= 0]
+        return min(found, default=(-1, 0))

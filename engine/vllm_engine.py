@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
-from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RankKvStats, RequestDelta
+from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 
@@ -285,6 +285,7 @@ class VllmEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        params.check_vocab(self.vocab_size)
         self.check_request(len(prompt_token_ids), params.max_tokens)
         if request_id is None:
             raise ValueError("the vLLM backend needs a request_id")
@@ -305,7 +306,7 @@ class VllmEngine:
         held = self._held[request_id]
         # Our text and stop strings, as the native engine's (vLLM's detokenizer would also emit undecodable prompt
         # bytes in the first delta): vLLM only generates tokens.
-        text = TextStream(self._tokenizer, prompt_token_ids, params.stop or ())
+        text = TextStream.for_params(self._tokenizer, prompt_token_ids, params)
         finished = vllm_finished = False
         try:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
@@ -328,6 +329,12 @@ class VllmEngine:
                     finish_reason=reason,
                     num_prompt_tokens=held.num_prompt_tokens,
                     num_output_tokens=held.num_output_tokens,
+                    logprobs=(None if params.logprobs is None or completion.logprobs is None else
+                              [_token_logprob(t, position, params.logprobs)
+                               for t, position in zip(new_ids, completion.logprobs)]),
+                    prompt_logprobs=(None if params.prompt_logprobs is None or not output.prompt_logprobs else
+                                     [None] + [_token_logprob(t, position, params.prompt_logprobs) for t, position
+                                               in zip(prompt_token_ids[1:], list(output.prompt_logprobs)[1:])]),
                 )
                 if finished:
                     break
@@ -450,9 +457,30 @@ def to_vllm_sampling_params(params: SamplingParams) -> Any:
         seed=params.seed,
         stop_token_ids=list(params.stop_token_ids or ()),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias_map() or None,
+        min_tokens=params.min_tokens,
+        skip_special_tokens=params.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA,
-        detokenize=False,  # engine.tokenizer.TextStream makes the text and finds stop strings, as natively
+        # engine.tokenizer.TextStream makes the text and finds stop strings (include_stop_str_in_output included), as
+        # natively; vLLM only generates tokens.
+        detokenize=False,
     )
+
+
+def _token_logprob(token_id: int, position: Any, num_top: int) -> TokenLogprob:
+    """One position of vLLM's logprobs ({token_id: Logprob}: the chosen token first, then the top-k by rank; the
+    chosen one appears once when it is among them) as a TokenLogprob."""
+    items = list(position.items())
+    chosen = position[token_id]
+    top = items[1:] if len(items) > num_top else items
+    top = sorted(top, key=lambda item: item[1].rank)[:num_top]
+    return TokenLogprob(token_id=int(token_id), logprob=float(chosen.logprob), rank=int(chosen.rank),
+                        top=tuple((int(t), float(lp.logprob)) for t, lp in top))
 
 
 def _is_vllm_client_error(err: BaseException) -> bool:
