@@ -138,6 +138,12 @@ def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
     if device == "cpu":
         kwargs["distributed_executor_backend"] = "mp"
         kwargs["enforce_eager"] = True
+        # vLLM 0.32's CPU sampler kills its engine core when a seeded request's prompt is prefilled in chunks ("CPU
+        # Generator does not use offset"): on CPU every prompt prefills in one step (the token budget holds the
+        # longest request), so a client's seed is safe.
+        kwargs["enable_chunked_prefill"] = False
+        longest = args.max_model_len or _max_position_embeddings(args.model)
+        kwargs["max_num_batched_tokens"] = max(args.max_num_batched_tokens or 0, longest)
     elif tp > 1:
         kwargs["distributed_executor_backend"] = "ray"
     return kwargs
@@ -488,6 +494,14 @@ def _is_vllm_client_error(err: BaseException) -> bool:
     if isinstance(err, ValueError):
         return True
     return type(err).__name__ in ("VLLMClientError", "VLLMValidationError", "GracefulHTTPError")
+
+
+def _max_position_embeddings(model: str) -> int:
+    import json
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings") or 8192)
 
 
 def _default_device() -> str:

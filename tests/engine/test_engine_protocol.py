@@ -215,3 +215,25 @@ def test_health_and_stats(engine) -> None:
     assert stats.healthy and stats.backend == client.backend
     assert stats.tp == 1 and stats.dcp == 1 and stats.generation_tokens > 0
     assert stats.as_dict()["kv_capacity_tokens"] == stats.kv_capacity_tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_seeded_prompt_longer_than_the_token_budget(backend: str, tiny: Path) -> None:
+    """A client's seed with a prompt past max_num_batched_tokens: the native engine chunks the prefill; vLLM on CPU
+    (whose sampler fails on seeded chunked prefills) prefills it in one step. Both answer, reproducibly."""
+    loop = asyncio.new_event_loop()
+
+    async def run() -> list[list[int]]:
+        client = start_engine(engine_args(tiny, backend, max_num_batched_tokens=64))
+        try:
+            params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+            prompt = [5 + i % 400 for i in range(300)]
+            return [(await _collect(client, prompt, params, f"seeded-{k}"))[0] for k in range(2)]
+        finally:
+            await client.shutdown()
+
+    try:
+        first, second = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert len(first) == 8 and first == second
