@@ -17,7 +17,18 @@ $(VENV)/.installed: pyproject.toml $(wildcard */__init__.py)
 
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed
+# The client tools tests/e2e/test_clients.py drives the deployed app with (guidellm, lm-evaluation-harness), in a venv
+# of their own: they pin their own dependency versions. torch first, so the CPU build on this disk is the one lm-eval
+# gets (a newer torch would be a multi-GB CUDA build); accelerate for lm-eval's transformers reference run.
+CLIENTS_VENV ?= .venv-clients
+$(CLIENTS_VENV)/.installed: Makefile
+	@test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet guidellm==0.8.1 'lm-eval[api]==0.4.13' accelerate
+	@touch $@
+
+test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench-kernels: $(VENV)/.installed
@@ -41,7 +52,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VPY) -m pytest -m vllm $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache
 
 # The embedded default on this machine: a local Ray head with logical GPUs, the tiny model, TP=2 x DCP=2, served at
 # http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see deployments/local_cluster.py.

@@ -57,7 +57,14 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     """Every problem pydantic found, as one message, and the first problem's parameter."""
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
-    messages = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
+    def describe(e: Any) -> str:
+        where = ".".join(str(p) for p in e["loc"]) or "body"
+        if e["type"] == "extra_forbidden":
+            return (f"{where}: unknown or unsupported field; it would change what is generated and this server does "
+                    f"not implement it (docs/operations.md lists every field)")
+        return f"{where}: {e['msg']}"
+
+    messages = "; ".join(describe(e) for e in err.errors())
     return messages, param
 
 

@@ -27,6 +27,8 @@ from pydantic import ValidationError
 from ray import serve
 
 from deployments import protocol
+from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
+from deployments.choices import usage as choices_usage
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
@@ -102,13 +104,12 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         try:
             body = await self._parse(request, protocol.CompletionRequest)
-            if isinstance(body.prompt, str):
-                token_ids = self._encode(body.prompt)
-            elif all(isinstance(p, str) for p in body.prompt):
-                token_ids = self._encode(body.prompt[0])  # type: ignore[arg-type]
-            else:
-                token_ids = list(body.prompt)  # type: ignore[arg-type]
-            response = await self._serve(body, token_ids, chat=False)
+            prompts, texts = [], []
+            for prompt in body.prompts():
+                ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+                prompts.append(ids)
+                texts.append(prompt if isinstance(prompt, str) or not body.echo else self._decode(ids))
+            response = await self._serve(body, prompts, chat=False, prompt_texts=texts)
         except ApiError as err:
             response = err.response()
         self.metrics.response("completions", response.status_code)
@@ -126,7 +127,7 @@ class OpenAIIngress:
                 token_ids = self.tokenizer.apply_chat_template(body.chat_messages())
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            response = await self._serve(body, token_ids, chat=True)
+            response = await self._serve(body, [token_ids], chat=True)
         except ApiError as err:
             response = err.response()
         self.metrics.response("chat_completions", response.status_code)
@@ -157,6 +158,9 @@ class OpenAIIngress:
             raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
         return self.tokenizer.encode(text)
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
     def _check(self, token_ids: list[int], params: SamplingParams) -> int:
         """Never-fits by length (400 naming the numbers) and bad token ids; returns the KV need in blocks."""
         if not token_ids:
@@ -180,60 +184,143 @@ class OpenAIIngress:
             )
         return admission_blocks(self.admission_policy, len(token_ids), params.max_tokens, self.tokens_per_block)
 
-    async def _serve(self, body: Any, token_ids: list[int], chat: bool) -> Response:
-        try:
-            params = body.sampling_params(context_left=self.max_model_len - len(token_ids))
-        except ValueError as err:
-            raise ApiError(400, str(err)) from None
-        need = self._check(token_ids, params)
-        ticket = uuid.uuid4().hex
-        session = self._session(ticket, token_ids, params, need)
-        await session.__anext__()  # admission: raises ApiError (400 / 429 / 503) before any byte is sent
-        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
-        if body.stream:
-            return StreamingResponse(
-                self._sse(session, request_id, chat, body.include_usage, body.continuous_usage, len(token_ids)),
-                media_type="text/event-stream",
-            )
-        text: list[str] = []
-        finish, used = None, protocol.usage(len(token_ids), 0)
-        async for delta in session:
-            text.append(delta["new_text"])
-            used = protocol.usage(delta["num_prompt_tokens"], delta["num_output_tokens"])
-            finish = delta["finish_reason"] if delta["finished"] else finish
-        build = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(build(request_id, self.model_name, "".join(text), finish, used))
+    def _plan(self, body: Any, prompts: list[list[int]], prompt_texts: list[str]) -> list[Choice]:
+        """Every choice of the request, each checked (400s name the field) and counted in KV blocks."""
+        unknown = [k for k in (body.logit_bias or {}) if int(k) >= self.vocab_size]
+        if unknown:
+            raise ApiError(400, f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): "
+                           f"{unknown[:5]}", param="logit_bias")
+        bad_stops = [t for t in body.stop_token_ids or () if t >= self.vocab_size]
+        if bad_stops:
+            raise ApiError(400, f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad_stops[:5]}",
+                           param="stop_token_ids")
+        per_prompt = body.num_choices()
+        planned = []
+        for i, ids in enumerate(prompts):
+            for j in range(per_prompt):
+                try:
+                    params = body.sampling_params(context_left=self.max_model_len - len(ids), choice=j)
+                except ValueError as err:
+                    raise ApiError(400, str(err)) from None
+                planned.append(Choice(i * per_prompt + j, i, ids, prompt_texts[i] if prompt_texts else None,
+                                      params, self._check(ids, params)))
+        return planned
 
-    async def _sse(self, session: AsyncIterator[dict[str, Any]], request_id: str, chat: bool,
-                   include_usage: bool, continuous_usage: bool, num_prompt_tokens: int) -> AsyncIterator[str]:
-        """SSE chunks; with continuous_usage every chunk also carries the usage so far (vLLM's extension)."""
-        used = None
+    async def _admit(self, planned: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+        """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
+        their grants back and the first error is the answer."""
+        sessions = [self._session(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
+        results = await asyncio.gather(*(s.__anext__() for s in sessions), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+            first = next((e for e in failed if isinstance(e, ApiError) and e.status == 400), failed[0])
+            raise first
+        return sessions
+
+    async def _serve(self, body: Any, prompts: list[list[int]], chat: bool,
+                     prompt_texts: list[str] | None = None) -> Response:
+        planned = self._plan(body, prompts, prompt_texts or [])
+        sessions = await self._admit(planned)  # before any byte is sent: errors are plain HTTP statuses
+        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        tokens = Tokens(self.tokenizer, body.return_tokens_as_token_ids)
+        if body.stream:
+            return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts),
+                                     media_type="text/event-stream")
+        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+            raise failed[0]
+        score_only = not chat and body.max_tokens == 0
+        used = choices_usage(prompts, planned, score_only)
+        if chat:
+            return JSONResponse(protocol.chat_body(request_id, self.model_name, chat_choices(body, planned, tokens),
+                                                   used))
+        return JSONResponse(protocol.completion_body(
+            request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
+
+    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncIterator[dict[str, Any]]],
+                   request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]]) -> AsyncIterator[str]:
+        """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
+        final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension)."""
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(k: int) -> None:
+            try:
+                async for delta in sessions[k]:
+                    await queue.put((k, delta, None))
+                await queue.put((k, None, None))
+            except BaseException as err:  # noqa: BLE001 - delivered to the stream below
+                await queue.put((k, None, err))
+
+        pumps = [asyncio.get_running_loop().create_task(pump(k)) for k in range(len(sessions))]
+        outputs = [0] * len(planned)
+        prompt_tokens = sum(len(p) for p in prompts)
+
+        def event(chunk: dict[str, Any]) -> str:
+            if body.continuous_usage:
+                chunk["usage"] = protocol.usage(prompt_tokens, sum(outputs))
+            return f"data: {json.dumps(chunk)}\n\n"
+
         try:
             if chat:
-                first = protocol.chat_chunk(request_id, self.model_name, {"role": "assistant", "content": ""}, None)
-                if continuous_usage:
-                    first["usage"] = protocol.usage(num_prompt_tokens, 0)
-                yield f"data: {json.dumps(first)}\n\n"
-            async for delta in session:
-                used = protocol.usage(delta["num_prompt_tokens"], delta["num_output_tokens"])
-                finish = delta["finish_reason"] if delta["finished"] else None
-                if not delta["new_text"] and finish is None:
+                for choice in planned:
+                    yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
+                                                    {"role": "assistant", "content": ""}, None))
+            score_only = not chat and body.max_tokens == 0
+            echoed: set[int] = set()
+            remaining = len(sessions)
+            while remaining:
+                k, delta, err = await queue.get()
+                if err is not None:
+                    raise err
+                if delta is None:
+                    remaining -= 1
                     continue
+                choice = planned[k]
+                outputs[k] = 0 if score_only else delta["num_output_tokens"]
+                if not chat and body.echo and k not in echoed:
+                    # The prompt first: its text and (with logprobs) its tokens' logprobs, from the first delta.
+                    echoed.add(k)
+                    logprobs = None
+                    if body.logprobs is not None:
+                        prompt_lp = delta.get("prompt_logprobs") or [None] * len(choice.prompt_ids)
+                        logprobs = protocol.completion_logprobs(
+                            [tokens.entry(lp, t, body.logprobs) for t, lp in zip(choice.prompt_ids, prompt_lp)])
+                    yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
+                        choice.index, choice.prompt_text or "", None, logprobs)))
+                finish = delta["finish_reason"] if delta["finished"] else None
+                if score_only:
+                    if finish is not None:
+                        yield event(protocol.completion_chunk(request_id, self.model_name,
+                                                              protocol.completion_choice(choice.index, "", "length")))
+                    continue
+                if not delta["new_text"] and finish is None and not delta.get("logprobs"):
+                    continue
+                k_top = body.logprobs if not chat else (body.top_logprobs or 0)
+                entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
+                           zip(delta["new_token_ids"], delta.get("logprobs") or [])]
                 if chat:
-                    chunk = protocol.chat_chunk(request_id, self.model_name,
-                                                {"content": delta["new_text"]} if delta["new_text"] else {}, finish)
+                    logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
+                    yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
+                                                    {"content": delta["new_text"]} if delta["new_text"] else {},
+                                                    finish, logprobs))
                 else:
-                    chunk = protocol.completion_chunk(request_id, self.model_name, delta["new_text"], finish)
-                if continuous_usage:
-                    chunk["usage"] = used
-                yield f"data: {json.dumps(chunk)}\n\n"
-            if include_usage and used is not None:
+                    logprobs = protocol.completion_logprobs(entries) if body.logprobs is not None else None
+                    yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
+                        choice.index, delta["new_text"], finish, logprobs)))
+            if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
+                used = protocol.usage(prompt_tokens, sum(outputs))
                 yield f"data: {json.dumps(protocol.usage_chunk(request_id, self.model_name, obj, used))}\n\n"
         except ApiError as err:
             yield f"data: {json.dumps(protocol.error_body(err.status, err.message, err.param, err.code))}\n\n"
         finally:
-            await session.aclose()
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
         yield "data: [DONE]\n\n"
 
     async def _session(self, ticket: str, token_ids: list[int], params: SamplingParams,

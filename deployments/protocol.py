@@ -1,9 +1,12 @@
 """OpenAI wire format: request bodies (validated), response and stream-chunk bodies, error bodies.
 
-Supported: completions and chat completions with max_tokens, temperature, top_p, top_k (extension), seed, stop,
-stream (+ stream_options.include_usage and vLLM's continuous_usage_stats), ignore_eos (extension). Parameters OpenAI defines that this server does
-not implement are accepted only at their neutral value (n=1, logprobs null, echo false, penalties 0, ...), so a
-client never silently gets something other than what it asked for.
+Completions and chat completions with the OpenAI sampling fields (n, temperature, top_p, seed, stop, penalties,
+logit_bias, logprobs / top_logprobs, echo, best_of, stream + stream_options) and vLLM's extensions (top_k,
+repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, ignore_eos,
+prompt_logprobs, continuous_usage_stats, return_tokens_as_token_ids). Fields that do not change what is generated
+(user, metadata, store: false, service_tier, parallel_tool_calls, request_id, priority 0) are accepted and ignored;
+fields that would silently change results without being implemented (tools, structured outputs, suffix, beam search,
+...) are refused with a 400 that names them. docs/operations.md has the table of every field.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from engine.sampling_params import SamplingParams
 # Stop sequences: OpenAI's own count limit, and a length bound (every step scans the text's tail for each).
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
+# Choices per prompt (n, best_of), prompts per completions request, and sequences per request in all (each choice is
+# a sequence that admission counts on its own); logprobs alternatives per token (OpenAI's limit).
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_SEQUENCES = 64
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -38,18 +47,32 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N, description=f"choices per prompt, each its own sequence (at most {MAX_N}); "
+                   "with a seed, choice j samples with seed + j")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    # vLLM's extensions
+    top_k: int = Field(0, ge=0, description="0: no top-k filter")
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids cannot end a choice before this many tokens")
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
-    # OpenAI parameters accepted only at their neutral value.
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens 'token_id:<id>'")
+    # Accepted, and without effect on what is generated.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    request_id: str | None = None  # vLLM's: requests get ids of their own here
+    priority: int = 0
+    spaces_between_special_tokens: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -64,33 +87,70 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys are token ids (non-negative integers as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
     @model_validator(mode="after")
-    def _neutral(self) -> _SamplingFields:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: this server returns one choice per request (n=1)")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _ignored_only_when_neutral(self) -> _SamplingFields:
+        if self.store:
+            raise ValueError("store=true is not supported: this server stores no completions (send false or omit it)")
+        if self.priority != 0:
+            raise ValueError(f"priority={self.priority} is not supported: requests are served in FIFO order (send 0)")
+        if not self.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens=false is not supported (send true or omit it)")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        limit = self.output_limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
         return self
 
     def output_limit(self) -> int | None:
         """The client's max_tokens; None when unset (OpenAI's default: until EOS, a stop, or the context end)."""
         return self.max_tokens
 
-    def sampling_params(self, context_left: int) -> SamplingParams:
-        """Sampling parameters; an unset max_tokens becomes context_left (max_model_len minus the prompt)."""
+    def logprobs_k(self) -> int | None:
+        """Alternatives per generated token when logprobs are asked for (0: the sampled token only), else None."""
+        return None
+
+    def num_choices(self) -> int:
+        """Sequences generated per prompt (best_of where it exceeds n)."""
+        return self.n
+
+    def sampling_params(self, context_left: int, choice: int = 0) -> SamplingParams:
+        """Choice `choice`'s sampling parameters; an unset max_tokens becomes context_left (max_model_len minus the
+        prompt). With a seed, choice j gets seed + j: the same tokens as a one-choice request with that seed."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         limit = self.output_limit()
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            max_tokens=limit if limit is not None else max(context_left, 1),
-            seed=self.seed,
+            max_tokens=max(limit, 1) if limit is not None else max(context_left, 1),
+            seed=self.seed + choice if self.seed is not None else None,
             stop=tuple(stop) if stop else None,
+            stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_k(),
+            prompt_logprobs=self.prompt_logprobs_k(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
+
+    def prompt_logprobs_k(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -104,35 +164,70 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"a string, a list of strings, a list of token ids, or a list of token-id lists (at most "
+                    f"{MAX_PROMPTS} prompts); prompt i, choice j has index i * n + j")
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: score the prompt only (lm-eval's "
+                                   "log-likelihood requests)")
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: logprobs of every prompt "
+                                        "token, per choice")
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _prompt(cls, value: Any) -> Any:
         if isinstance(value, list):
             if not value:
                 raise ValueError("prompt must not be empty")
-            if all(isinstance(v, str) for v in value) and len(value) != 1:
-                raise ValueError(f"send one prompt per request (got a batch of {len(value)})")
+            if len(value) > MAX_PROMPTS and not all(isinstance(v, int) for v in value):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+            if any(isinstance(v, list) and not v for v in value) or any(isinstance(v, str) and not v for v in value):
+                raise ValueError("every prompt must be non-empty")
         elif not value:
             raise ValueError("prompt must not be empty")
         return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix is not supported (insertion needs a fill-in-the-middle model)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best choices are known only at the end)")
+        if self.num_prompts() * self.num_choices() > MAX_SEQUENCES:
+            raise ValueError(f"{self.num_prompts()} prompt(s) x {self.num_choices()} choice(s) = "
+                             f"{self.num_prompts() * self.num_choices()} sequences; at most {MAX_SEQUENCES} per request")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: use it with echo=true to score the prompt")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch: each a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def num_prompts(self) -> int:
+        return len(self.prompts())
+
+    def num_choices(self) -> int:
+        return max(self.n, self.best_of or 1)
+
+    def logprobs_k(self) -> int | None:
+        if self.logprobs is None and self.best_of is not None and self.best_of > self.n:
+            return 0  # best_of ranks choices by their tokens' cumulative logprob
+        return self.logprobs
+
+    def prompt_logprobs_k(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):
@@ -156,23 +251,33 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's: only true (the template always adds the assistant's turn)
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise ValueError("tools are not supported (no tool-call parser); send no tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported without tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+            raise ValueError("only response_format {'type': 'text'} is supported (no structured outputs)")
+        if not self.add_generation_prompt or self.continue_final_message:
+            raise ValueError("only add_generation_prompt=true and continue_final_message=false are supported")
         return self
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -200,51 +305,66 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "length" else "stop"
 
 
-def completion_body(request_id: str, model: str, text: str, finish: str | None, used: dict[str, int]) -> dict[str, Any]:
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None,
+                      prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish)}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs  # vLLM's extension
+    return choice
+
+
+def completion_body(request_id: str, model: str, choices: list[dict[str, Any]], used: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": used}
+
+
+def completion_chunk(request_id: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice]}
+
+
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": openai_finish_reason(finish)}
+
+
+def chat_body(request_id: str, model: str, choices: list[dict[str, Any]], used: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": used}
+
+
+def chat_chunk(request_id: str, model: str, index: int, delta: dict[str, str], finish: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": openai_finish_reason(finish)}]}
+
+
+# A token's logprob entry as the ingress hands it over: (token text, logprob or None, [(alternative text, logprob)]).
+LogprobEntry = tuple[str, float | None, list[tuple[str, float]] | None]
+
+
+def completion_logprobs(entries: list[LogprobEntry], text_offset: int = 0) -> dict[str, Any]:
+    """The completions API's (legacy) logprobs object; text_offset of each token counts from `text_offset`."""
+    offsets, position = [], text_offset
+    for token, _, _ in entries:
+        offsets.append(position)
+        position += len(token)
     return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish)}],
-        "usage": used,
+        "tokens": [token for token, _, _ in entries],
+        "token_logprobs": [logprob for _, logprob, _ in entries],
+        "top_logprobs": [dict(top) if top is not None else None for _, _, top in entries],
+        "text_offset": offsets,
     }
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish)}],
-    }
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-
-def chat_body(request_id: str, model: str, text: str, finish: str | None, used: dict[str, int]) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": openai_finish_reason(finish),
-        }],
-        "usage": used,
-    }
-
-
-def chat_chunk(request_id: str, model: str, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": openai_finish_reason(finish)}],
-    }
+    return {"content": [{**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in top or []]}
+                        for token, logprob, top in entries]}
 
 
 def usage_chunk(request_id: str, model: str, obj: str, used: dict[str, int]) -> dict[str, Any]:
@@ -304,11 +424,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
-    index: int
+    index: int  # prompt i, choice j: i * n + j
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -328,10 +456,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobItem(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobItem]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

@@ -100,7 +100,12 @@ def test_greedy_output_equals_engine_llm(server: str, model_dir: Path) -> None:
     ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, "max_model_len=2048"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n=2"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, "n: Input should be less than or equal to 16"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs: Input should be less than or equal to 20"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias has token ids outside the vocabulary"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix is not supported"),
+    ({"model": MODEL, "prompt": "x", "guided_json": {}}, "guided_json"),
     ({"model": "gpt-4", "prompt": "x"}, "not served here"),
     ({"model": MODEL, "messages": []}, "messages"),
 ])

@@ -1,0 +1,150 @@
+"""The choices of one OpenAI request: every prompt of a completions batch times n (or best_of) sequences.
+
+Each choice is its own engine sequence with its own ticket, admitted by its own KV need (admission counts each
+choice; they share no blocks until prefix caching exists). `plan_choices` builds them (choice j of a seeded request
+samples with seed + j, so it equals a one-choice request with that seed); `collect` gathers a finished choice;
+`completion_choices` / `chat_choices` turn results into OpenAI's choice objects (echo, logprobs in both APIs'
+shapes, best_of ranking by cumulative logprob); `Tokens` names tokens for logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from deployments import protocol
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """One sequence of a request and, once it ran, what it produced."""
+
+    index: int  # generation order: prompt i, sequence j -> i * sequences_per_prompt + j
+    prompt_index: int
+    prompt_ids: list[int]
+    prompt_text: str | None  # the prompt as the client sent it, when it was a string
+    params: SamplingParams
+    need: int  # KV blocks admission counts for it
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    finish: str | None = None
+    num_output: int = 0
+
+    def add(self, delta: dict[str, Any]) -> None:
+        self.text.append(delta["new_text"])
+        self.token_ids += delta["new_token_ids"]
+        self.logprobs += delta.get("logprobs") or []
+        if delta.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = delta["prompt_logprobs"]
+        self.num_output = delta["num_output_tokens"]
+        if delta["finished"]:
+            self.finish = delta["finish_reason"]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry["logprob"] for entry in self.logprobs)
+
+
+async def collect(choice: Choice, session: AsyncIterator[dict[str, Any]]) -> Choice:
+    async for delta in session:
+        choice.add(delta)
+    return choice
+
+
+class Tokens:
+    """Token names for logprobs: the token's own text (special tokens included), or 'token_id:<id>'."""
+
+    def __init__(self, tokenizer: Any, as_ids: bool) -> None:
+        self._tokenizer = tokenizer
+        self._as_ids = as_ids or tokenizer is None
+
+    def name(self, token_id: int) -> str:
+        if self._as_ids:
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def entry(self, logprob: dict[str, Any] | None, token_id: int, k: int) -> protocol.LogprobEntry:
+        """(name, logprob, top-k alternatives); logprob None (the first prompt token has none) gives (name, None,
+        None)."""
+        if logprob is None:
+            return self.name(token_id), None, None
+        top = [(self.name(t), lp) for t, lp in list(logprob["top"])[:k]]
+        return self.name(token_id), logprob["logprob"], top
+
+    def vllm_prompt_logprobs(self, prompt_ids: list[int], entries: list[dict[str, Any] | None]) -> list[Any]:
+        """vLLM's prompt_logprobs shape: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+        out: list[Any] = []
+        for token_id, entry in zip(prompt_ids, entries):
+            if entry is None:
+                out.append(None)
+                continue
+            item = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": self.name(t)}
+                    for r, (t, lp) in enumerate(entry["top"])}
+            item[str(token_id)] = {"logprob": entry["logprob"], "rank": entry["rank"],
+                                   "decoded_token": self.name(token_id)}
+            out.append(item)
+        return out
+
+
+def pick_best(choices: list[Choice], per_prompt: int, n: int) -> list[Choice]:
+    """best_of: of each prompt's `per_prompt` sequences, the n with the highest cumulative logprob (stable)."""
+    if per_prompt == n:
+        return choices
+    picked: list[Choice] = []
+    for start in range(0, len(choices), per_prompt):
+        group = choices[start:start + per_prompt]
+        picked += sorted(group, key=lambda c: -c.cumulative_logprob)[:n]
+    return picked
+
+
+def completion_choices(body: protocol.CompletionRequest, choices: list[Choice], tokens: Tokens,
+                       prompt_texts: list[str]) -> list[dict[str, Any]]:
+    """OpenAI completions choices: index i * n + j, echo (the prompt's text, and with logprobs its tokens'
+    logprobs first), logprobs, vLLM's prompt_logprobs."""
+    n = body.n
+    picked = pick_best(choices, body.num_choices(), n)
+    score_only = body.max_tokens == 0
+    out = []
+    for position, choice in enumerate(picked):
+        generated = "" if score_only else "".join(choice.text)
+        prompt_text = prompt_texts[choice.prompt_index] if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            k = body.logprobs
+            entries: list[protocol.LogprobEntry] = []
+            if body.echo:
+                prompt_lp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
+                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.prompt_ids, prompt_lp)]
+            if not score_only:
+                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.token_ids, choice.logprobs)]
+            logprobs = protocol.completion_logprobs(entries)
+        prompt_logprobs = None
+        if body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
+            prompt_logprobs = tokens.vllm_prompt_logprobs(choice.prompt_ids, choice.prompt_logprobs)
+        out.append(protocol.completion_choice(
+            choice.prompt_index * n + position % n, prompt_text + generated,
+            "length" if score_only else choice.finish, logprobs, prompt_logprobs))
+    return out
+
+
+def chat_choices(body: protocol.ChatCompletionRequest, choices: list[Choice], tokens: Tokens) -> list[dict[str, Any]]:
+    out = []
+    for choice in choices:
+        logprobs = None
+        if body.logprobs:
+            k = body.top_logprobs or 0
+            logprobs = protocol.chat_logprobs([tokens.entry(lp, t, k)
+                                               for t, lp in zip(choice.token_ids, choice.logprobs)])
+        out.append(protocol.chat_choice(choice.index, "".join(choice.text), choice.finish, logprobs))
+    return out
+
+
+def usage(prompts: list[list[int]], choices: list[Choice], score_only: bool) -> dict[str, int]:
+    """Prompt tokens once per prompt; completion tokens of every sequence generated (best_of's extra ones too: they
+    were computed). Scoring a prompt (max_tokens 0) generates nothing."""
+    generated = 0 if score_only else sum(c.num_output for c in choices)
+    return protocol.usage(sum(len(p) for p in prompts), generated)
