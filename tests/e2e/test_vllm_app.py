@@ -141,3 +141,28 @@ def test_bad_input_is_a_400_from_either_backend(cluster: ServeCluster) -> None:
     assert too_long.status_code == 400 and "max_model_len=1024" in too_long.json()["error"]["message"]
     assert bad_token.status_code == 400 and "512" in bad_token.json()["error"]["message"]
 
+
+
+def test_client_features_pass_through_vllm(cluster: ServeCluster) -> None:
+    """The OpenAI features of the API (issue: client compatibility) on the vLLM backend: echo scoring equals
+    transformers' log-probabilities, seeded choices equal one-choice requests with seed + j, chat top_logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    api = client(cluster)
+    prompt = [5, 17, 99, 230, 7, 64]
+    scored = api.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    token_logprobs = scored.choices[0].logprobs.token_logprobs
+    assert token_logprobs[0] is None
+    assert token_logprobs[1:] == pytest.approx([float(expected[i - 1, prompt[i]]) for i in range(1, 6)], abs=1e-4)
+    both = api.completions.create(model=MODEL, prompt=[10, 11, 12], n=2, seed=3, max_tokens=5, temperature=1.0,
+                                  extra_body={"ignore_eos": True})
+    for j in range(2):
+        alone = api.completions.create(model=MODEL, prompt=[10, 11, 12], seed=3 + j, max_tokens=5, temperature=1.0,
+                                       extra_body={"ignore_eos": True})
+        assert alone.choices[0].text == both.choices[j].text
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    assert all(len(item.top_logprobs) == 2 for item in chat.choices[0].logprobs.content)
