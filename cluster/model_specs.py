@@ -16,14 +16,13 @@ Two kinds, read from a model directory's config.json by `load_model_spec`:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ParallelConfig
+from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ParallelConfig, read_config_json
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # model_type -> architecture, for configs read by model_type (Kimi K2's "kimi_k2" is the V3 architecture).
@@ -76,17 +75,7 @@ class ModelSpec(Protocol):
 def load_model_spec(model: str | Path) -> GqaSpec | MlaSpec:
     """The spec of a Hugging Face model directory (or its config.json): MLA when the config is a DeepSeek-V2 / V3
     architecture or has kv_lora_rank, else the engine's ModelConfig (Llama / Qwen)."""
-    path = Path(model)
-    config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"no config.json at {config_path}: pass a Hugging Face model directory (or its config.json); "
-            f"`dcpserve tiny-model DIR` writes a small one"
-        )
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    raw, config_path = read_config_json(model)
     return model_spec_from_dict(raw, source=str(config_path))
 
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RequestDelta
+from engine.protocol import EngineDeadError, EngineStats, KvLedger, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -95,10 +95,7 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if check_kv:
-            ledger = self.kv_ledger()
-            need = self.admission_blocks(len(prompt_token_ids), params.max_tokens)
-            if not ledger.admits(need):
-                raise KvFull(need, ledger.free_blocks)
+            self.kv_ledger().require(self.admission_blocks(len(prompt_token_ids), params.max_tokens))
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append((Request(request_id, prompt_token_ids, params), prompt))

@@ -27,6 +27,22 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+def read_config_json(model: str | Path) -> tuple[dict[str, Any], Path]:
+    """config.json of a Hugging Face model directory (or the file itself), parsed, and its path; errors name the path
+    and the fix."""
+    path = Path(model)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"no config.json at {config_path}: pass a Hugging Face model directory (or its config.json); "
+            f"`dcpserve tiny-model DIR` writes a small one"
+        )
+    try:
+        return json.loads(config_path.read_text()), config_path
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about a Llama-family decoder-only model."""
@@ -53,17 +69,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model: str | Path) -> ModelConfig:
         """Reads config.json (and generation_config.json for EOS ids) from a model directory or a config path."""
-        path = Path(model)
-        config_path = path / "config.json" if path.is_dir() else path
-        if not config_path.is_file():
-            raise FileNotFoundError(
-                f"no config.json at {config_path}: pass a Hugging Face model directory (or its config.json); "
-                f"`dcpserve tiny-model DIR` writes a small one"
-            )
-        try:
-            raw = json.loads(config_path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+        raw, config_path = read_config_json(model)
         generation = {}
         generation_path = config_path.parent / "generation_config.json"
         if generation_path.is_file():

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, create_executor
 from engine.outputs import ModelRunnerOutput
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, Request, resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
@@ -61,17 +61,8 @@ class LLMEngine:
                          sampling_params: SamplingParams | None = None) -> list[int]:
         """The request's prompt as token ids (tokenized when given as text), each checked against the vocabulary, as
         are the token ids its sampling params name (logit_bias)."""
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("pass a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
-        if sampling_params is not None:
-            sampling_params.check_vocab(vocab)
-        return list(prompt_token_ids)
+        return resolve_prompt_token_ids(prompt, prompt_token_ids, self.tokenize, self.model_config.vocab_size,
+                                        sampling_params)
 
     def add_request(
         self,

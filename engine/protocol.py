@@ -87,6 +87,11 @@ class KvLedger:
         or the replica holds nothing (any request that passed the never-fits check may start alone)."""
         return need <= self.free_blocks or not self.per_request
 
+    def require(self, need: int) -> None:
+        """Raises KvFull unless admits(need): the accept check of both engine backends."""
+        if not self.admits(need):
+            raise KvFull(need, self.free_blocks)
+
 
 @dataclass(frozen=True)
 class RankKvStats:

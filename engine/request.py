@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.protocol import TokenLogprob
@@ -28,6 +29,23 @@ class FinishReason(str, enum.Enum):
 
 class RequestRejected(ValueError):
     """A request that could never be served with this configuration (never-fits); nothing was queued."""
+
+
+def resolve_prompt_token_ids(prompt: str | None, prompt_token_ids: list[int] | None,
+                             encode: Callable[[str], list[int]], vocab_size: int,
+                             sampling_params: SamplingParams | None = None) -> list[int]:
+    """A request's prompt as token ids (`encode`d when given as text), each checked against the vocabulary, as are
+    the token ids its sampling params name (logit_bias). Both engine backends check requests with it."""
+    if prompt_token_ids is None:
+        if prompt is None:
+            raise ValueError("pass a prompt or prompt_token_ids")
+        prompt_token_ids = encode(prompt)
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+    if sampling_params is not None:
+        sampling_params.check_vocab(vocab_size)
+    return list(prompt_token_ids)
 
 
 @dataclass

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
-from engine.protocol import EngineDeadError, EngineStats, KvFull, KvLedger, RankKvStats, RequestDelta, TokenLogprob
+from engine.protocol import EngineDeadError, EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
+from engine.request import resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 
@@ -104,6 +105,19 @@ def cpu_threads_bind(tp: int) -> str:
     else:
         groups = [[cores[i % len(cores)]] for i in range(tp)]
     return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+_bind_set_here: list[str] = []  # the VLLM_CPU_OMP_THREADS_BIND values this process set (others are the user's)
+
+
+def set_cpu_threads_bind(tp: int) -> None:
+    """Sets VLLM_CPU_OMP_THREADS_BIND for an engine of tp ranks, unless the user set it (a value set here for an
+    earlier engine of another tp is replaced)."""
+    current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if current is None or current in _bind_set_here:
+        value = cpu_threads_bind(tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = value
+        _bind_set_here.append(value)
 
 
 def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
@@ -232,7 +246,7 @@ class VllmEngine:
         self._recorder = _StatsRecorder()
         kwargs = vllm_engine_kwargs(args, device)
         if device == "cpu":
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(args.tensor_parallel_size))
+            set_cpu_threads_bind(args.tensor_parallel_size)
         engine_args = AsyncEngineArgs(**kwargs)
         vllm_config = engine_args.create_engine_config()
         if kwargs.get("distributed_executor_backend") == "ray":
@@ -270,6 +284,11 @@ class VllmEngine:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.tokens_per_block
 
+    def _encode(self, prompt: str) -> list[int]:
+        if self._tokenizer is None:
+            raise ValueError(f"the model directory {self.args.model} has no tokenizer: pass prompt_token_ids")
+        return self._tokenizer.encode(prompt)
+
     def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
         return admission_blocks(self.admission, num_prompt_tokens, max_tokens, self.tokens_per_block)
 
@@ -284,24 +303,14 @@ class VllmEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
-        if prompt_token_ids is None:
-            if prompt is None or self._tokenizer is None:
-                raise ValueError("pass prompt_token_ids (or a prompt, with a model directory that has a tokenizer)")
-            prompt_token_ids = self._tokenizer.encode(prompt)
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        params.check_vocab(self.vocab_size)
+        prompt_token_ids = resolve_prompt_token_ids(prompt, prompt_token_ids, self._encode, self.vocab_size, params)
         self.check_request(len(prompt_token_ids), params.max_tokens)
         if request_id is None:
             raise ValueError("the vLLM backend needs a request_id")
         if request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
         if check_kv:
-            ledger = self.kv_ledger()
-            need = self.admission_blocks(len(prompt_token_ids), params.max_tokens)
-            if not ledger.admits(need):
-                raise KvFull(need, ledger.free_blocks)
+            self.kv_ledger().require(self.admission_blocks(len(prompt_token_ids), params.max_tokens))
         self._held[request_id] = _Held(len(prompt_token_ids), params.max_tokens)
         return self._stream(request_id, list(prompt_token_ids), params)
 

@@ -237,3 +237,21 @@ def test_a_seeded_prompt_longer_than_the_token_budget(backend: str, tiny: Path) 
     finally:
         loop.close()
     assert len(first) == 8 and first == second
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llm_with_the_vllm_backend_generates_transformers_greedy_tokens(tp: int, tiny: Path, hf_expected) -> None:
+    """LLM(..., backend="vllm"): vLLM's multiprocessing executor on CPU at tp=1 and tp=2 (the native engine's tokens
+    are the same: the native cases above and tests/engine/test_ray_executor.py check them against transformers)."""
+    from engine.llm import LLM
+
+    llm = LLM(tiny, backend="vllm", tensor_parallel_size=tp, dtype="float32", block_size=BLOCK_SIZE,
+              kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, device="cpu")
+    try:
+        outputs = llm.generate(prompt_token_ids=PROMPTS,
+                               sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_expected[tuple(p)] for p in PROMPTS]
