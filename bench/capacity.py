@@ -11,6 +11,10 @@ keeps each token on one rank instead of on all four, holds 4x as many.
     python bench/capacity.py                 # full run (console only)
     python bench/capacity.py --write-docs    # also writes docs/img/capacity.png and its section of docs/benchmarks.md
     python bench/capacity.py --quick         # a shorter workload
+
+With `--backend both` (run with .venv-vllm/bin/python: it needs vLLM) it compares the two engine backends instead:
+the same app at tp=2 x dcp=1 (vLLM's CPU attention cannot shard KV) with the native engine and with vLLM, the same
+per-rank KV memory (one page more than the sequences need: vLLM keeps a null page), the same burst.
 """
 
 from __future__ import annotations
@@ -37,11 +41,16 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.tiny_model import write_tiny_model  # noqa: E402
 
 TP, DCPS, BLOCK_SIZE = 4, (1, 4), 16
+BACKENDS_TP, BACKENDS_BLOCK_SIZE = 2, 32  # --backend both: vLLM's CPU attention pages in multiples of 32 tokens
 # quick -> (prompt tokens, max_tokens, requests in the burst, sequences dcp=1 holds)
 WORKLOADS = {False: (1536, 128, 16, 2), True: (960, 64, 8, 2)}
 COMPARISON = compare.Comparison("bench/capacity.py", ("dcp=1", "dcp=4"),
                                 "KV capacity and throughput: dcp=1 vs dcp=4 through the deployed app",
                                 REPO_ROOT / "docs" / "img" / "capacity.png", "dcp=1 vs dcp=4")
+BACKENDS_COMPARISON = compare.Comparison(
+    "bench/capacity.py --backend both", ("native", "vllm"),
+    "Engine backends through the deployed app: native vs vLLM (tp=2, dcp=1, CPU)",
+    REPO_ROOT / "docs" / "img" / "capacity_backends.png", "native vs vLLM")
 
 
 @dataclass(frozen=True)
@@ -93,16 +102,18 @@ def kv_budget_bytes(model: ModelConfig, workload: Workload) -> int:
 # ---- the workload ----------------------------------------------------------------------------------------------
 
 def measure_layout(dcp: int, head: ServeHead, model_dir: Path, budget_bytes: int, workload: Workload,
-                   prompts: list[list[int]]) -> LayoutResult:
-    label = f"dcp={dcp}"
-    say(f"{label}: deploying tp={TP} x dcp={dcp}")
+                   prompts: list[list[int]], backend: str | None = None) -> LayoutResult:
+    """One layout: tp=4 x dcp (the DCP comparison), or (backend given) tp=2 x dcp=1 on that engine backend."""
+    tp, block_size = (TP, BLOCK_SIZE) if backend is None else (BACKENDS_TP, BACKENDS_BLOCK_SIZE)
+    label = f"dcp={dcp}" if backend is None else backend
+    say(f"{label}: deploying tp={tp} x dcp={dcp} ({backend or 'native'} engine)")
     # admission "full": concurrency = sequences whose whole prompt + max_tokens fits, the capacity claim; the whole
     # burst may wait in the admission FIFO: nothing is refused
-    config = compare.app_config(TP, dcp, BLOCK_SIZE, budget_bytes, workload.sequence_tokens, "full",
-                                workload.num_requests)
+    config = compare.app_config(tp, dcp, block_size, budget_bytes, workload.sequence_tokens, "full",
+                                workload.num_requests, backend=backend or "native")
     deploy_s = head.deploy(model_dir, config, label)
     _, info = head.replica(label)
-    result = LayoutResult(label, info["capacity"], deploy_s, dcp=dcp, tokens_per_block=BLOCK_SIZE * dcp)
+    result = LayoutResult(label, info["capacity"], deploy_s, dcp=dcp, tokens_per_block=block_size * dcp)
     expected = workload.dcp1_sequences * dcp
     if result.sequences_fit(workload) != expected:
         raise SystemExit(f"{label}: the replica holds {result.sequences_fit(workload)} sequences of "
@@ -181,7 +192,14 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
 # ---- main --------------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    args = COMPARISON.parse_args(__doc__.split("\n\n")[0], "a shorter workload (about 2 minutes in all)", argv)
+    import argparse
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", choices=["native", "both"], default="native")
+    known, rest = pre.parse_known_args(argv)
+    if known.backend == "both":
+        return main_backends(rest)
+    args = COMPARISON.parse_args(__doc__.split("\n\n")[0], "a shorter workload (about 2 minutes in all)", rest)
     COMPARISON.docs.check()  # unpaired markers fail now, not after the run
     workload = Workload(*WORKLOADS[args.quick])
     if workload.num_requests <= workload.dcp1_sequences:
@@ -204,6 +222,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         COMPARISON.write_docs(argv, headline, rows, header_lines(workload, model, budget_bytes, results),
                               lambda path: write_plot(results, workload, path), say)
+    return 0
+
+
+def main_backends(argv: list[str]) -> int:
+    """--backend both: the native engine and vLLM behind the same app, tp=2 x dcp=1, one after the other."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("--backend both needs vLLM: run it with .venv-vllm/bin/python (make test-vllm builds it)")
+    args = BACKENDS_COMPARISON.parse_args(__doc__.split("\n\n")[0], "a shorter workload", argv)
+    BACKENDS_COMPARISON.docs.check()
+    workload = Workload(*WORKLOADS[args.quick])
+    started = time.monotonic()
+    with compare.state_dir("dcpcapb-", say) as state:
+        model_dir = write_tiny_model(state / "tiny-model")
+        model = ModelConfig.from_pretrained(model_dir)
+        pages = workload.dcp1_sequences * blocks_needed(workload.sequence_tokens, BACKENDS_BLOCK_SIZE) + 1
+        budget_bytes = compare.kv_budget_bytes(model, BACKENDS_TP, BACKENDS_BLOCK_SIZE, pages)
+        prompts = workload.prompts(model.vocab_size)
+        with compare.serve_head(state, args.deploy_timeout) as head:
+            results = [measure_layout(1, head, model_dir, budget_bytes, workload, prompts, backend=backend)
+                       for backend in ("native", "vllm")]
+    rows = table_rows(results, workload)
+    ratio = results[1].output_tokens_per_s / results[0].output_tokens_per_s
+    headline = (f"**vLLM serves {ratio:.2f}x the output tokens/s of the native engine** behind the same app (tp=2, "
+                f"dcp=1, CPU), with {results[1].peak_sequences} sequences in flight against "
+                f"{results[0].peak_sequences}: the same admission, {results[0].capacity_tokens:,} vs "
+                f"{results[1].capacity_tokens:,} KV tokens from the same per-rank memory.")
+    BACKENDS_COMPARISON.report(rows, headline, started)
+    if args.write_docs:
+        info = [
+            f"{compare.cpu_run_line(BACKENDS_TP)}; vLLM's CPU build runs the model in processes of its own (one core "
+            f"per rank), the native engine in Ray rank actors over gloo",
+            f"model: the tiny model (engine.tiny_model), float32; per-rank KV budget {budget_bytes:,} bytes "
+            f"(kv_cache_memory_bytes) = {pages} pages of {BACKENDS_BLOCK_SIZE} tokens: {pages - 1} for the sequences "
+            f"and the one vLLM keeps as its null page (the native engine keeps no null page, so it has one more)",
+            f"workload: a burst of {workload.num_requests} requests, random prompt ids (seed {workload.seed}) of "
+            f"{workload.prompt_tokens} tokens, {workload.max_tokens} output tokens each (greedy, ignore_eos), "
+            f"admission full, through the openai client; both backends run one after the other on one Ray head",
+            "ITL: on these 2 shared cores vLLM's engine core runs ahead of the replica's event loop, so its tokens "
+            "reach the client in bursts (median ITL near 0, the gaps show in TTFT and makespan); the native engine's "
+            "tokens arrive one per step",
+            compare.deploy_line(results),
+            compare.environment_line(),
+        ]
+        plot = lambda path: compare.write_plot(  # noqa: E731
+            path, results, [f"{r.label} ({r.capacity_tokens:,} KV tokens)" for r in results],
+            [(i, r.sequences_fit(workload)) for i, r in enumerate(results)],
+            title=f"{workload.num_requests} requests of {workload.prompt_tokens} + {workload.max_tokens} tokens",
+            ylabel="sequences in the engine", suptitle="Same app, tp=2 dcp=1: native engine vs vLLM (CPU)")
+        BACKENDS_COMPARISON.write_docs(argv, headline, rows, info, plot, say)
     return 0
 
 

@@ -124,12 +124,13 @@ def kv_budget_bytes(model: ModelConfig, tp: int, block_size: int, pages: int) ->
 
 
 def app_config(tp: int, dcp: int, block_size: int, budget_bytes: int, max_model_len: int, admission: str,
-               max_queued_requests: int) -> dict[str, Any]:
+               max_queued_requests: int, backend: str = "native") -> dict[str, Any]:
     """The Serve config of one replica (the 4 logical GPUs) of the tiny model, float32, with `budget_bytes` of KV
     per rank; requests wait in the admission FIFO up to `max_queued_requests`, and for up to 900 s."""
     args = {
         "model": "filled in by local_cluster.write_config",
         "served_model_name": MODEL_NAME,
+        "backend": backend,
         "tensor_parallel_size": tp,
         "decode_context_parallel_size": dcp,
         "dtype": "float32",

@@ -136,8 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         args.notes.append(
             f"vllm rows: vLLM {VLLM_VERSION}'s engine with the same arguments as the replica's vLLM backend "
-            "(engine.vllm_engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. vLLM's engine core "
-            "runs ahead of LLMEngine.step() in a process of its own, so a vLLM round runs alone right after the "
+            "(engine.vllm_engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. vLLM's engine "
+            "core runs ahead of LLMEngine.step() in a process of its own, so a vLLM round runs alone right after the "
             "alternated one and its step ms is the round's mean decode step ((last token - first token) / decode "
             "steps); its runner, forward and overhead columns are n/a. tp=2 is dcp=1 for both backends (vLLM's CPU "
             "attention cannot shard KV)")

@@ -153,11 +153,11 @@ class VllmInstrumented:
 
         import vllm
 
-        from engine.vllm_engine import cpu_threads_bind, vllm_engine_kwargs
+        from engine.vllm_engine import vllm_engine_kwargs
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":  # one core per rank, as the native ranks get --threads 1 each
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(args.tensor_parallel_size)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(args.tensor_parallel_size))
         self.engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**vllm_engine_kwargs(args, device)))
         self.ids: list[str] = []
         self.tokens: dict[str, list[int]] = {}

@@ -199,8 +199,9 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of > n cannot be streamed (the best choices are known only at the end)")
         if self.num_prompts() * self.num_choices() > MAX_SEQUENCES:
-            raise ValueError(f"{self.num_prompts()} prompt(s) x {self.num_choices()} choice(s) = "
-                             f"{self.num_prompts() * self.num_choices()} sequences; at most {MAX_SEQUENCES} per request")
+            sequences = self.num_prompts() * self.num_choices()
+            raise ValueError(f"{self.num_prompts()} prompt(s) x {self.num_choices()} choice(s) = {sequences} "
+                             f"sequences; at most {MAX_SEQUENCES} per request")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 generates nothing: use it with echo=true to score the prompt")
         return self

@@ -2,8 +2,8 @@
 group, in the replica's own placement group.
 
 The replica is the authority on its KV, and its engine's ledger (EngineClient.kv_ledger) is the one place that
-counts it: a request is accepted only when its admission blocks under the app's policy (prompt + max_tokens under "full", the prompt under "usage", where the headroom keeps growth room for the
-sequences already there) fit what the ledger has free. generate() therefore first yields an `accepted` or
+counts it: a request is accepted only when its admission blocks under the app's policy (prompt + max_tokens under
+"full", the prompt under "usage", where the headroom keeps growth room for the sequences already there) fit what the ledger has free. generate() therefore first yields an `accepted` or
 `refused` message, then the token deltas. It reports KV to the routers (record_routing_stats), to the admission
 queue (every kv_report_period_s: what it holds per ticket, its headroom) and to the autoscaler
 (record_autoscaling_stats).

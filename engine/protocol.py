@@ -248,7 +248,8 @@ def model_limits(args: EngineArgs) -> ModelLimits:
 
 def validate_engine_args(args: EngineArgs, device: str) -> None:
     """Everything that would stop a replica of this backend from starting on `device`, checked up front (`serve
-    deploy`, `dcpserve generate`): raises ValueError (FileNotFoundError for a missing model) naming the value and fix."""
+    deploy`, `dcpserve generate`): raises ValueError (FileNotFoundError for a missing model) naming the value and
+    the fix."""
     if args.backend == "native":
         args.create_engine_config()
     elif args.backend == "vllm":

@@ -193,7 +193,8 @@ class _StatsRecorder:
         busy = self.num_running > 0 or self.num_waiting > 0
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
-            self.num_waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+            skipped = getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+            self.num_waiting = scheduler_stats.num_waiting_reqs + skipped
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
         if iteration_stats is not None:
             self.num_preemptions += iteration_stats.num_preempted_reqs

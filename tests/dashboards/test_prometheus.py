@@ -1,9 +1,10 @@
 """The metrics, the Grafana dashboard and the alert rules against a real Prometheus on loopback.
 
 One app per engine backend (native: TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens; vLLM, in `make
-test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, on a Ray head this module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), and Prometheus started
-the way `make observe` starts it (deployments/observe.py), with the project's scrape config pointed at this
-cluster's service-discovery file. A bounded load makes every metric move: a normal stream, a never-fits 400, a long
+test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, on a Ray head this
+module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), and Prometheus started the way
+`make observe` starts it (deployments/observe.py), with the project's scrape config pointed at this cluster's
+service-discovery file. A bounded load makes every metric move: a normal stream, a never-fits 400, a long
 request that fills the KV, a queued request that times out (429), one refused by a full queue (429), and one that
 waits and is admitted when the long request's client goes away. Then: every panel's every query parses and returns
 data, promtool accepts the config and the rules, every metric in docs/metrics.md exists (with its documented type in
@@ -129,8 +130,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         prometheus = observe.start_prometheus(binary, prometheus_config, port, state / "prometheus" / "data",
                                               state / "prometheus" / "prometheus.log")
         observe.wait_ready(port, prometheus)
-        yield Stack(backend, f"http://127.0.0.1:{settings.http_port}", f"http://127.0.0.1:{port}", prometheus_config, env,
-                    f"127.0.0.1:{settings.ray_port}")
+        yield Stack(backend, f"http://127.0.0.1:{settings.http_port}", f"http://127.0.0.1:{port}", prometheus_config,
+                    env, f"127.0.0.1:{settings.ray_port}")
     finally:
         if prometheus is not None:
             observe.stop(prometheus)
@@ -182,7 +183,8 @@ def drive_load(stack: Stack) -> dict[str, int]:
         need_13 = {"model": MODEL, "prompt": prompt_tokens(380), "max_tokens": 20, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=stack.http, timeout=120) as http:
             async with http.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "def hello", "max_tokens": stack.backend.long_max_tokens, "ignore_eos": True,
+                    "model": MODEL, "prompt": "def hello", "max_tokens": stack.backend.long_max_tokens,
+                    "ignore_eos": True,
                     "stream": True}) as long:
                 statuses["long"] = long.status_code
                 lines = long.aiter_lines()

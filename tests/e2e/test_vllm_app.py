@@ -136,7 +136,8 @@ def test_disconnect_frees_the_request_inside_vllm(cluster: ServeCluster) -> None
 
 def test_bad_input_is_a_400_from_either_backend(cluster: ServeCluster) -> None:
     with httpx.Client(base_url=cluster.url, timeout=60) as http:
-        too_long = http.post("/v1/completions", json={"model": MODEL, "prompt": [5 + i % 500 for i in range(1000)], "max_tokens": 100})
+        too_long = http.post("/v1/completions", json={"model": MODEL, "prompt": [5 + i % 500 for i in range(1000)],
+                                                      "max_tokens": 100})
         bad_token = http.post("/v1/completions", json={"model": MODEL, "prompt": [600], "max_tokens": 4})
     assert too_long.status_code == 400 and "max_model_len=1024" in too_long.json()["error"]["message"]
     assert bad_token.status_code == 400 and "512" in bad_token.json()["error"]["message"]

@@ -3,14 +3,12 @@ the same tiny random-weight checkpoints, plus sampling, stopping, aborting and i
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected
