@@ -237,12 +237,15 @@ class EngineReplica:
             await asyncio.sleep(GAUGE_PERIOD_S)
 
     async def __del__(self) -> None:
-        for task in (self._report_task, self._metrics_task):
+        # Serve calls this after a failed constructor too: only what was set up is torn down.
+        for task in (getattr(self, "_report_task", None), getattr(self, "_metrics_task", None)):
             if task is not None:
                 task.cancel()
-        if self.admission is not None:
+        if getattr(self, "admission", None) is not None and hasattr(self, "replica_id"):
             try:
                 await self.admission.remove_replica.remote(self.replica_id)
             except Exception:  # noqa: BLE001 - the app is going away
                 pass
-        await self.engine.shutdown()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await engine.shutdown()

@@ -79,6 +79,8 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
                 f"block_size={args.block_size} with backend='vllm' on CPU: vLLM's CPU attention needs a multiple of "
                 f"{CPU_BLOCK_MULTIPLE}; use block_size={CPU_BLOCK_MULTIPLE * max(1, round(args.block_size / 32))}"
             )
+    if args.kv_cache_memory_bytes is not None:
+        _check_pool_holds_one_request(args, device)
     import json
 
     try:
@@ -92,6 +94,33 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
         raise ValueError(
             f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
             f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
+        )
+
+
+def _check_pool_holds_one_request(args: EngineArgs, device: str) -> None:
+    """vLLM refuses to start when its KV pool (less its null page) cannot hold one max_model_len request. For models
+    the native config reader knows (Llama / Qwen) this is checked here, with the numbers, before any replica starts."""
+    from engine.config import DTYPES, ModelConfig
+
+    try:
+        model = ModelConfig.from_pretrained(args.model)
+    except (OSError, ValueError):
+        return  # an architecture only vLLM reads: vLLM's own check at start names the numbers
+    dtype = "float32" if args.dtype == "auto" and device == "cpu" else (
+        model.torch_dtype if args.dtype == "auto" else args.dtype)
+    if dtype not in DTYPES:
+        return
+    page_bytes = args.block_size * model.kv_bytes_per_token_per_rank(args.tensor_parallel_size, DTYPES[dtype])
+    pages = args.kv_cache_memory_bytes // page_bytes
+    tokens = max(0, pages - 1) * args.block_size * args.decode_context_parallel_size
+    longest = args.max_model_len or model.max_position_embeddings
+    if tokens < longest:
+        need = (-(-longest // (args.block_size * args.decode_context_parallel_size)) + 1) * page_bytes
+        raise ValueError(
+            f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} holds {pages} pages of {args.block_size} tokens per "
+            f"rank ({page_bytes} bytes each in {dtype}); vLLM keeps one as its "
+            f"null page and must fit one max_model_len={longest} request in the rest ({tokens} tokens): give it at "
+            f"least {need} bytes, or lower max_model_len to {tokens}"
         )
 
 

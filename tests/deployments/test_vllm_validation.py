@@ -70,5 +70,15 @@ def test_a_model_vllm_cannot_load_fails_at_deploy(tiny_model_dir: Path, tmp_path
 
 
 @pytest.mark.vllm
+def test_a_pool_smaller_than_one_max_model_len_request_fails_at_deploy(tiny_model_dir: Path) -> None:
+    # The tiny model's page: 32 tokens x 2 layers x K and V x 1 head x 32 dims x 4 bytes = 16 KiB on each TP rank.
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=4194304 holds 256 pages of 32 tokens per rank .* "
+                                         r"one max_model_len=8192 request in the rest \(8160 tokens\): give it at "
+                                         r"least 4210688 bytes, or lower max_model_len to 8160"):
+        build_app(vllm_args(tiny_model_dir, kv_cache_memory_bytes=4 << 20, max_model_len=8192))
+    assert build_app(vllm_args(tiny_model_dir, kv_cache_memory_bytes=4210688, max_model_len=8192)) is not None
+
+
+@pytest.mark.vllm
 def test_valid_vllm_args_bind(tiny_model_dir: Path) -> None:
     assert build_app(vllm_args(tiny_model_dir)) is not None
