@@ -15,16 +15,18 @@ the grant.
 # must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
 import asyncio
 import contextvars
+import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve import context as serve_context
 
 from deployments import protocol
 from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
@@ -45,6 +47,19 @@ _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_re
 # A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
 # head once more for this long: it had been granted, so it gets one more chance before its 429.
 REQUEUE_MIN_WAIT_S = 1.0
+
+
+def _call_as_own_request(call: Callable[[], Any]) -> Any:
+    """Makes a Serve handle call with an internal request id of its own. A child call inherits its HTTP request's
+    id, and Serve's router keeps its pending requests in a dict by that id: the choices of one request (n > 1, a
+    batch of prompts), dispatched together, shared one entry, so all but one waited out dispatch_timeout_s."""
+    context = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))
+    try:
+        return call()
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 # Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
@@ -414,7 +429,7 @@ class OpenAIIngress:
         Returns (stream, first, "") when the replica accepted it, (None, first, why) when it refused it, and
         (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
         draining, or gone)."""
-        stream = self.engine.options(stream=True).generate.remote(request)
+        stream = _call_as_own_request(lambda: self.engine.options(stream=True).generate.remote(request))
         timeout = self.args.dispatch_timeout_s
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout=timeout)

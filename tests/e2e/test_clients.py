@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
-    args = tiny_app_args(MODEL, kv_cache_memory_bytes=1 << 20, max_num_seqs=16, max_queued_requests=64)
+    # A short dispatch timeout and queue wait: a choice that Serve does not deliver promptly shows up as a 429.
+    args = tiny_app_args(MODEL, kv_cache_memory_bytes=1 << 20, max_num_seqs=16, max_queued_requests=64,
+                         dispatch_timeout_s=3, queue_timeout_s=8)
     with serve_cluster(tmp_path_factory.mktemp("clients"), args) as running:
         yield running
 
@@ -75,6 +77,25 @@ def test_sdk_n_seeds_logprobs_and_batched_prompts(cluster: ServeCluster) -> None
             assert alone.choices[0].text == reply.choices[i * 2 + j].text
             assert alone.choices[0].logprobs.token_logprobs == pytest.approx(
                 reply.choices[i * 2 + j].logprobs.token_logprobs, abs=1e-5)
+
+
+def test_the_choices_of_concurrent_requests_are_all_delivered(cluster: ServeCluster) -> None:
+    """Every choice is its own Serve call: they must not share the HTTP request's internal id (Serve's router kept
+    pending calls by it, so choices dispatched together waited out dispatch_timeout_s and ended as 429s)."""
+    import asyncio
+
+    import httpx
+
+    async def one(i: int) -> int:
+        body = {"model": MODEL, "prompt": [[10 + i, 11, 12, 13]] * 4, "n": 2, "max_tokens": 2, "echo": True,
+                "logprobs": 1}
+        async with httpx.AsyncClient(timeout=60) as http:
+            return (await http.post(f"{cluster.url}/v1/completions", json=body)).status_code
+
+    async def burst() -> list[int]:
+        return list(await asyncio.gather(*(one(i) for i in range(3))))
+
+    assert asyncio.run(burst()) == [200, 200, 200]
 
 
 def test_sdk_echo_scores_the_prompt_as_transformers_does(cluster: ServeCluster) -> None:
