@@ -61,6 +61,11 @@ class Tokenizer:
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` of a fast tokenizer (incremental decoding in Rust), else None."""
+        return getattr(self._tokenizer, "backend_tokenizer", None)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
@@ -114,14 +119,17 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
 class IncrementalDetokenizer:
     """Turns one request's generated ids into text deltas, holding back bytes of an unfinished UTF-8 character.
 
-    Invariant (vLLM's): `read_offset` is a token boundary where the text so far is complete, and `prefix_offset`
-    an earlier one. Each push decodes tokens[prefix_offset:] and tokens[prefix_offset:read_offset] and emits the
-    difference, so a decoder that treats the first token of a window specially (SentencePiece dropping a leading
-    space) sees the same context both times. While the decoded window ends in U+FFFD the last token ends inside a
-    multi-byte character: nothing is emitted until a later token completes it.
+    Fast tokenizers (a `tokenizers.Tokenizer` backend) decode with the library's `DecodeStream`: constant work per
+    token, in Rust. It is primed with the last prompt tokens (their text discarded), so a decoder that treats the
+    first token of a window specially (SentencePiece dropping a leading space) sees the same context as a full
+    decode; a prompt that ends inside a character primes nothing, so its stray bytes are not emitted as output.
+
+    Other tokenizers use vLLM's offsets: `read_offset` is a token boundary where the text so far is complete, and
+    `prefix_offset` an earlier one. Each push decodes tokens[prefix_offset:] and tokens[prefix_offset:read_offset]
+    and emits the difference; while the decoded window ends in U+FFFD nothing is emitted.
     """
 
-    # Context tokens kept before the read offset when seeding from a prompt.
+    # Context tokens kept before the first generated token.
     _PROMPT_CONTEXT = 6
 
     def __init__(
@@ -129,11 +137,27 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids)
-        self._num_prompt_ids = len(self._ids)
-        self._read_offset = len(self._ids)
-        self._prefix_offset = max(0, self._read_offset - self._PROMPT_CONTEXT)
+        self._generated: list[int] = []
+        self._pending: list[int] = []  # generated ids whose text is still held back
         self._text_parts: list[str] = []
+        context = list(prompt_ids[-self._PROMPT_CONTEXT:])
+        self._backend = tokenizer.backend
+        self._stream = self._primed_stream(context) if self._backend is not None else None
+        # The offsets of the fallback path (over context + generated ids).
+        self._ids: list[int] = context
+        self._read_offset = len(context)
+        self._prefix_offset = 0
+
+    def _primed_stream(self, context: list[int]) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        last: str | None = ""
+        for token in context:
+            last = stream.step(self._backend, token)
+        if last is None:  # the prompt ends inside a character: do not let its bytes leak into the output
+            stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        return stream
 
     @property
     def text(self) -> str:
@@ -143,30 +167,46 @@ class IncrementalDetokenizer:
     @property
     def token_ids(self) -> list[int]:
         """The generated ids pushed so far (prompt ids excluded)."""
-        return self._ids[self._num_prompt_ids:]
+        return list(self._generated)
 
     def push(self, token_id: int) -> str:
         """Adds one generated id; returns the text it completes ("" while a character is still incomplete)."""
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._generated.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if delta is None:
+                self._pending.append(token_id)
+                return ""
+            self._pending.clear()
+        else:
+            delta = self._push_with_offsets(token_id)
+        if delta:
+            self._text_parts.append(delta)
+        return delta
+
+    def _push_with_offsets(self, token_id: int) -> str:
+        self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._text_parts.append(delta)
-        return delta
+        return new_text[len(prefix_text):]
 
     def flush(self) -> str:
         """Emits what is still held back (an unfinished character decodes to U+FFFD); call when the request ends."""
-        if self._read_offset == len(self._ids):
-            return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        if self._stream is not None:
+            delta = self._decode(self._pending)
+            self._pending.clear()
+        else:
+            if self._read_offset == len(self._ids):
+                return ""
+            prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            delta = self._decode(self._ids[self._prefix_offset:])[len(prefix_text):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
         if delta:
             self._text_parts.append(delta)
         return delta
@@ -180,7 +220,9 @@ class TextStream:
     stop strings, found in the text, cut there, and held back while the text might still be the start of one.
 
     As vLLM: a stop string only counts when it ends after the text of the first `min_tokens` tokens; with
-    `include_stop_str_in_output` the text keeps the stop string (cut after it) and nothing is held back."""
+    `include_stop_str_in_output` the text keeps the stop string (cut after it) and nothing is held back.
+    Work per push is constant in the length of the text: only the new text and the few characters before it (a stop
+    string may start there) are searched, and only the text not yet returned is kept apart."""
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], stop: Sequence[str] = (), *,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
@@ -189,12 +231,14 @@ class TextStream:
                              if tokenizer is not None else None)
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
-        self._hold = 0 if include_stop_str_in_output else max((len(s) - 1 for s in self._stop), default=0)
+        self._lookback = max((len(s) - 1 for s in self._stop), default=0)
+        self._hold = 0 if include_stop_str_in_output else self._lookback
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self._stop_from: int | None = 0 if min_tokens == 0 else None  # text offset a stop string must end after
-        self._emitted = 0  # characters of text already returned
-        self.text = ""
+        self._length = 0  # characters of text so far
+        self._unsent = ""  # the text after what was returned (held back: it may start a stop string)
+        self._recent = ""  # the last _lookback characters of the text
 
     @classmethod
     def for_params(cls, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
@@ -208,30 +252,45 @@ class TextStream:
         """Adds generated tokens; returns (the text now safe to send, whether a stop string was found). A found stop
         string ends the request: the text is cut before it (after it with include_stop_str_in_output) and
         everything up to there is returned."""
+        pieces: list[str] = []
         for token in token_ids:
             if self._detokenizer is not None:
-                self._detokenizer.push(token)
+                pieces.append(self._detokenizer.push(token))
             self._num_tokens += 1
             if self._stop_from is None and self._num_tokens >= self._min_tokens:
                 # The text of the first min_tokens tokens (what the detokenizer could complete of it).
-                self._stop_from = len(self._detokenizer.text) if self._detokenizer is not None else 0
-        if self._detokenizer is not None:
-            if finished:
-                self._detokenizer.flush()
-            self.text = self._detokenizer.text
-        stop_at, stop_len = self._find_stop()
-        if stop_at >= 0:
-            self.text = self.text[:stop_at + stop_len] if self._include_stop else self.text[:stop_at]
-        hold = 0 if finished or stop_at >= 0 else self._hold
-        upto = max(self._emitted, len(self.text) - hold)
-        new_text = self.text[self._emitted:upto]
-        self._emitted = upto
-        return new_text, stop_at >= 0
+                self._stop_from = self._length + sum(len(p) for p in pieces)
+        if self._detokenizer is not None and finished:
+            pieces.append(self._detokenizer.flush())
+        new = "".join(pieces)
+        start = self._length - len(self._recent)  # text offset of the search window
+        window = self._recent + new
+        self._length += len(new)
+        self._unsent += new
+        stop_end = self._find_stop(window, start)
+        if stop_end is not None:
+            # Cut the text at stop_end (a text offset) and return everything before it.
+            keep = stop_end - (self._length - len(self._unsent))
+            text, self._unsent = self._unsent[:keep], ""
+            return text, True
+        if self._lookback:
+            self._recent = window[-self._lookback:]
+        upto = len(self._unsent) if finished else max(0, len(self._unsent) - self._hold)
+        text, self._unsent = self._unsent[:upto], self._unsent[upto:]
+        return text, False
 
-    def _find_stop(self) -> tuple[int, int]:
-        """(where the first stop string in the text starts, its length), or (-1, 0)."""
+    def _find_stop(self, window: str, start: int) -> int | None:
+        """Where the text ends once cut at the first stop string found in `window` (which starts at text offset
+        `start`): before the stop string, or after it with include_stop_str_in_output. None when there is none.
+        Earlier pushes searched the text before the window, so only a stop string ending in the new text counts."""
         if not self._stop or self._stop_from is None:
-            return -1, 0
-        found = [(at, len(stop)) for stop in self._stop
-                 if (at := self.text.find(stop, max(0, self._stop_from - len(stop) + 1))) >= 0]
-        return min(found, default=(-1, 0))
+            return None
+        found: list[tuple[int, int]] = []
+        for stop in self._stop:
+            at = window.find(stop, max(0, self._stop_from - len(stop) + 1 - start))
+            if at >= 0:
+                found.append((start + at, len(stop)))
+        if not found:
+            return None
+        at, length = min(found)
+        return at + length if self._include_stop else at
