@@ -130,11 +130,14 @@ class LLMEngine:
     def _gather_prompt_logprobs(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Appends this step's prompt logprobs to each asking request's list (a chunk at position 0, the first or a
         recompute after preemption before any token, starts the list again)."""
+        if not result.prompt_logprobs:
+            return
         for entry in output.scheduled:
-            if entry.sampling_params.prompt_logprobs is None or entry.num_output_tokens:
-                continue
-            if entry.request_id not in self.scheduler.requests:
+            request = self.scheduler.requests.get(entry.request_id)
+            if request is None:
                 continue  # aborted
+            if request.sampling_params.prompt_logprobs is None or entry.num_output_tokens:
+                continue
             if entry.start_position == 0:
                 self._prompt_logprobs[entry.request_id] = [None]
             gathered = self._prompt_logprobs.get(entry.request_id)

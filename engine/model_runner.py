@@ -1,7 +1,8 @@
-"""One rank's model, KV cache shard and per-step inputs.
+"""One rank's model, KV cache shard and persistent batch.
 
-execute() turns a SchedulerOutput into tensors (token ids, positions, this rank's AttentionMetadata), runs the
-model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence; for requests
+execute() applies a SchedulerOutput (only what changed since the last step) to the rank's persistent batch
+(engine/input_batch.py), which builds the step's tensors (token ids, positions, this rank's AttentionMetadata); it
+runs the model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence; for requests
 that asked for prompt logprobs every rank also runs the vocab-parallel LM head over their prompt rows, and the
 driver returns their logprobs with the step's tokens (ModelRunnerOutput). Every rank of a worker group runs
 execute() with the same SchedulerOutput; only the slot mapping and local lengths differ.
@@ -12,17 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.block_manager import num_blocks_for_budget
+from engine.block_manager import blocks_needed, num_blocks_for_budget
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
 from engine.protocol import TokenLogprob
 from engine.sampler import Sampler, SamplingRow, token_logprobs
-from engine.scheduler import SchedulerOutput
+from engine.input_batch import InputBatch
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_timer import ExchangeTimer
-from kernels import dcp_local_seq_lens, dcp_slot_mapping
 
 # Prompt-logprob rows per pass through the LM head: bounds the vocabulary-wide logits a long chunk materializes.
 PROMPT_LOGPROBS_ROWS = 512
@@ -39,8 +40,14 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model = load_model(config.model, config.model_config, parallel, self.dtype, device)
         self.sampler = Sampler(config.seed) if parallel.is_driver else None
+        self.batch = InputBatch(
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_blocks_per_seq=blocks_needed(config.scheduler.max_model_len, self.block_size * parallel.dcp_size),
+            block_size=self.block_size, dcp_size=parallel.dcp_size, dcp_rank=parallel.dcp_rank, device=device,
+        )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.activation_peak_bytes = 0  # measured by profile_run() on CUDA before the KV cache is sized
         self._exchange_timer: ExchangeTimer | None = None  # the last execute()'s, read after the step
 
     # ---- KV cache --------------------------------------------------------------------------------------------
@@ -61,9 +68,57 @@ class ModelRunner:
             return cache.kv_cache_memory_bytes
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back loading's temporary blocks so only the weights count
+            weights = torch.cuda.memory_reserved(self.device)
+            activations = self.profile_run()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            return cache.cuda_kv_budget(total, torch.cuda.memory_reserved(self.device), free)
+            self.activation_peak_bytes = activations
+            return cache.cuda_kv_budget(total, weights + activations, free - activations)
         return cache.cpu_default_kv_bytes
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Runs the largest step the scheduler can send (max_num_batched_tokens new tokens in sequences of at most
+        max_model_len, at most max_num_seqs of them, every one sampled) on a scratch KV cache just large enough, and
+        returns the activation peak in bytes above what was allocated before (0 off CUDA, where the run only proves
+        the step builds). The KV cache is sized after this, so a step's activations never run the device out of
+        memory. Every rank of a group must call it together (the forward has collectives)."""
+        scheduler = self.config.scheduler
+        tokens_per_block = self.block_size * self.parallel.dcp_size
+        lengths: list[int] = []
+        remaining = scheduler.max_num_batched_tokens
+        while remaining > 0 and len(lengths) < scheduler.max_num_seqs:
+            lengths.append(min(remaining, scheduler.max_model_len))
+            remaining -= lengths[-1]
+        entries = []
+        next_block = 0
+        for i, length in enumerate(lengths):
+            count = blocks_needed(length, tokens_per_block)
+            entries.append(ScheduledRequest(
+                request_id=f"profile-{i}", token_ids=[0] * length, start_position=0,
+                new_block_ids=list(range(next_block, next_block + count)), sample=True, num_output_tokens=0,
+                sampling_params=SamplingParams(temperature=0, max_tokens=1),
+            ))
+            next_block += count
+        saved_caches, saved_blocks = self.kv_caches, self.num_blocks
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        try:
+            self.allocate_kv_cache(next_block)
+            scratch = torch.cuda.memory_allocated(self.device) - before if cuda else 0
+            self.execute(SchedulerOutput(entries))
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                return max(0, torch.cuda.max_memory_allocated(self.device) - before - scratch)
+            return 0
+        finally:
+            self.batch.drop(e.request_id for e in entries)
+            if self.sampler is not None:
+                self.sampler.forget([e.request_id for e in entries])
+            self.kv_caches, self.num_blocks = saved_caches, saved_blocks
 
     def available_blocks(self) -> int:
         """Pages this rank could hold; the worker group takes the minimum over its ranks."""
@@ -87,50 +142,6 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------------------
 
-    def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """(input_ids [T], positions [T], metadata, rows of the hidden states to sample)."""
-        scheduled = output.scheduled
-        dcp, dcp_rank = self.parallel.dcp_size, self.parallel.dcp_rank
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_index: list[int] = []
-        sample_rows: list[int] = []
-        for i, entry in enumerate(scheduled):
-            count = len(entry.token_ids)
-            input_ids.extend(entry.token_ids)
-            positions.extend(range(entry.start_position, entry.start_position + count))
-            seq_index.extend([i] * count)
-            if entry.sample:
-                sample_rows.append(len(input_ids) - 1)
-        width = max((len(e.block_ids) for e in scheduled), default=0)
-        table = torch.zeros((len(scheduled), max(width, 1)), dtype=torch.int32)
-        for i, entry in enumerate(scheduled):
-            table[i, : len(entry.block_ids)] = torch.tensor(entry.block_ids, dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        slot_mapping = dcp_slot_mapping(
-            table, torch.tensor(seq_index, dtype=torch.int64), positions_t, self.block_size, dcp, dcp_rank
-        )
-        num_decodes = sum(1 for e in scheduled if e.is_decode)  # the scheduler puts them first
-        decode_lens = torch.tensor([e.start_position + 1 for e in scheduled[:num_decodes]], dtype=torch.int32)
-        prefills = scheduled[num_decodes:]
-        chunk_lens = [len(e.token_ids) for e in prefills]
-        query_start_loc = torch.tensor([0] + chunk_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        context = torch.tensor([e.start_position for e in prefills], dtype=torch.int32)
-        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            num_decode_tokens=num_decodes,
-            decode_block_table=to_device(table[:num_decodes]),
-            decode_local_seq_lens=to_device(dcp_local_seq_lens(decode_lens, dcp, dcp_rank)),
-            prefill_block_table=to_device(table[num_decodes:]),
-            prefill_query_start_loc=to_device(query_start_loc),
-            prefill_local_context_lens=to_device(dcp_local_seq_lens(context, dcp, dcp_rank)),
-            prefill_max_query_len=max(chunk_lens, default=0),
-            exchange_timer=ExchangeTimer(self.device) if dcp > 1 else None,
-        )
-        ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
-        return ids, to_device(positions_t), metadata, sample_rows
-
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs one step. The driver returns the sampled tokens (and the logprobs requests asked for); other ranks
@@ -139,26 +150,30 @@ class ModelRunner:
             self.sampler.forget(output.finished_request_ids)
         self._exchange_timer = None
         if output.is_empty:
+            self.batch.apply(output)
             return ModelRunnerOutput() if self.parallel.is_driver else None
+        timer = ExchangeTimer(self.device) if self.parallel.dcp_size > 1 else None
+        inputs = self.batch.prepare(output, timer)
         if self.sampler is not None:
             for entry in output.scheduled:
-                if entry.sampling_params.has_penalties:
+                params = self.batch.sampling_params(entry.request_id)
+                if params is not None and params.has_penalties:
                     self.sampler.record(entry.request_id, entry.start_position, entry.token_ids)
-        input_ids, positions, metadata, sample_rows = self.prepare(output)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
-        self._exchange_timer = metadata.exchange_timer
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        self._exchange_timer = timer
         result = ModelRunnerOutput() if self.parallel.is_driver else None
-        if sample_rows:
-            # Every rank takes part in the vocab-parallel gather; only the driver samples.
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-            if self.sampler is not None and result is not None:
-                sampling = [e for e in output.scheduled if e.sample]
+        if inputs.sample_rows:
+            # Every rank takes part in the vocab-parallel gather; only the driver receives the logits and samples.
+            logits = self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=hidden.device)],
+                                               driver_only=True)
+            if self.sampler is not None and result is not None and logits is not None:
                 sampled = self.sampler.sample(logits, [
-                    SamplingRow(e.request_id, e.sampling_params, e.num_output_tokens, e.blocked_token_ids)
-                    for e in sampling
+                    SamplingRow(entry.request_id, params, entry.num_output_tokens, entry.blocked_token_ids)
+                    for entry, params in inputs.sampling
                 ])
-                result.sampled_token_ids = {e.request_id: t for e, t in zip(sampling, sampled.token_ids)}
-                result.logprobs = {e.request_id: lp for e, lp in zip(sampling, sampled.logprobs) if lp is not None}
+                result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, sampled.token_ids)}
+                result.logprobs = {e.request_id: lp for (e, _), lp in zip(inputs.sampling, sampled.logprobs)
+                                   if lp is not None}
         prompt_logprobs = self._prompt_logprobs(output, hidden)
         if result is not None:
             result.prompt_logprobs = prompt_logprobs
@@ -175,7 +190,8 @@ class ModelRunner:
         owners: list[tuple[str, int, int]] = []  # (request id, its first index in rows, how many)
         offset = 0
         for entry in output.scheduled:
-            num_top_k = entry.sampling_params.prompt_logprobs
+            params = self.batch.sampling_params(entry.request_id)
+            num_top_k = params.prompt_logprobs if params is not None else None
             if num_top_k is not None and entry.num_output_tokens == 0:
                 # Row j predicts the token at position start + j + 1: the chunk's next token, or (last row) the
                 # token after the chunk; a chunk that ends the prompt samples from its last row instead.
@@ -192,8 +208,8 @@ class ModelRunner:
         entries: list[TokenLogprob] = []
         for start in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
             index = torch.tensor(rows[start:start + PROMPT_LOGPROBS_ROWS], device=hidden.device)
-            logits = self.model.compute_logits(hidden[index])
-            if self.parallel.is_driver:
+            logits = self.model.compute_logits(hidden[index], driver_only=True)
+            if logits is not None:
                 logprobs = torch.log_softmax(logits.float(), dim=-1)
                 stop = start + len(index)
                 entries.extend(token_logprobs(logprobs, targets[start:stop], num_top[start:stop]))

@@ -62,6 +62,17 @@ class ParallelState:
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def gather_last_dim_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Gathers shards along the last dimension in TP-rank order onto the driver (TP rank 0) only; None on the
+        other ranks. Sampling needs the full vocabulary on the driver alone, so the others receive nothing."""
+        if self.tp_size == 1:
+            return x
+        x = x.contiguous()
+        driver = dist.get_global_rank(self.tp_group, 0)
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.is_driver else None
+        dist.gather(x, parts, dst=driver, group=self.tp_group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
 
 def init_parallel_state(
     tp_size: int,

@@ -69,18 +69,26 @@ class Request:
     reserved_blocks: int = 0  # blocks promised at admission, allocated or not
     num_preemptions: int = 0
     prompt: str | None = None
+    # prompt + outputs, grown by append_output (never re-concatenated: a step's host work must not grow with context)
+    all_token_ids: list[int] = field(init=False, repr=False)
+    # how many of block_ids the ranks have been sent since they last (re)learned this request
+    num_block_ids_sent: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int) -> None:
+        """A sampled token joins the outputs and the sequence."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -37,6 +37,32 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def filter_logits_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """filter_logits of every row at once (one sort for the batch, not one per row): logits [R, vocab] fp32, one
+    SamplingParams per row (none greedy). Row i equals filter_logits(logits[i], params[i]) exactly."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)
+    logits = logits / temperature.to(logits.dtype)[:, None]
+    vocab = logits.shape[1]
+    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+        kth = sorted_logits.gather(1, torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None])
+        kth = torch.where(torch.tensor(top_k, device=device)[:, None] > 0, kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept); rows with top_p = 1
+        # keep everything.
+        limit = torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None]
+        drop_sorted = (probs.cumsum(-1) - probs >= limit) & (limit < 1.0)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
 def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:
     """logprobs [N, vocab] (log_softmax of raw logits, any device); for row i the entry of token_ids[i] with its
     rank and the num_top[i] best alternatives. Only the gathered values leave the device."""
@@ -144,15 +170,20 @@ class Sampler:
         wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
         logits = self._process(logits, rows)
-        greedy = logits.argmax(dim=-1).tolist()
-        tokens: list[int] = []
-        for i, row in enumerate(rows):
-            if row.params.greedy:
-                tokens.append(int(greedy[i]))
-                continue
-            probs = torch.softmax(filter_logits(logits[i], row.params), dim=-1)
-            token = torch.multinomial(probs, 1, generator=self._generator(row.request_id, row.params))
-            tokens.append(int(token))
+        tokens = logits.argmax(dim=-1).tolist()
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows)
+            probs = torch.softmax(filter_logits_batch(logits[index], [rows[i].params for i in random_rows]), dim=-1)
+            unseeded = [j for j, i in enumerate(random_rows) if rows[i].params.seed is None]
+            if unseeded:  # one draw for every row on the shared generator
+                picks = torch.multinomial(probs[unseeded], 1, generator=self._shared)[:, 0].tolist()
+                for j, token in zip(unseeded, picks):
+                    tokens[random_rows[j]] = token
+            for j, i in enumerate(random_rows):  # a seeded row draws from its own generator, whatever the batch
+                if rows[i].params.seed is not None:
+                    generator = self._generator(rows[i].request_id, rows[i].params)
+                    tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator))
         if raw_logprobs is not None:
             entries = token_logprobs(raw_logprobs, [tokens[i] for i in wants_logprobs],
                                      [rows[i].params.logprobs or 0 for i in wants_logprobs])

@@ -32,15 +32,21 @@ from engine.sampling_params import SamplingParams
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step, as the ranks receive it: only what they have not seen yet.
+
+    The ranks keep every running request's state (block table row, sampling parameters) from the step that first
+    schedules it until it finishes or is preempted, so after that first step an entry carries no prompt, no block
+    table and no parameters: just this step's tokens (a decode's is the token sampled last step) and the blocks
+    allocated since. What a step sends does not grow with the context length."""
 
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]  # the request's block table (covers start_position + len(token_ids) tokens)
+    new_block_ids: list[int]  # blocks appended to the request's table since the ranks last saw it (all when new)
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
-    sampling_params: SamplingParams
     num_output_tokens: int  # outputs so far (penalties split the history into prompt and output with it)
+    # Set only when the ranks learn the request (first scheduled, or again after a preemption dropped it).
+    sampling_params: SamplingParams | None = None
     # The token after this chunk when the chunk does not reach the end of the sequence (prompt logprobs' target).
     next_token_id: int | None = None
     # Stop tokens (EOS, stop_token_ids) the sampler must not pick yet: the request has fewer than min_tokens outputs.
@@ -49,6 +55,11 @@ class ScheduledRequest:
     @property
     def is_decode(self) -> bool:
         return len(self.token_ids) == 1
+
+    @property
+    def is_new(self) -> bool:
+        """The ranks learn this request with this entry (its whole block table and parameters ride on it)."""
+        return self.sampling_params is not None
 
 
 @dataclass
@@ -136,6 +147,7 @@ class Scheduler:
         """Frees the request's KV and puts it first in line; it will recompute prompt + outputs so far."""
         self.running.remove(request)
         self.block_manager.free(request)
+        request.num_block_ids_sent = 0
         request.status = RequestStatus.WAITING
         self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -179,6 +191,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.num_block_ids_sent = 0  # the ranks learn it (again) with this entry
             self.running.append(request)
             scheduled.append(self._entry(request, count))
             budget -= count
@@ -207,14 +220,17 @@ class Scheduler:
         # vLLM's min_tokens: EOS is masked too when ignore_eos is set (it would not stop the request anyway).
         blocked = (tuple(sorted(self.eos_token_ids | set(params.stop_token_ids or ())))
                    if sample and num_outputs < params.min_tokens else ())
+        # No block sent yet = the ranks do not know the request (every scheduled entry holds at least one block).
+        sent, request.num_block_ids_sent = request.num_block_ids_sent, len(request.block_ids)
+        is_new = sent == 0
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=all_token_ids[start : start + count],
             start_position=start,
-            block_ids=list(request.block_ids),
+            new_block_ids=request.block_ids[sent:],
             sample=sample,
-            sampling_params=params,
             num_output_tokens=num_outputs,
+            sampling_params=params if is_new else None,
             next_token_id=None if sample else all_token_ids[start + count],
             blocked_token_ids=blocked,
         )
@@ -230,7 +246,7 @@ class Scheduler:
             if not entry.sample:
                 continue
             token = sampled[entry.request_id]
-            request.output_token_ids.append(token)
+            request.append_output(token)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)

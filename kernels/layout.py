@@ -57,6 +57,7 @@ def dcp_slot_mapping(
     dcp_size: int,
     dcp_rank: int,
     interleave: int = 1,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Slot on `dcp_rank` of each new token, or -1 where another rank of the group owns it.
 
@@ -64,6 +65,8 @@ def dcp_slot_mapping(
     seq_idx:     [num_tokens] row of block_table that each token belongs to.
     positions:   [num_tokens] position of each token in its sequence.
     Returns [num_tokens] int64 slots, page * block_size + offset inside the page.
+    validate=False skips the value checks (positions >= 0, blocks inside the table), which read device values
+    back to the host: the engine's per-step inputs on CUDA, built from a table the scheduler keeps consistent.
     """
     check_dcp_args(dcp_size, dcp_rank, interleave, block_size)
     if block_table.dim() != 2:
@@ -75,11 +78,11 @@ def dcp_slot_mapping(
         )
     positions = positions.to(torch.int64)
     seq_idx = seq_idx.to(torch.int64)
-    if positions.numel() and int(positions.min()) < 0:
+    if validate and positions.numel() and int(positions.min()) < 0:
         raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
     logical_block_tokens = block_size * dcp_size
     blk = positions // logical_block_tokens
-    if positions.numel() and int(blk.max()) >= block_table.shape[1]:
+    if validate and positions.numel() and int(blk.max()) >= block_table.shape[1]:
         raise ValueError(
             f"position {int(positions.max())} needs logical block {int(blk.max())} but block_table has only "
             f"{block_table.shape[1]} columns ({logical_block_tokens} tokens each): allocate blocks first"

@@ -59,8 +59,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return self.compute_logits(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank."""
+    def compute_logits(self, hidden: torch.Tensor, driver_only: bool = False) -> torch.Tensor | None:
+        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank, or with
+        driver_only on the driver (TP rank 0) alone and None elsewhere (every rank must call it: a collective)."""
         local = F.linear(hidden, self.weight)  # [S, rows_per_rank], in the model dtype as HF computes it
-        full = self.parallel.gather_last_dim(local)  # [S, tp * rows_per_rank], shards in rank order
-        return full[:, : self.vocab_size].float()
+        # [S, tp * rows_per_rank], shards in rank order
+        full = self.parallel.gather_last_dim_to_driver(local) if driver_only else self.parallel.gather_last_dim(local)
+        return full[:, : self.vocab_size].float() if full is not None else None

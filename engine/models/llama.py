@@ -174,9 +174,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, driver_only: bool = False) -> torch.Tensor | None:
+        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank (driver_only: on
+        TP rank 0 alone, None elsewhere)."""
+        return self.lm_head.compute_logits(hidden, driver_only)
 
     def checkpoint_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (q/k/v and gate/up unmerged; no lm_head when tied)."""

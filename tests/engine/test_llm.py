@@ -133,3 +133,18 @@ def test_preempted_requests_recompute_to_the_same_tokens(tiny: Path) -> None:
         expected = roomy.generate(prompt_token_ids=batch, sampling_params=sampled)
         assert roomy.engine.stats().num_preemptions == 0
     assert [o.outputs[0].token_ids for o in sampled_out] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_the_profiling_step_leaves_no_trace(tiny: Path) -> None:
+    """The largest step the scheduler can send runs on a scratch cache (on CUDA it measures the activation peak
+    before the KV cache is sized; here it proves the step builds): the runner's cache, batch and sampler are as
+    before, and greedy tokens still equal transformers'."""
+    prompt = list(range(3, 40))
+    with LLM(tiny, max_num_batched_tokens=300, max_model_len=128, max_num_seqs=4) as llm:
+        runner = llm.engine.executor.runner
+        caches, blocks = runner.kv_caches, runner.num_blocks
+        assert runner.profile_run() == 0  # no CUDA peak to measure on CPU
+        assert runner.kv_caches is caches and runner.num_blocks == blocks and len(runner.batch) == 0
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        output = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert output.outputs[0].token_ids == hf_greedy(tiny, prompt, 12)

@@ -296,6 +296,26 @@ def test_seeded_tokens_unchanged_and_logprobs_do_not_perturb_them(tiny: Path) ->
     assert [o.outputs[0].token_ids for o in with_logprobs] == SEEDED_EXPECTED
 
 
+@pytest.mark.parametrize("trial", range(40))
+def test_batched_filtering_equals_the_row_by_row_filter_bit_for_bit(trial: int) -> None:
+    """The sampler filters every random row at once; each row must equal the one-row filter exactly, or seeded
+    requests would draw other tokens than before."""
+    import random
+
+    from engine.sampler import filter_logits, filter_logits_batch
+
+    rng = random.Random(trial)
+    rows, vocab = rng.randrange(1, 9), rng.choice([7, 512, 1000])
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(trial)) * rng.choice([0.5, 3, 20])
+    params = [SamplingParams(temperature=rng.choice([0.1, 0.7, 1.0, 1.3, 2.0]), top_k=rng.choice([0, 1, 5, 50, 2000]),
+                             top_p=rng.choice([1.0, 0.9, 0.5, 0.01])) for _ in range(rows)]
+    batched = filter_logits_batch(logits, params)
+    for i in range(rows):
+        row = filter_logits(logits[i], params[i])
+        assert torch.equal(row, batched[i])
+        assert torch.equal(torch.softmax(row, -1), torch.softmax(batched, -1)[i])
+
+
 # ---- validation --------------------------------------------------------------------------------------------
 
 

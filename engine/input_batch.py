@@ -1,0 +1,197 @@
+"""A rank's persistent batch: the state of every request the ranks are running, kept across steps.
+
+The scheduler sends a request's sampling parameters and whole block table once, in the entry that first schedules
+it (again after a preemption); later entries carry only the step's tokens and the blocks allocated since
+(engine/scheduler.py, ScheduledRequest). This module keeps what the ranks learned: one row per running request in
+a block table that lives on the rank's device, the request's parameters, and how many of its blocks are filled in.
+
+Each step costs host work in proportion to the batch and the tokens computed (a decode is one token), never to the
+context: the step's block table is an index_select of rows on the device, and slot mappings and DCP local lengths
+are computed there by the vectorized layout functions (kernels/layout.py).
+
+`rebuild_step_inputs` builds the same inputs from whole block tables, as the engine did before this module existed;
+the tests check that both agree after random add / finish / preempt / abort sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_timer import ExchangeTimer
+from kernels import dcp_local_seq_lens, dcp_slot_mapping
+
+
+@dataclass
+class CachedRequestState:
+    """What a rank keeps of one running request."""
+
+    request_id: str
+    row: int  # its row of the device block table
+    sampling_params: SamplingParams
+    num_blocks: int = 0  # block ids filled into its row
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs on one rank."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64, on the device
+    positions: torch.Tensor  # [num_tokens] int64, on the device
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # rows of the hidden states to sample, in scheduled order
+    sampling: list[tuple[ScheduledRequest, SamplingParams]]  # the sampled entries with their parameters
+
+
+class InputBatch:
+    """The requests a rank is running and their block table rows on the device."""
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, dcp_size: int, dcp_rank: int,
+                 device: torch.device) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.dcp_size = dcp_size
+        self.dcp_rank = dcp_rank
+        self.device = device
+        self.block_table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest row
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def sampling_params(self, request_id: str) -> SamplingParams | None:
+        state = self.requests.get(request_id)
+        return state.sampling_params if state is not None else None
+
+    # ---- what changed --------------------------------------------------------------------------------------------
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Finished, aborted or preempted requests: their rows are free again (ids never sent are ignored)."""
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.block_table[state.row, : state.num_blocks] = 0  # a reused row must not show stale pages
+                self._free_rows.append(state.row)
+
+    def apply(self, output: SchedulerOutput) -> None:
+        """Drops what finished or was preempted since the last step, then learns new requests and new blocks."""
+        self.drop(output.finished_request_ids)
+        self.drop(output.preempted_request_ids)
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[int] = []
+        for entry in output.scheduled:
+            state = self._learn(entry)
+            if entry.new_block_ids:
+                count = len(entry.new_block_ids)
+                if state.num_blocks + count > self.max_blocks_per_seq:
+                    raise RuntimeError(
+                        f"request {entry.request_id!r} would hold {state.num_blocks + count} blocks but a sequence "
+                        f"holds at most {self.max_blocks_per_seq} (max_model_len): the scheduler over-allocated"
+                    )
+                rows.extend([state.row] * count)
+                cols.extend(range(state.num_blocks, state.num_blocks + count))
+                values.extend(entry.new_block_ids)
+                state.num_blocks += count
+        if values:
+            index = (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64))
+            self.block_table.index_put_(
+                tuple(i.to(self.device, non_blocking=True) for i in index),
+                torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True),
+            )
+
+    def _learn(self, entry: ScheduledRequest) -> CachedRequestState:
+        state = self.requests.get(entry.request_id)
+        if entry.sampling_params is not None:  # new to the ranks (first scheduled, or readmitted after preemption)
+            if state is not None:
+                raise RuntimeError(f"request {entry.request_id!r} is sent as new but this rank already runs it")
+            if not self._free_rows:
+                raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} requests scheduled at once")
+            state = CachedRequestState(entry.request_id, self._free_rows.pop(), entry.sampling_params)
+            self.requests[entry.request_id] = state
+        elif state is None:
+            raise RuntimeError(
+                f"request {entry.request_id!r} is scheduled as running but this rank never learned it (a step was "
+                f"lost between the driver and this rank)"
+            )
+        return state
+
+    # ---- this step's inputs --------------------------------------------------------------------------------------
+
+    def prepare(self, output: SchedulerOutput, exchange_timer: ExchangeTimer | None = None) -> StepInputs:
+        """Applies the step's changes and builds its inputs. Rows: decodes first, then prefill chunks (the
+        scheduler's order)."""
+        self.apply(output)
+        scheduled = output.scheduled
+        states = [self.requests[entry.request_id] for entry in scheduled]
+        rows = torch.tensor([state.row for state in states], dtype=torch.int64)
+        width = max((state.num_blocks for state in states), default=0)
+        table = self.block_table.index_select(0, rows.to(self.device, non_blocking=True))[:, : max(width, 1)]
+        sampling = [(entry, state.sampling_params) for entry, state in zip(scheduled, states) if entry.sample]
+        return build_step_inputs(scheduled, table, self.block_size, self.dcp_size, self.dcp_rank, self.device,
+                                 exchange_timer, sampling)
+
+
+def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor, block_size: int, dcp_size: int,
+                      dcp_rank: int, device: torch.device, exchange_timer: ExchangeTimer | None,
+                      sampling: list[tuple[ScheduledRequest, SamplingParams]]) -> StepInputs:
+    """Token ids, positions and this rank's AttentionMetadata for `scheduled` given its block table rows `table`
+    ([len(scheduled), width] int32 on the device). Python work: one pass over the entries plus the chunks' tokens;
+    per-token index math runs vectorized on the device."""
+    input_ids: list[int] = []
+    starts: list[int] = []
+    counts: list[int] = []
+    sample_rows: list[int] = []
+    num_decodes = 0
+    for entry in scheduled:
+        input_ids.extend(entry.token_ids)
+        starts.append(entry.start_position)
+        counts.append(len(entry.token_ids))
+        if entry.sample:
+            sample_rows.append(len(input_ids) - 1)
+        if len(entry.token_ids) == 1 and num_decodes == len(starts) - 1:
+            num_decodes += 1  # the scheduler puts single-token rows first
+    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    starts_t = to_device(torch.tensor(starts, dtype=torch.int64))
+    counts_t = to_device(torch.tensor(counts, dtype=torch.int64))
+    num_tokens = len(input_ids)
+    seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=device), counts_t,
+                                        output_size=num_tokens)
+    first_row = torch.cumsum(counts_t, 0) - counts_t  # each entry's first row in the token batch
+    positions = starts_t[seq_index] + torch.arange(num_tokens, device=device) - first_row[seq_index]
+    # On CUDA the value checks would read device memory back every step; the persistent batch keeps the table right.
+    slot_mapping = dcp_slot_mapping(table, seq_index, positions, block_size, dcp_size, dcp_rank,
+                                    validate=device.type != "cuda")
+    query_start_loc = torch.cat([counts_t.new_zeros(1), torch.cumsum(counts_t[num_decodes:], 0)]).to(torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        num_decode_tokens=num_decodes,
+        decode_block_table=table[:num_decodes],
+        decode_local_seq_lens=dcp_local_seq_lens(starts_t[:num_decodes] + 1, dcp_size, dcp_rank),
+        prefill_block_table=table[num_decodes:],
+        prefill_query_start_loc=query_start_loc,
+        prefill_local_context_lens=dcp_local_seq_lens(starts_t[num_decodes:], dcp_size, dcp_rank),
+        prefill_max_query_len=max(counts[num_decodes:], default=0),
+        exchange_timer=exchange_timer,
+    )
+    ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
+    return StepInputs(ids, positions, metadata, sample_rows, sampling)
+
+
+def rebuild_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: dict[str, list[int]], block_size: int,
+                        dcp_size: int, dcp_rank: int) -> StepInputs:
+    """The same inputs from each request's whole block table (on the CPU, no persistent state): what InputBatch
+    must reproduce. Used by the tests."""
+    width = max((len(block_tables[e.request_id]) for e in scheduled), default=0)
+    table = torch.zeros((len(scheduled), max(width, 1)), dtype=torch.int32)
+    for i, entry in enumerate(scheduled):
+        blocks = block_tables[entry.request_id]
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return build_step_inputs(scheduled, table, block_size, dcp_size, dcp_rank, torch.device("cpu"), None, [])
