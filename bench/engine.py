@@ -108,13 +108,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="engine backend(s): native (default), vllm (vLLM's engine; needs the vllm extra, e.g. "
                         ".venv-vllm), or both, side by side at tp=1 and tp=2")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, one round")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[],
+                        help="also run the context-length sweep at these prompt lengths (e.g. 256 4096 16384): "
+                        "prefill time, decode step, forward and host overhead per config, beside HF up to "
+                        "--hf-max-context")
+    parser.add_argument("--sweep-batch", type=int, default=8, help="sequences per sweep round (default 8)")
+    parser.add_argument("--sweep-tokens", type=int, default=16,
+                        help="generated tokens per sequence in the sweep (default 16: long contexts decode slowly)")
+    parser.add_argument("--hf-max-context", type=int, default=4096,
+                        help="longest sweep context HF runs at (default 4096: its prefill materializes the "
+                        "attention mask per layer)")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the batch table, run only the sweep")
     parser.add_argument("--write-docs", action="store_true", help="update this script's section of docs/benchmarks.md")
     args = parser.parse_args(argv)
     batches, max_tokens, rounds = SIZES[args.quick]
     args.batches, args.max_tokens = args.batches or batches, args.max_tokens or max_tokens
     args.rounds = args.rounds or rounds
-    if not all(value > 0 for value in [*args.batches, args.prompt_len, args.rounds, args.threads]):
-        parser.error("--batches, --prompt-len, --rounds and --threads take positive numbers")
+    if not all(value > 0 for value in [*args.batches, args.prompt_len, args.rounds, args.threads, *args.contexts,
+                                       args.sweep_batch, args.sweep_tokens - 1]):
+        parser.error("--batches, --prompt-len, --rounds, --threads, --contexts and --sweep-batch take positive "
+                     "numbers, --sweep-tokens at least 2")
+    if args.sweep_only and not args.contexts:
+        parser.error("--sweep-only needs --contexts")
     if args.max_tokens < 2:
         parser.error(f"--max-tokens {args.max_tokens}: use at least 2 (the first token comes from the prefill step)")
     if args.model is not None and not args.model.is_dir():
@@ -191,7 +206,8 @@ def hf_generate(
     if out.shape[1] != input_ids.shape[1] + max_tokens or len(called) != max_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
     steps = [next_call - back for back, next_call in zip(returned, called[1:])]
-    return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:])
+    return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:],
+                                                          prefill=model.bench_forward[:1])
 
 
 def run_round(
@@ -222,21 +238,23 @@ def start_ray() -> str:
     return temp_dir
 
 
-def make_engines(args: argparse.Namespace, model_dir: Path) -> dict[str, Instrumented]:
-    """One engine per config, with a KV budget sized for the largest batch (so engines can share a GPU) and a
-    token budget that prefills every prompt in one step."""
+def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], batch: int, prompt_len: int,
+                 max_tokens: int) -> dict[str, Instrumented]:
+    """One engine per config, with a KV budget sized for `batch` sequences (so engines can share a GPU) and a token
+    budget that prefills every prompt in one step (up to 16k tokens; longer prompts are prefilled in chunks)."""
     mc = ModelConfig.from_pretrained(model_dir)
-    tokens = max(args.batches) * (args.prompt_len + args.max_tokens + 64)  # + a block's rounding per sequence
+    tokens = batch * (prompt_len + max_tokens + 64)  # + a block's rounding per sequence
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # per token, fp32 at most
     engines: dict[str, Any] = {}
-    for label in args.configs:
+    for label in configs:
         backend, tp, dcp = CONFIGS[label]
         engine_args = EngineArgs(
             model_dir, backend=backend, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
             kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
-            max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len),
+            max_num_batched_tokens=min(16384, max(2048, batch * prompt_len)),
             block_size=32,  # vLLM's CPU attention needs multiples of 32; the same page for both backends
-            max_model_len=min(mc.max_position_embeddings, 4096), max_num_seqs=max(256, max(args.batches)),
+            max_model_len=min(mc.max_position_embeddings, max(4096, prompt_len + max_tokens + 64)),
+            max_num_seqs=max(256, batch),
         )
         if backend == "vllm":
             engines[label] = VllmInstrumented(engine_args)
@@ -288,6 +306,86 @@ def measure(
     return rows
 
 
+SWEEP_COLUMNS = ("config", "context", "batch", "prefill s", "HF prefill s", "ours/HF prefill", "decode tok/s",
+                 "HF tok/s", "ours/HF", "step ms", "forward ms", "overhead ms", "tokens = HF")
+SWEEP_WIDTHS = (10, 7, 5, 9, 12, 15, 12, 8, 7, 8, 10, 11, 11)
+
+
+def run_alone(engines: dict[str, Instrumented], prompts: list[list[int]],
+              max_tokens: int) -> tuple[dict[str, list[list[int]]], dict[str, Samples]]:
+    """One generation on every engine without HF (contexts past --hf-max-context), still step by step in turn."""
+    for engine in engines.values():
+        engine.start(prompts, max_tokens)
+    while any(engine.engine.has_unfinished_requests() for engine in engines.values()):
+        for engine in engines.values():
+            engine.step()
+    tokens, samples = {}, {}
+    for label, engine in engines.items():
+        tokens[label], samples[label] = engine.finish()
+    return tokens, samples
+
+
+def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device) -> tuple[list[list[str]], list[str]]:
+    """The sweep: per context, one round of --sweep-batch prompts on each native config and (up to
+    --hf-max-context) HF, alternating step by step. Returns the table rows and summary lines (host overhead at each
+    context against the shortest one's, per config)."""
+    from engine.tiny_model import TinyModelSpec
+
+    longest = max(args.contexts) + args.sweep_tokens + 64
+    if args.model is not None:
+        model_dir = args.model
+    else:  # the tiny model's weights, with room for the longest context
+        spec = TinyModelSpec(max_position_embeddings=max(8192, 1 << (longest - 1).bit_length()))
+        model_dir = write_tiny_model(work_dir / "tiny-long", seed=0, spec=spec)
+    configs = [label for label in args.configs if CONFIGS[label][0] == "native"]
+    engines = make_engines(args, model_dir, configs, args.sweep_batch, max(args.contexts), args.sweep_tokens)
+    config = EngineArgs(model_dir, kv_cache_memory_bytes=1 << 20).create_engine_config()
+    hf = load_hf(model_dir, config.torch_dtype, device)
+    generator = torch.Generator().manual_seed(args.seed)
+    rows: list[list[str]] = []
+    overheads: dict[str, dict[int, float]] = {label: {} for label in engines}
+    print("\n" + console_line(SWEEP_COLUMNS, SWEEP_WIDTHS), flush=True)
+    try:
+        for context in sorted(args.contexts):
+            prompts = torch.randint(0, config.model_config.vocab_size, (args.sweep_batch, context),
+                                    generator=generator).tolist()
+            expected: list[list[int]] | None = None
+            hf_samples = Samples()
+            if context <= args.hf_max_context:
+                tokens, samples, expected, hf_samples = run_round(engines, hf, prompts, args.sweep_tokens)
+            else:
+                tokens, samples = run_alone(engines, prompts, args.sweep_tokens)
+            for label in engines:
+                ours = samples[label]
+                overhead = statistics.median([a - b for a, b in zip(ours.step, ours.forward)])
+                overheads[label][context] = overhead
+                tok_s = args.sweep_batch / statistics.median(ours.step)
+                hf_tok_s = args.sweep_batch / statistics.median(hf_samples.step) if hf_samples.step else None
+                hf_prefill = hf_samples.prefill[0] if hf_samples.prefill else None
+                matching = (f"{sum(a == b for a, b in zip(tokens[label], expected))}/{args.sweep_batch}"
+                            if expected is not None else "n/a")
+                rows.append([
+                    label, str(context), str(args.sweep_batch), f"{ours.prefill[0]:.2f}",
+                    f"{hf_prefill:.2f}" if hf_prefill else "n/a",
+                    f"{ours.prefill[0] / hf_prefill:.2f}" if hf_prefill else "n/a",
+                    f"{tok_s:.0f}", f"{hf_tok_s:.0f}" if hf_tok_s else "n/a",
+                    f"{tok_s / hf_tok_s:.2f}" if hf_tok_s else "n/a",
+                    f"{1e3 * statistics.median(ours.step):.2f}", f"{1e3 * statistics.median(ours.forward):.2f}",
+                    f"{1e3 * overhead:.2f}", matching,
+                ])
+                print(console_line(rows[-1], SWEEP_WIDTHS), flush=True)
+    finally:
+        for engine in engines.values():
+            engine.engine.shutdown()
+    shortest = min(args.contexts)
+    summary = [
+        f"sweep: host overhead at {context} tokens / at {shortest}: {label} "
+        f"{by_context[context] / by_context[shortest]:.2f}x"
+        for label, by_context in overheads.items() for context in sorted(by_context) if context != shortest
+    ]
+    return rows, summary
+
+
 def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: str, device: torch.device) -> list[str]:
     """What the table was measured on and how, for the console and the docs."""
     import ray
@@ -337,15 +435,25 @@ def _read_lines(path: str) -> list[str]:
         return []
 
 
-def console_line(cells: list[str] | tuple[str, ...]) -> str:
-    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
+def console_line(cells: list[str] | tuple[str, ...], widths: tuple[int, ...] = WIDTHS) -> str:
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
 
 
-def markdown_section(command: str, info: list[str], rows: list[Row], notes: list[str]) -> str:
-    table = ["| " + " | ".join(COLUMNS) + " |", "|:---|" + "---:|" * (len(COLUMNS) - 1)]
-    table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|:---|" + "---:|" * (len(columns) - 1),
+            *["| " + " | ".join(row) + " |" for row in rows]]
+
+
+def markdown_section(command: str, info: list[str], rows: list[Row], notes: list[str],
+                     sweep_rows: list[list[str]], sweep_info: list[str]) -> str:
     bullets = [f"- {line}" for line in info + notes]
-    return "\n".join(["## Engine decode vs transformers", "", f"Command: `{command}`", "", *bullets, "", *table])
+    parts = ["## Engine decode vs transformers", "", f"Command: `{command}`", "", *bullets]
+    if rows:
+        parts += ["", *markdown_table(COLUMNS, [row.cells() for row in rows])]
+    if sweep_rows:
+        parts += ["", "### Context-length sweep", "", *[f"- {line}" for line in sweep_info], "",
+                  *markdown_table(SWEEP_COLUMNS, sweep_rows)]
+    return "\n".join(parts)
 
 
 
@@ -366,14 +474,22 @@ def main(argv: list[str] | None = None) -> int:
         model_label = str(args.model) if args.model else "the tiny model (engine.tiny_model, seed 0)"
         if any(CONFIGS[label][0] == "native" and CONFIGS[label][1] > 1 for label in args.configs):
             ray_dir = start_ray()
-        engines = make_engines(args, model_dir)
+        engines = {} if args.sweep_only else make_engines(args, model_dir, args.configs, max(args.batches),
+                                                            args.prompt_len, args.max_tokens)
         config = EngineArgs(model_dir, kv_cache_memory_bytes=1 << 20).create_engine_config()  # model, dtype
         hf = load_hf(model_dir, config.torch_dtype, device)
         info = header_lines(args, config, model_label, device)
         prompts = random_prompts(args, config.model_config.vocab_size)
-        checks = check_batch1(args, engines, hf, prompts[0])
-        print("\n".join(info + args.notes + checks) + "\n\n" + console_line(COLUMNS), flush=True)
-        rows = measure(args, engines, hf, prompts)
+        checks = [] if args.sweep_only else check_batch1(args, engines, hf, prompts[0])
+        print("\n".join(info + args.notes + checks), flush=True)
+        rows: list[Row] = []
+        if not args.sweep_only:
+            print("\n" + console_line(COLUMNS), flush=True)
+            rows = measure(args, engines, hf, prompts)
+        for engine in engines.values():
+            engine.shutdown() if isinstance(engine, VllmInstrumented) else engine.engine.shutdown()
+        engines = {}
+        sweep_rows, sweep_summary = context_sweep(args, work_dir, device) if args.contexts else ([], [])
     finally:
         for engine in engines.values():
             engine.shutdown() if isinstance(engine, VllmInstrumented) else engine.engine.shutdown()
@@ -388,12 +504,20 @@ def main(argv: list[str] | None = None) -> int:
     summary = args.notes + checks
     if differing:
         summary.append(f"greedy tokens differ from HF's in: {', '.join(differing)} (see tokens = HF)")
-    print("".join(f"\n{line}" for line in summary), flush=True)
+    print("".join(f"\n{line}" for line in summary + sweep_summary), flush=True)
     if args.write_docs and wrong:
         print(f"{DOCS.path} not updated: greedy tokens differ from HF's at batch 1")
     elif args.write_docs:
         command = shlex.join(["python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
-        DOCS.write(markdown_section(command, info, rows, summary))
+        sweep_info = [
+            f"workload: {args.sweep_batch} random prompts (seed {args.seed}) per context, greedy, {args.sweep_tokens} "
+            f"new tokens, ignore_eos; the engines prefill in chunks of up to 16,384 tokens (max_num_batched_tokens), "
+            f"HF in one forward; HF runs up to {args.hf_max_context} tokens of context",
+            "prefill s: the steps before every sequence decodes (ours) / HF's first forward; decode tok/s, step, "
+            "forward and overhead ms as in the table above (medians over the round's decode steps)",
+            *sweep_summary,
+        ]
+        DOCS.write(markdown_section(command, info, rows, summary, sweep_rows, sweep_info))
         print(f"updated {DOCS.path}")
     return 1 if wrong else 0
 

@@ -23,11 +23,14 @@ class Samples:
     step: list[float] = field(default_factory=list)  # LLMEngine.step() wall time (or HF's gap between tokens)
     runner: list[float] = field(default_factory=list)  # ModelRunner.execute on rank 0 (ours only)
     forward: list[float] = field(default_factory=list)  # model forward (rank 0 for ours)
+    prefill: list[float] = field(default_factory=list)  # per round: the steps before every sequence decodes (HF: its
+    # first forward)
 
     def extend(self, other: Samples) -> None:
         self.step += other.step
         self.runner += other.runner
         self.forward += other.forward
+        self.prefill += other.prefill
 
 
 def timed(fn: Callable[..., Any], record: Callable[[float], None], device: torch.device) -> Callable[..., Any]:
@@ -133,6 +136,8 @@ class Instrumented:
         if len(records) != len(self.step_seconds):
             raise RuntimeError(f"{len(records)} rank-0 executes for {len(self.step_seconds)} steps: timings misaligned")
         samples = Samples()
+        samples.prefill.append(sum(seconds for decode, seconds in zip(self.decode_calls, self.step_seconds)
+                                   if not decode))
         for decode, seconds, (runner, forward) in zip(self.decode_calls, self.step_seconds, records):
             if decode:
                 samples.step.append(seconds)
