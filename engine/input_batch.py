@@ -61,6 +61,9 @@ class InputBatch:
         self.device = device
         self.block_table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.requests: dict[str, CachedRequestState] = {}
+        # The few requests that need per-step work beyond sampling, so that the common step skips them in O(1).
+        self.penalized: set[str] = set()  # repetition / frequency / presence penalties: token history kept
+        self.wants_prompt_logprobs: set[str] = set()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest row
 
     def __len__(self) -> int:
@@ -76,6 +79,8 @@ class InputBatch:
         """Finished, aborted or preempted requests: their rows are free again (ids never sent are ignored)."""
         for request_id in request_ids:
             state = self.requests.pop(request_id, None)
+            self.penalized.discard(request_id)
+            self.wants_prompt_logprobs.discard(request_id)
             if state is not None:
                 self.block_table[state.row, : state.num_blocks] = 0  # a reused row must not show stale pages
                 self._free_rows.append(state.row)
@@ -114,8 +119,13 @@ class InputBatch:
                 raise RuntimeError(f"request {entry.request_id!r} is sent as new but this rank already runs it")
             if not self._free_rows:
                 raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} requests scheduled at once")
-            state = CachedRequestState(entry.request_id, self._free_rows.pop(), entry.sampling_params)
+            params = entry.sampling_params
+            state = CachedRequestState(entry.request_id, self._free_rows.pop(), params)
             self.requests[entry.request_id] = state
+            if params.has_penalties:
+                self.penalized.add(entry.request_id)
+            if params.prompt_logprobs is not None:
+                self.wants_prompt_logprobs.add(entry.request_id)
         elif state is None:
             raise RuntimeError(
                 f"request {entry.request_id!r} is scheduled as running but this rank never learned it (a step was "

@@ -154,10 +154,9 @@ class ModelRunner:
             return ModelRunnerOutput() if self.parallel.is_driver else None
         timer = ExchangeTimer(self.device) if self.parallel.dcp_size > 1 else None
         inputs = self.batch.prepare(output, timer)
-        if self.sampler is not None:
+        if self.sampler is not None and self.batch.penalized:
             for entry in output.scheduled:
-                params = self.batch.sampling_params(entry.request_id)
-                if params is not None and params.has_penalties:
+                if entry.request_id in self.batch.penalized:
                     self.sampler.record(entry.request_id, entry.start_position, entry.token_ids)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         self._exchange_timer = timer
@@ -188,6 +187,8 @@ class ModelRunner:
         targets: list[int] = []  # the prompt token each row predicts
         num_top: list[int] = []  # the alternatives each row reports
         owners: list[tuple[str, int, int]] = []  # (request id, its first index in rows, how many)
+        if not self.batch.wants_prompt_logprobs:
+            return {}
         offset = 0
         for entry in output.scheduled:
             params = self.batch.sampling_params(entry.request_id)
