@@ -388,9 +388,14 @@ def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device
 
 def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: str, device: torch.device) -> list[str]:
     """What the table was measured on and how, for the console and the docs."""
-    import ray
+    import importlib.metadata
+
     import transformers
 
+    try:
+        ray_version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:  # a GPU image without Ray runs tp=1 only
+        ray_version = "not installed"
     mc = config.model_config
     cpuinfo = _read_lines("/proc/cpuinfo")
     cpu_names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
@@ -406,7 +411,7 @@ def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: st
     return cpu_run + [
         f"device: {name}; {os.cpu_count()} CPU cores; torch threads {torch.get_num_threads()} in the driver (tp=1, "
         "HF) and in each tp=2 rank actor",
-        f"torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}, python "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, ray {ray_version}, python "
         f"{platform.python_version()}, date {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"model: {model_label} ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} "
         f"heads, {mc.num_key_value_heads} KV head(s), vocab {mc.vocab_size}), {config.dtype} on {device.type}",
