@@ -172,10 +172,14 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
     starts_t = to_device(torch.tensor(starts, dtype=torch.int64))
     counts_t = to_device(torch.tensor(counts, dtype=torch.int64))
     num_tokens = len(input_ids)
-    seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=device), counts_t,
-                                        output_size=num_tokens)
-    first_row = torch.cumsum(counts_t, 0) - counts_t  # each entry's first row in the token batch
-    positions = starts_t[seq_index] + torch.arange(num_tokens, device=device) - first_row[seq_index]
+    if num_decodes == len(scheduled):  # the common step: one token per sequence
+        seq_index = torch.arange(num_tokens, device=device)
+        positions = starts_t
+    else:
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=device), counts_t,
+                                            output_size=num_tokens)
+        first_row = torch.cumsum(counts_t, 0) - counts_t  # each entry's first row in the token batch
+        positions = starts_t[seq_index] + torch.arange(num_tokens, device=device) - first_row[seq_index]
     # On CUDA the value checks would read device memory back every step; the persistent batch keeps the table right.
     slot_mapping = dcp_slot_mapping(table, seq_index, positions, block_size, dcp_size, dcp_rank,
                                     validate=device.type != "cuda")
