@@ -98,14 +98,15 @@ def apply_penalties(logits: torch.Tensor, prompts: list[list[int]], outputs: lis
     (a positive logit divided by it, a negative one multiplied), then frequency (per occurrence) and presence
     (once) penalties over its output tokens subtracted. vLLM's semantics (OpenAI's for frequency / presence)."""
     vocab_size = logits.shape[1]
-    output_counts = _token_counts(outputs, vocab_size)
+    device = logits.device
+    output_counts = _token_counts(outputs, vocab_size).to(device)
     output_mask = output_counts > 0
-    seen = (_token_counts(prompts, vocab_size) > 0) | output_mask
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).unsqueeze(1)
+    seen = (_token_counts(prompts, vocab_size).to(device) > 0) | output_mask
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
     penalties = torch.where(seen, repetition, torch.ones_like(repetition))
     logits = torch.where(logits > 0, logits / penalties, logits * penalties)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
     return logits - frequency * output_counts - presence * output_mask
 
 
@@ -131,7 +132,9 @@ class Sampler:
     """Greedy or random sampling per row; per-request generators make seeded requests reproducible."""
 
     def __init__(self, seed: int) -> None:
+        self._seed = seed
         self._shared = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[str, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._history: dict[str, list[int]] = {}  # requests with penalties: every token id of the sequence so far
 
@@ -153,37 +156,56 @@ class Sampler:
         history.extend(token_ids)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self._shared
+        """A seeded request's own generator (on the CPU, so its draws do not depend on the device)."""
         generator = self._generators.get(request_id)
         if generator is None:
             generator = torch.Generator().manual_seed(params.seed)
             self._generators[request_id] = generator
         return generator
 
+    def _shared_on(self, device: torch.device) -> torch.Generator:
+        """The shared generator of unseeded requests on the logits' device (seeded from the engine's seed)."""
+        if device.type == "cpu":
+            return self._shared
+        generator = self._device_generators.get(str(device))
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self._seed)
+            self._device_generators[str(device)] = generator
+        return generator
+
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits [num_rows, vocab] fp32 (any device), the raw model logits; rows in the same order."""
+        """logits [num_rows, vocab] (any device), the raw model logits; rows in the same order. Everything runs on
+        the logits' device in one batch; only seeded rows' probabilities go to the CPU (their generators live
+        there), and the tokens come back to the host once."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
-        logits = logits.float().cpu()
+        logits = logits.float()
+        device = logits.device
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
+        raw_logprobs = (torch.log_softmax(logits[torch.tensor(wants_logprobs, device=device)], dim=-1)
+                        if wants_logprobs else None)
         logits = self._process(logits, rows)
-        tokens = logits.argmax(dim=-1).tolist()
+        token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        seeded_tokens: dict[int, int] = {}
         if random_rows:
-            index = torch.tensor(random_rows)
+            index = torch.tensor(random_rows, device=device)
             probs = torch.softmax(filter_logits_batch(logits[index], [rows[i].params for i in random_rows]), dim=-1)
             unseeded = [j for j, i in enumerate(random_rows) if rows[i].params.seed is None]
             if unseeded:  # one draw for every row on the shared generator
-                picks = torch.multinomial(probs[unseeded], 1, generator=self._shared)[:, 0].tolist()
-                for j, token in zip(unseeded, picks):
-                    tokens[random_rows[j]] = token
-            for j, i in enumerate(random_rows):  # a seeded row draws from its own generator, whatever the batch
-                if rows[i].params.seed is not None:
+                rows_index = torch.tensor(unseeded, device=device)
+                picks = torch.multinomial(probs[rows_index], 1, generator=self._shared_on(device))[:, 0]
+                token_ids[index[rows_index]] = picks
+            seeded = [(j, i) for j, i in enumerate(random_rows) if rows[i].params.seed is not None]
+            if seeded:  # a seeded row draws from its own generator, whatever the batch
+                seeded_probs = probs[torch.tensor([j for j, _ in seeded], device=device)].cpu()
+                for (_, i), row_probs in zip(seeded, seeded_probs):
                     generator = self._generator(rows[i].request_id, rows[i].params)
-                    tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator))
+                    seeded_tokens[i] = int(torch.multinomial(row_probs, 1, generator=generator))
+        tokens = token_ids.tolist()
+        for i, token in seeded_tokens.items():
+            tokens[i] = token
         if raw_logprobs is not None:
             entries = token_logprobs(raw_logprobs, [tokens[i] for i in wants_logprobs],
                                      [rows[i].params.logprobs or 0 for i in wants_logprobs])
@@ -199,12 +221,13 @@ class Sampler:
         if not (blocked or biased or penalized):
             return logits
         logits = logits.clone()
+        device = logits.device
         if blocked:
-            index = torch.tensor(blocked, dtype=torch.int64)
+            index = torch.tensor(blocked, dtype=torch.int64, device=device)
             logits[index[:, 0], index[:, 1]] = float("-inf")
         if biased:
-            index = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.int64)
-            bias = torch.tensor([b for _, _, b in biased], dtype=torch.float32)
+            index = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.int64, device=device)
+            bias = torch.tensor([b for _, _, b in biased], dtype=torch.float32, device=device)
             logits.index_put_((index[:, 0], index[:, 1]), bias, accumulate=True)
         if penalized:
             prompts, outputs = [], []
@@ -215,6 +238,6 @@ class Sampler:
                 split = len(history) - rows[i].num_output_tokens
                 prompts.append(history[:split])
                 outputs.append(history[split:])
-            index = torch.tensor(penalized, dtype=torch.int64)
+            index = torch.tensor(penalized, dtype=torch.int64, device=device)
             logits[index] = apply_penalties(logits[index], prompts, outputs, [rows[i].params for i in penalized])
         return logits
