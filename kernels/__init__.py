@@ -1,4 +1,5 @@
-"""DCP attention backend: Triton kernels and their exact torch references (name / name_ref, same signature).
+"""DCP attention backend: Triton kernels, their exact torch references (name / name_ref, same signature), and fast
+CPU versions of the attention kernels (name_cpu, same signature: what the engine runs on CPU).
 
 Set TRITON_INTERPRET=1 before importing this package to run the Triton kernels on CPU (tests only).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from kernels._triton import HAS_TRITON
 from kernels.combine import combine_lse, combine_lse_ref
+from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.exchange import DcpAttentionExchange
 from kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
@@ -22,8 +24,10 @@ __all__ = [
     "dcp_slot_mapping",
     "dcp_token_owner",
     "paged_decode_attention",
+    "paged_decode_attention_cpu",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
+    "paged_prefill_attention_cpu",
     "paged_prefill_attention_ref",
     "store_kv",
     "store_kv_ref",

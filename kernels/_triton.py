@@ -1,7 +1,8 @@
 """Triton import with a clear failure where it is missing (macOS, some CPU installs).
 
-The engine uses the torch references on CPU, so a machine without Triton can still run everything but the
-Triton kernels; calling one of those there raises an error that says so instead of an ImportError at import.
+The engine uses the fused CPU kernels (*_cpu) and the torch references on CPU, so a machine without Triton can still
+run everything but the Triton kernels; calling one of those there raises an error that says so instead of an
+ImportError at import.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def require_triton_device(*tensors: Any) -> None:
     """Raises a clear error when a Triton kernel cannot run on these tensors."""
     if not HAS_TRITON:
         raise RuntimeError(
-            "Triton is not installed; use the *_ref kernels (the engine does so on CPU) or install triton>=3.6"
+            "Triton is not installed; use the *_cpu or *_ref kernels (the engine does so on CPU) or install triton>=3.6"
         )
     if triton_interpreting():
         return
     for t in tensors:
         if t is not None and not t.is_cuda:
             raise RuntimeError(
-                f"Triton kernels run on CUDA tensors, got a tensor on {t.device}. On CPU use the *_ref kernel "
+                f"Triton kernels run on CUDA tensors, got a tensor on {t.device}. On CPU use the *_cpu or *_ref kernel "
                 f"(or set TRITON_INTERPRET=1 before importing kernels, for tests only)."
             )
 

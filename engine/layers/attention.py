@@ -18,6 +18,7 @@ Every collective runs on every rank of the group whatever the mix of rows, with 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -29,12 +30,19 @@ from kernels import (
     combine_lse,
     combine_lse_ref,
     paged_decode_attention,
+    paged_decode_attention_cpu,
     paged_decode_attention_ref,
     paged_prefill_attention,
+    paged_prefill_attention_cpu,
     paged_prefill_attention_ref,
     store_kv,
     store_kv_ref,
 )
+
+# Which attention kernels a layer runs: "triton" (CUDA, or Triton's CPU interpreter in tests), "cpu" (torch's fused
+# CPU attention, batched: the engine's choice off CUDA), "ref" (the exact torch references, for tests).
+KernelBackend = Literal["triton", "cpu", "ref"]
+KERNEL_BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
 
 
 class Attention(nn.Module):
@@ -64,15 +72,21 @@ class Attention(nn.Module):
         self.dcp_size = parallel.dcp_size
         self.parallel = parallel
         self.exchange: DcpAttentionExchange | None = None
-        # The Triton kernels on CUDA; the torch references elsewhere (Triton's interpreter is for tests only).
-        self.select_kernels(use_triton=torch.device(device).type == "cuda")
+        # Triton on CUDA; the fused CPU kernels elsewhere (Triton's interpreter and the references are for tests).
+        self.select_kernels("triton" if torch.device(device).type == "cuda" else "cpu")
 
-    def select_kernels(self, use_triton: bool) -> None:
-        """Triton kernels or their torch references (tests run Triton on CPU under TRITON_INTERPRET=1)."""
-        self.use_triton = use_triton
+    def select_kernels(self, kernels: KernelBackend) -> None:
+        """Runs the Triton kernels, the fused CPU ones or the exact references (tests select Triton on CPU under
+        TRITON_INTERPRET=1, or the references). Off Triton, K/V stores and LSE merges are the (batched) references."""
+        if kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_BACKENDS)}, got {kernels!r}")
+        self.kernels: KernelBackend = kernels
+        use_triton = kernels == "triton"
         self.store = store_kv if use_triton else store_kv_ref
-        self.decode = paged_decode_attention if use_triton else paged_decode_attention_ref
-        self.prefill = paged_prefill_attention if use_triton else paged_prefill_attention_ref
+        self.decode = {"triton": paged_decode_attention, "cpu": paged_decode_attention_cpu,
+                       "ref": paged_decode_attention_ref}[kernels]
+        self.prefill = {"triton": paged_prefill_attention, "cpu": paged_prefill_attention_cpu,
+                        "ref": paged_prefill_attention_ref}[kernels]
         self.combine = combine_lse if use_triton else combine_lse_ref
         if self.parallel.dcp_size > 1:
             self.exchange = DcpAttentionExchange(self.parallel.dcp_group, use_triton=use_triton)

@@ -18,7 +18,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, KernelBackend
 from engine.loader import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import ParallelState, destroy_parallel_state, init_parallel_state
@@ -56,11 +56,13 @@ class Job:
     name: str
     model_dir: str
     scenarios: tuple[Scenario, ...]
-    use_triton: bool = False  # Triton kernels even off CUDA (under TRITON_INTERPRET=1)
+    # None: the layer's own choice (Triton on CUDA, the fused CPU kernels elsewhere); "triton" off CUDA runs under
+    # TRITON_INTERPRET=1; "ref": the exact references.
+    kernels: KernelBackend | None = None
     device: str = "cpu"
 
     def result_file(self, rank: int) -> str:
-        return f"{self.name}{'_triton' if self.use_triton else ''}_rank{rank}.pt"
+        return f"{self.name}{'_' + self.kernels if self.kernels else ''}_rank{rank}.pt"
 
 
 class PagedRunner:
@@ -192,14 +194,16 @@ def run_rank(
 
 def run_job(
     job: Job, config: ModelConfig, parallel: ParallelState, interleave: int, out_dir: Path, block_size: int
-) -> dict[str, list[list]]:
-    """Loads the checkpoint for this rank, generates every scenario, saves and returns tokens and logits."""
+) -> dict[str, list]:
+    """Loads the checkpoint for this rank, generates every scenario, saves and returns tokens, logits and the
+    attention kernels that ran."""
     model = load_model(job.model_dir, config, parallel, torch.float32, torch.device(job.device))
-    if job.use_triton:
-        for module in model.modules():
-            if isinstance(module, Attention):
-                module.select_kernels(use_triton=True)
-    results: dict[str, list[list]] = {"tokens": [], "logits": []}
+    attention = [module for module in model.modules() if isinstance(module, Attention)]
+    if job.kernels is not None:
+        for module in attention:
+            module.select_kernels(job.kernels)
+    # The kernels that ran, so a test can check it covered the path it names.
+    results: dict[str, list] = {"tokens": [], "logits": [], "kernels": sorted({m.kernels for m in attention})}
     for scenario in job.scenarios:
         runner = PagedRunner(model, parallel, block_size, num_blocks=64, interleave=interleave)
         for seq in runner.generate(scenario):

@@ -138,7 +138,7 @@ def hf_reference(model_dir: str, tokens: tuple[int, ...], max_new_tokens: int) -
 
 def check_against_hf(job: Job, results: dict[str, list]) -> None:
     """Every sequence of every scenario: logits within LOGITS_ATOL of transformers', then identical greedy tokens."""
-    name = job.name + (" (Triton kernels)" if job.use_triton else "")
+    name = f"{job.name} ({', '.join(results['kernels'])} kernels)"
     index = 0
     for scenario in job.scenarios:
         for tokens in scenario.prompts:
@@ -181,16 +181,28 @@ def test_single_rank_triton_kernels_match_transformers(
     """The Attention layer's Triton call sites (CUDA, or Triton's interpreter on CPU)."""
     name = "qwen3_qk_norm"
     config = ModelConfig.from_pretrained(checkpoints[name])
-    job = Job(name, str(checkpoints[name]), (triton_scenario(),), use_triton=True, device=str(device))
+    job = Job(name, str(checkpoints[name]), (triton_scenario(),), kernels="triton", device=str(device))
     results = run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, tmp_path, BLOCK_SIZE)
     check_against_hf(job, results)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_single_rank_matches_transformers(name: str, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The layer's own kernel choice on CPU: the fused CPU kernels."""
     config = ModelConfig.from_pretrained(checkpoints[name])
     job = Job(name, str(checkpoints[name]), scenarios(1))
     results = run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, tmp_path, BLOCK_SIZE)
+    assert results["kernels"] == ["cpu"]
+    check_against_hf(job, results)
+
+
+def test_single_rank_reference_kernels_match_transformers(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The exact references, selected explicitly (the layer never picks them itself)."""
+    name = "llama_gqa_bias_llama3_rope"
+    config = ModelConfig.from_pretrained(checkpoints[name])
+    job = Job(name, str(checkpoints[name]), scenarios(1), kernels="ref")
+    results = run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, tmp_path, BLOCK_SIZE)
+    assert results["kernels"] == ["ref"]
     check_against_hf(job, results)
 
 
@@ -205,7 +217,7 @@ def test_multi_rank_matches_transformers(
     jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
     if (tp, dcp) == (2, 2) and not torch.cuda.is_available():
         # The DCP path's Triton call sites, under the interpreter (gloo carries CPU tensors only).
-        jobs.append(Job("llama_mqa", str(checkpoints["llama_mqa"]), (triton_scenario(),), use_triton=True))
+        jobs.append(Job("llama_mqa", str(checkpoints["llama_mqa"]), (triton_scenario(),), kernels="triton"))
     mp.spawn(run_rank, args=(tp, dcp, interleave, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), nprocs=tp,
              join=True)
     for job in jobs:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.impls import IMPLS, TEST_DTYPES, paged_decode_attention_split, poisoned
+from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, TEST_DTYPES, paged_decode_attention_split, poisoned
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 # (dcp_size, block_size, interleave, num_kv_heads, group = q heads per kv head, head_dim)
@@ -33,7 +33,7 @@ def hostile_lengths(block_size: int, dcp_size: int) -> list[int]:
     return [0, 1, logical - 1, logical + 1, 1328, 2 * logical]
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 @pytest.mark.parametrize("dtype", TEST_DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-B{}-I{}-kv{}-g{}-d{}".format(*c))
 def test_sharded_decode_matches_dense(case, dtype, impl, device) -> None:
@@ -77,7 +77,7 @@ def test_split_count_does_not_change_result(num_splits, device) -> None:
     assert_close_rows(out, lse, ref_out.double(), ref_lse.double(), torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 def test_decode_rejects_bad_arguments(impl, device) -> None:
     decode = IMPLS[impl]["decode"]
     q = torch.zeros(2, 6, 32, device=device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import dcp_local_seq_lens
-from tests.kernels.impls import IMPLS, TEST_DTYPES, poisoned
+from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, TEST_DTYPES, poisoned
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 # (dcp_size, block_size, interleave, num_kv_heads, group, head_dim)
@@ -51,7 +51,7 @@ def check_against_dense(spec, full_k, full_v, q, out, lse, scale, dtype) -> None
         row += n
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 @pytest.mark.parametrize("dtype", TEST_DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-B{}-I{}-kv{}-g{}-d{}".format(*c))
 def test_context_on_every_rank_plus_local_new_part(case, dtype, impl, device) -> None:
@@ -77,7 +77,7 @@ def test_context_on_every_rank_plus_local_new_part(case, dtype, impl, device) ->
     check_against_dense(spec, full_k, full_v, q, out, lse, scale, dtype)
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "N{}-B{}-I{}-kv{}-g{}-d{}".format(*c))
 def test_new_part_fused_into_one_rank(case, impl, device) -> None:
     """Rank 0 computes its context and the new tokens in one call; the merge is the same."""
@@ -98,7 +98,7 @@ def test_new_part_fused_into_one_rank(case, impl, device) -> None:
     check_against_dense(spec, full_k, full_v, q, out, lse, scale, dtype)
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 def test_prefill_rejects_bad_arguments(impl, device) -> None:
     prefill = IMPLS[impl]["prefill"]
     q = torch.zeros(5, 4, 32, device=device)
