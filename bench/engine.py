@@ -402,7 +402,8 @@ def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: st
     cpu = cpu_names[0] if cpu_names else platform.processor() or platform.machine()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu}"
     cpu_run = [] if device.type == "cuda" else [
-        "CPU RUN: attention uses the torch reference kernels (paged_*_attention_ref), and the tp=2 ranks are CPU "
+        "CPU RUN: attention runs the fused CPU kernels (paged_*_attention_cpu, on torch's CPU flash attention), and "
+        "the tp=2 ranks are CPU "
         "actors on the same cores talking over gloo, so the tp=2 rows measure collective and Ray round-trip latency "
         f"({4 * mc.num_hidden_layers + 2} gloo collectives per decode step: 2 all-reduces, a query all-gather and "
         "an (out, lse) all-to-all per layer, plus the embedding all-reduce and the logits gather), not a GPU "
