@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,9 @@ class AttentionMetadata:
     prefill_local_context_lens: torch.Tensor  # [num_prefills] int32: cached tokens on this rank before the chunk
     prefill_max_query_len: int
     exchange_timer: ExchangeTimer | None = None  # this step's DCP exchange time (None: not measured)
+    # Per-step work a kernel derives from the fields above alone (e.g. the CPU decode plan: checked pages and masks),
+    # made by the first layer that needs it and reused by the others; keyed by the kernel's own key.
+    kernel_plans: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:

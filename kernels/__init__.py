@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from kernels._triton import HAS_TRITON
 from kernels.combine import combine_lse, combine_lse_ref
-from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from kernels.cpu_attention import (
+    CpuDecodePlan,
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    plan_decode_cpu,
+)
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.exchange import DcpAttentionExchange
 from kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
@@ -16,6 +21,7 @@ from kernels.prefill_attention import paged_prefill_attention, paged_prefill_att
 from kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
+    "CpuDecodePlan",
     "HAS_TRITON",
     "DcpAttentionExchange",
     "combine_lse",
@@ -29,6 +35,7 @@ __all__ = [
     "paged_prefill_attention",
     "paged_prefill_attention_cpu",
     "paged_prefill_attention_ref",
+    "plan_decode_cpu",
     "store_kv",
     "store_kv_ref",
 ]

@@ -7,10 +7,11 @@ without their Python loop over sequences or their float64 math. The engine runs 
 Every sequence's pages are gathered at once: cache[block_table[:, :pages]] -> [num_seqs, pages * block_size,
 num_kv_heads, head_dim], slots past a sequence's length zeroed (they may hold anything, NaN included, and the fused
 op reads them before masking: 0 * NaN is NaN) and masked with an additive -inf mask. Prefill chunks are padded at
-the end to the longest chunk. The context part and the chunk's own causal part run as two fused calls and merge with the exact LSE rule
-(kernels/combine.py), as the DCP path does across ranks: the fused op's is_causal is top-left aligned, right only
-for the square chunk-over-itself part. For the context part the GQA group folds into the query rows, so each
-KV head is read once for all its query heads.
+the end to the longest chunk. The context part and the chunk's own causal part run as two fused calls and merge
+with the exact LSE rule (kernels/combine.py), as the DCP path does across ranks: the fused op's is_causal is
+top-left aligned, right only for the square chunk-over-itself part. For the context part the GQA group folds into the query rows, so each
+KV head is read once for all its query heads. A decode step's pages and masks depend only on the block table and
+the lengths: plan_decode_cpu checks and builds them once, and the engine's layers share that plan.
 
 Padding costs what the longest sequence costs, for every sequence: a 3-token chunk beside a 2,000-token one would
 do 2,000 tokens of work. So sequences go in pieces, one batched call per piece: the longest remaining sequence
@@ -25,6 +26,8 @@ dimension crashes the process (SIGFPE), so empty inputs never reach it. Math run
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -69,20 +72,30 @@ def _pieces(include: torch.Tensor, *lengths: torch.Tensor) -> list[torch.Tensor]
     return pieces
 
 
-def _gather_context(
-    cache: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor, min_len: int, compute_dtype: torch.dtype
-) -> torch.Tensor:
+def _gather_context(cache: torch.Tensor, pages: torch.Tensor, tail: torch.Tensor | None, min_len: int,
+                    compute_dtype: torch.dtype) -> torch.Tensor:
     """cache's slots of pages [S, P] (int64, in range) as [S, P * block_size, num_kv_heads, head_dim] in
-    compute_dtype, zero past each sequence's length lens [S]. Only the columns from min_len on can be past a
-    length, so only those are touched."""
+    compute_dtype, zero where tail [S, P * block_size - min_len] is set (slots from min_len on past each length:
+    they may hold anything, NaN included)."""
     num_seqs = pages.shape[0]
     # index_select over the flat page list: about twice as fast as cache[pages] on CPU.
     gathered = cache.index_select(0, pages.reshape(-1)).reshape(num_seqs, -1, *cache.shape[2:]).to(compute_dtype)
-    tail = gathered[:, min_len:]
-    if tail.shape[1]:
-        positions = torch.arange(min_len, gathered.shape[1], device=cache.device)
-        tail.masked_fill_((positions[None, :] >= lens[:, None])[:, :, None, None], 0.0)
+    if tail is not None:
+        gathered[:, min_len:].masked_fill_(tail[:, :, None, None], 0.0)
     return gathered
+
+
+def _context_masks(lens: torch.Tensor, slots: int, dtype: torch.dtype
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], int]:
+    """For sequences of lens [S] (max >= 1) over `slots` gathered slots: (additive mask [S, 1, 1, slots] in dtype,
+    slots past each length from the shortest length on [S, slots - min] or None, empty rows [S, 1, 1] or None),
+    and the shortest length."""
+    min_len = int(lens.min())
+    visible = torch.arange(slots, device=lens.device)[None, :] < lens[:, None]  # [S, T]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=lens.device).masked_fill_(~visible, float("-inf"))
+    tail = ~visible[:, min_len:] if min_len < slots else None
+    empty = (lens == 0)[:, None, None] if min_len == 0 else None
+    return (mask[:, None, None, :], tail, empty), min_len
 
 
 def _attend_context(
@@ -90,36 +103,89 @@ def _attend_context(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     pages: torch.Tensor,
-    lens: torch.Tensor,
+    masks: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    min_len: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries [S, L, num_q_heads, D] (compute dtype) over the first lens[s] (>= 0, max >= 1) cached
-    tokens of each sequence's pages [S, P] (int64, in range, enough for max(lens)).
+    """Attention of queries [S, L, num_q_heads, D] (compute dtype) over each sequence's cached tokens in pages [S, P]
+    (int64, in range), with the masks of _context_masks for their lengths (at least one sequence has a token).
     Returns out [S, L, num_q_heads, D] and lse [S, L, num_q_heads] (compute dtype; rows of lens 0: 0 / -inf)."""
     num_seqs, rows, num_q_heads, head_dim = queries.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    min_len = int(lens.min())
-    keys = _gather_context(k_cache, pages, lens, min_len, queries.dtype)
-    values = _gather_context(v_cache, pages, lens, min_len, queries.dtype)
-    visible = torch.arange(keys.shape[1], device=lens.device)[None, :] < lens[:, None]  # [S, T]
-    mask = torch.zeros(visible.shape, dtype=queries.dtype, device=queries.device)
-    mask.masked_fill_(~visible, float("-inf"))
+    mask, tail, empty = masks
+    keys = _gather_context(k_cache, pages, tail, min_len, queries.dtype)
+    values = _gather_context(v_cache, pages, tail, min_len, queries.dtype)
     # Query rows of one KV head: [S, Hk, L * G, D], row l * G + g is query head kv * G + g of token l.
     folded = queries.reshape(num_seqs, rows, num_kv_heads, group, head_dim).transpose(1, 2)
     folded = folded.reshape(num_seqs, num_kv_heads, rows * group, head_dim)
     out, lse = _flash_attention(
-        folded, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False, attn_mask=mask[:, None, None, :],
-        scale=scale,
+        folded, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale,
     )
     out = out.reshape(num_seqs, num_kv_heads, rows, group, head_dim).transpose(1, 2)
     out = out.reshape(num_seqs, rows, num_q_heads, head_dim)
     lse = lse.reshape(num_seqs, num_kv_heads, rows, group).transpose(1, 2).reshape(num_seqs, rows, num_q_heads)
-    if min_len == 0:  # the fused op gives a fully masked row lse = 0
-        empty = (lens == 0)[:, None, None]
+    if empty is not None:  # the fused op gives a fully masked row lse = 0
         out = out.masked_fill(empty[..., None], 0.0)
         lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
+
+
+@dataclass(frozen=True)
+class CpuDecodePlan:
+    """What paged_decode_attention_cpu derives from the block table and lengths alone, checked once: the engine
+    makes one per step (plan_decode_cpu) and every layer reuses it, so a layer runs only the gathers and the fused
+    call. None of it depends on the queries or the cache contents."""
+
+    num_seqs: int
+    lens: torch.Tensor  # [S] int64 local lengths
+    max_len: int
+    pages: torch.Tensor  # [S, P] int64, clamped in range, P = pages of the longest sequence
+    pieces: list[torch.Tensor] | None  # sequence indices of each batched call; None: the whole batch in one call
+    piece_pages: list[torch.Tensor]  # each piece's pages, cut to its longest sequence
+    masks: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]  # per call: (additive mask
+    # [S', 1, 1, T] in the compute dtype, slots past each length [S', T - min_len] bool or None, empty rows or None)
+    min_lens: list[int]  # per call: its shortest length (the tail zeroing starts there)
+    compute_dtype: torch.dtype
+
+
+def plan_decode_cpu(
+    block_table: torch.Tensor, local_seq_lens: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> CpuDecodePlan | None:
+    """Checks block_table [S, max_blocks] and local_seq_lens [S] against a cache of num_blocks pages of block_size
+    slots (the errors of paged_decode_attention_ref) and plans the batched calls for queries of `dtype`. None when
+    no sequence has a token (every output is 0 / -inf)."""
+    num_seqs = local_seq_lens.shape[0]
+    lens = local_seq_lens.to(torch.int64)
+    max_len = int(lens.max()) if num_seqs else 0
+    if max_len == 0:
+        return None
+    if int(lens.min()) < 0:
+        raise ValueError(f"local_seq_lens must be >= 0, got {int(lens.min())}")
+    pages_needed = -(-max_len // block_size)
+    if pages_needed > block_table.shape[1]:
+        raise ValueError(
+            f"local length {max_len} needs {pages_needed} pages but block_table has {block_table.shape[1]} columns"
+        )
+    pages = block_table[:, :pages_needed].to(torch.int64)
+    used = (torch.arange(pages_needed, device=lens.device)[None, :] * block_size) < lens[:, None]
+    if bool(((pages < 0) | (pages >= num_blocks))[used].any()):
+        raise ValueError(f"block_table names pages outside the cache's {num_blocks} pages")
+    # Columns past a sequence's used pages may hold padding: clamp them in range; they are masked anyway.
+    pages = pages.clamp(0, num_blocks - 1)
+    compute_dtype = compute_dtype_for(dtype)
+    pieces: list[torch.Tensor] | None = _pieces(lens > 0, lens)
+    if len(pieces) == 1 and pieces[0].numel() == num_seqs:  # the whole batch, no empty sequence
+        pieces = None
+    calls = [(lens, pages)] if pieces is None else [
+        (lens[seqs], pages[seqs, : -(-int(lens[seqs].max()) // block_size)]) for seqs in pieces]
+    masks, min_lens = [], []
+    for call_lens, call_pages in calls:
+        call_masks, min_len = _context_masks(call_lens, call_pages.shape[1] * block_size, compute_dtype)
+        masks.append(call_masks)
+        min_lens.append(min_len)
+    return CpuDecodePlan(num_seqs, lens, max_len, pages, pieces, [p for _, p in calls], masks, min_lens,
+                         compute_dtype)
 
 
 def paged_decode_attention_cpu(
@@ -132,51 +198,44 @@ def paged_decode_attention_cpu(
     *,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    plan: CpuDecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU paged decode attention, batched over sequences (same contract as paged_decode_attention_ref).
     q [num_seqs, num_q_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; block_table
     [num_seqs, max_blocks]; local_seq_lens [num_seqs]. Returns out [num_seqs, num_q_heads, head_dim] (q's dtype)
-    and lse [num_seqs, num_q_heads] (fp32), written into out / lse_out when given."""
+    and lse [num_seqs, num_q_heads] (fp32), written into out / lse_out when given. `plan`: plan_decode_cpu of the
+    same block_table and lengths (made once per step by the engine, which checked them there); without it the
+    arguments are checked and planned here."""
     _check_decode_args(q, k_cache, v_cache, block_table, local_seq_lens)
     _require_cpu("paged_decode_attention_cpu", q, k_cache, v_cache, block_table, local_seq_lens)
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size = k_cache.shape[:2]
     out, lse = output_buffers(q, num_q_heads, out, lse_out)
-    lens = local_seq_lens.to(torch.int64)
-    max_len = int(lens.max()) if num_seqs else 0
-    if max_len == 0:
+    if plan is None:
+        plan = plan_decode_cpu(block_table, local_seq_lens, num_blocks, block_size, q.dtype)
+    elif plan.num_seqs != num_seqs or plan.compute_dtype != compute_dtype_for(q.dtype):
+        raise ValueError(
+            f"the plan was made for {plan.num_seqs} sequences in {plan.compute_dtype}, the call has {num_seqs} in "
+            f"{compute_dtype_for(q.dtype)}: make the plan from this call's block table, lengths and dtype"
+        )
+    if plan is None:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    if int(lens.min()) < 0:
-        raise ValueError(f"local_seq_lens must be >= 0, got {int(lens.min())}")
     if num_q_heads == 0 or head_dim == 0:  # shapes the fused op cannot take (nothing to compute)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_table, local_seq_lens, scale, out=out,
                                           lse_out=lse)
-    pages_needed = -(-max_len // block_size)
-    if pages_needed > block_table.shape[1]:
-        raise ValueError(
-            f"local length {max_len} needs {pages_needed} pages but block_table has {block_table.shape[1]} columns"
-        )
-    pages = block_table[:, :pages_needed].to(torch.int64)
-    used = (torch.arange(pages_needed, device=q.device)[None, :] * block_size) < lens[:, None]
-    if bool(((pages < 0) | (pages >= num_blocks))[used].any()):
-        raise ValueError(f"block_table names pages outside the cache's {num_blocks} pages")
-    # Columns past a sequence's used pages may hold padding: clamp them in range; they are masked anyway.
-    pages = pages.clamp(0, num_blocks - 1)
-    queries = q.to(compute_dtype_for(q.dtype)).reshape(num_seqs, 1, num_q_heads, head_dim)
-    pieces = _pieces(lens > 0, lens)
-    if len(pieces) == 1 and pieces[0].numel() == num_seqs:  # the whole batch, no empty sequence
-        result, result_lse = _attend_context(queries, k_cache, v_cache, pages, lens, scale)
+    queries = q.to(plan.compute_dtype).reshape(num_seqs, 1, num_q_heads, head_dim)
+    if plan.pieces is None:  # the whole batch, no empty sequence
+        result, result_lse = _attend_context(queries, k_cache, v_cache, plan.piece_pages[0], plan.masks[0],
+                                             plan.min_lens[0], scale)
         out.copy_(result[:, 0])
         lse.copy_(result_lse[:, 0])
         return out, lse
     out.zero_()
     lse.fill_(float("-inf"))
-    for seqs in pieces:
-        piece_lens = lens[seqs]
-        piece_pages = pages[seqs, : -(-int(piece_lens.max()) // block_size)]
-        result, result_lse = _attend_context(queries[seqs], k_cache, v_cache, piece_pages, piece_lens, scale)
+    for seqs, pages, masks, min_len in zip(plan.pieces, plan.piece_pages, plan.masks, plan.min_lens):
+        result, result_lse = _attend_context(queries[seqs], k_cache, v_cache, pages, masks, min_len, scale)
         out.index_copy_(0, seqs, result[:, 0].to(out.dtype))
         lse.index_copy_(0, seqs, result_lse[:, 0].to(lse.dtype))
     return out, lse
@@ -236,7 +295,8 @@ def _attend_piece(
     result: torch.Tensor | None = None
     result_lse: torch.Tensor | None = None
     if pages.shape[1]:
-        result, result_lse = _attend_context(queries, k_cache, v_cache, pages, context, scale)
+        masks, min_len = _context_masks(context, pages.shape[1] * k_cache.shape[1], queries.dtype)
+        result, result_lse = _attend_context(queries, k_cache, v_cache, pages, masks, min_len, scale)
     if keys is not None and values is not None:
         # Padded rows sit after a chunk's real ones: with top-left causal masking no real row sees them.
         new_out, new_lse = _flash_attention(

@@ -50,11 +50,17 @@ def store_kv_ref(
     """Torch reference of store_kv: k_cache[slot // B, slot % B] = key for every slot >= 0."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(torch.int64)
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    if not bool(keep.all()):  # DCP: tokens this rank does not own
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if k_cache.is_contiguous() and v_cache.is_contiguous():  # the engine's caches: one flat index_copy_ each
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+        return
     pages, offsets = slots // block_size, slots % block_size
-    k_cache[pages, offsets] = key[keep]
-    v_cache[pages, offsets] = value[keep]
+    k_cache[pages, offsets] = key
+    v_cache[pages, offsets] = value
 
 
 @triton.jit

@@ -35,6 +35,7 @@ from kernels import (
     paged_prefill_attention,
     paged_prefill_attention_cpu,
     paged_prefill_attention_ref,
+    plan_decode_cpu,
     store_kv,
     store_kv_ref,
 )
@@ -115,6 +116,20 @@ class Attention(nn.Module):
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)
         return self._forward_dcp(q, k, v, k_cache, v_cache, metadata)
 
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                out: torch.Tensor, lse_out: torch.Tensor | None = None) -> None:
+        """The decode rows over the local cache. The CPU kernels check and plan the step's pages and masks once
+        (plan_decode_cpu) and every layer reuses that plan."""
+        table, lens = metadata.decode_block_table, metadata.decode_local_seq_lens
+        if self.kernels != "cpu":
+            self.decode(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out)
+            return
+        key = ("cpu_decode", q.dtype)
+        if key not in metadata.kernel_plans:
+            metadata.kernel_plans[key] = plan_decode_cpu(table, lens, k_cache.shape[0], k_cache.shape[1], q.dtype)
+        paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out,
+                                   plan=metadata.kernel_plans[key])
+
     def _forward_local(
         self,
         q: torch.Tensor,
@@ -128,10 +143,7 @@ class Attention(nn.Module):
         num_decodes = metadata.num_decode_tokens
         out = torch.empty_like(q)
         if num_decodes:
-            self.decode(
-                q[:num_decodes], k_cache, v_cache, metadata.decode_block_table, metadata.decode_local_seq_lens,
-                self.scale, out=out[:num_decodes],
-            )
+            self._decode(q[:num_decodes], k_cache, v_cache, metadata, out=out[:num_decodes])
         if num_decodes < q.shape[0]:
             self.prefill(
                 q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache,
@@ -163,11 +175,8 @@ class Attention(nn.Module):
         shard_out = torch.empty_like(q_group)
         shard_lse = torch.empty((num_tokens, group_heads), dtype=torch.float32, device=q.device)
         if num_decodes:
-            self.decode(
-                q_group[:num_decodes], k_cache, v_cache, metadata.decode_block_table,
-                metadata.decode_local_seq_lens, self.scale,
-                out=shard_out[:num_decodes], lse_out=shard_lse[:num_decodes],
-            )
+            self._decode(q_group[:num_decodes], k_cache, v_cache, metadata, out=shard_out[:num_decodes],
+                         lse_out=shard_lse[:num_decodes])
         if has_prefill:
             self.prefill(
                 q_group[num_decodes:], None, None, k_cache, v_cache, metadata.prefill_block_table,

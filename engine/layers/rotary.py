@@ -63,15 +63,14 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, head_dim] fp32."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, head_dim]: computed in fp32 and cast to `dtype` (the model's, as
+        transformers casts them), once per forward for every layer and head."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by (cos, sin) [T, head_dim]; computed in x's dtype like transformers."""
-        cos = cos.to(x.dtype)[:, None, :]
-        sin = sin.to(x.dtype)[:, None, :]
+        """x [T, heads, head_dim] rotated by (cos, sin) [T, 1, head_dim] in x's dtype (from cos_sin)."""
         return x * cos + rotate_half(x) * sin

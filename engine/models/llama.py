@@ -138,8 +138,8 @@ class LlamaModel(nn.Module):
                 f"input_ids and positions must be 1-D of the same length, got {tuple(input_ids.shape)} and "
                 f"{tuple(positions.shape)}"
             )
-        cos, sin = self.rotary_emb.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return self.norm(hidden)

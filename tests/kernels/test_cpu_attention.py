@@ -109,6 +109,33 @@ def test_decode_batches(lengths, dtype) -> None:
         assert_close_rows(out[i : i + 1], lse[i : i + 1], ref_out, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("lengths", [[0, 4099, 0, 1, 16], [64, 64, 64], [0, 0, 0]])
+def test_a_step_plan_gives_the_same_bits_in_every_layer(lengths: list[int]) -> None:
+    """The engine plans a decode step once (plan_decode_cpu) and every layer reuses it: the same output as planning
+    in the call, for another layer's cache too; a plan made for another batch is refused."""
+    from kernels import plan_decode_cpu
+
+    gen = torch.Generator().manual_seed(len(lengths))
+    keys = [torch.randn(n, 1, 32, generator=gen) for n in lengths]
+    values = [torch.randn(n, 1, 32, generator=gen) for n in lengths]
+    shards = shard_kv(keys, values, 1, 16, 1, store_kv_ref, gen, CPU)
+    table, lens = shards.block_table, shards.local_lens[0]
+    k_cache, v_cache = shards.k_caches[0], shards.v_caches[0]
+    # A second layer: other cache contents (stale slots included) under the same block table.
+    other = (torch.randn(k_cache.shape, generator=gen), torch.randn(v_cache.shape, generator=gen))
+    layers = [(k_cache, v_cache), other]
+    plan = plan_decode_cpu(table, lens, k_cache.shape[0], 16, torch.float32)
+    assert (plan is None) == (max(lengths) == 0)
+    for layer_k, layer_v in layers:
+        q = torch.randn(len(lengths), 4, 32, generator=gen)
+        planned = paged_decode_attention_cpu(q, layer_k, layer_v, table, lens, 0.2, plan=plan)
+        direct = paged_decode_attention_cpu(q, layer_k, layer_v, table, lens, 0.2)
+        assert torch.equal(planned[0], direct[0]) and torch.equal(planned[1], direct[1])
+    if plan is not None:
+        with pytest.raises(ValueError, match="the plan was made for"):
+            paged_decode_attention_cpu(q[:1], k_cache, v_cache, table[:1], lens[:1], 0.2, plan=plan)
+
+
 def test_pieces_group_alike_sequences() -> None:
     """One piece for alike sequences; a long one apart from short ones; no sequence twice or lost."""
     lens = torch.tensor([4096, 4000, 3, 0, 2, 4096])
