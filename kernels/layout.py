@@ -42,6 +42,8 @@ def dcp_local_seq_lens(
     check_dcp_args(dcp_size, dcp_rank, interleave)
     if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
         raise TypeError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
+    if dcp_size == 1:  # one rank holds every token
+        return seq_lens.to(torch.int32)
     lens = seq_lens.to(torch.int64)
     base = (lens // interleave // dcp_size) * interleave
     rem = lens - base * dcp_size
@@ -88,6 +90,8 @@ def dcp_slot_mapping(
             f"{block_table.shape[1]} columns ({logical_block_tokens} tokens each): allocate blocks first"
         )
     off = positions - blk * logical_block_tokens
+    if dcp_size == 1:  # every token is this rank's, at its offset in the block's page
+        return block_table.to(torch.int64)[seq_idx, blk] * block_size + off
     owner = (off // interleave) % dcp_size
     local = (off // (dcp_size * interleave)) * interleave + off % interleave
     pages = block_table.to(torch.int64)[seq_idx, blk]
