@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import shutil
 import statistics
 import sys
 import tempfile
@@ -144,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="alternating rounds of --steps steps per transport")
     parser.add_argument("--steps", type=int, default=25, help="steps per transport per round (default 25)")
     args = parser.parse_args(argv)
+    ray_dir = tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp")  # Ray's socket paths must stay short
     ray.init(address="local", num_cpus=max(8, args.tp), include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp"))
+             _temp_dir=ray_dir)
     try:
         transports = Transports(args.tp)
         runs: dict[str, Callable[[bytes], list[Any]]] = {
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         transports.close()
     finally:
         ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
     return 0
 
 
