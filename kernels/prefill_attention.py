@@ -42,7 +42,10 @@ def _check_prefill_args(
     block_table: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
+    check_values: bool = True,
 ) -> None:
+    """Shapes, dtypes and (check_values) the values of query_start_loc and context_lens, which reads them back from
+    the device."""
     if query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
         raise ValueError(f"query_start_loc must be [num_seqs + 1], got shape {tuple(query_start_loc.shape)}")
     if query_start_loc.dtype not in (torch.int32, torch.int64):
@@ -61,6 +64,8 @@ def _check_prefill_args(
             )
         if key.dtype != q.dtype or value.dtype != q.dtype:
             raise TypeError(f"key/value dtype ({key.dtype}, {value.dtype}) must match q's ({q.dtype})")
+    if not check_values:
+        return
     starts = query_start_loc.to(torch.int64)
     if int(starts[0]) != 0 or int(starts[-1]) != q.shape[0] or bool((starts[1:] < starts[:-1]).any()):
         raise ValueError(
@@ -242,11 +247,14 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton paged prefill attention (same contract as paged_prefill_attention_ref).
 
-    max_query_len sizes the grid; pass it from the scheduler to avoid a device-to-host sync."""
-    _check_prefill_args(q, key, value, k_cache, v_cache, block_table, query_start_loc, context_lens)
+    max_query_len sizes the grid; pass it from the scheduler to avoid a device-to-host sync. validate=False skips
+    the checks of query_start_loc's and context_lens' values (shapes and dtypes are always checked): they read the
+    device back, in every layer; the engine's per-step metadata is built consistent."""
+    _check_prefill_args(q, key, value, k_cache, v_cache, block_table, query_start_loc, context_lens, validate)
     require_triton_device(q, key, value, k_cache, v_cache, block_table, query_start_loc, context_lens)
     for name, t in (("q", q), ("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t is not None and t.stride(-1) != 1:

@@ -17,6 +17,7 @@ Every collective runs on every rank of the group whatever the mix of rows, with 
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Literal, get_args
 
@@ -86,7 +87,9 @@ class Attention(nn.Module):
         self.store = store_kv if use_triton else store_kv_ref
         self.decode = {"triton": paged_decode_attention, "cpu": paged_decode_attention_cpu,
                        "ref": paged_decode_attention_ref}[kernels]
-        self.prefill = {"triton": paged_prefill_attention, "cpu": paged_prefill_attention_cpu,
+        # On CUDA the step's metadata is built consistent: no value checks reading the device back in every layer.
+        triton_prefill = functools.partial(paged_prefill_attention, validate=False)
+        self.prefill = {"triton": triton_prefill, "cpu": paged_prefill_attention_cpu,
                         "ref": paged_prefill_attention_ref}[kernels]
         self.combine = combine_lse if use_triton else combine_lse_ref
         if self.parallel.dcp_size > 1:
