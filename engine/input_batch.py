@@ -64,6 +64,7 @@ class InputBatch:
         # The few requests that need per-step work beyond sampling, so that the common step skips them in O(1).
         self.penalized: set[str] = set()  # repetition / frequency / presence penalties: token history kept
         self.wants_prompt_logprobs: set[str] = set()
+        self.not_plain_greedy: set[str] = set()  # anything but argmax: sampling, logprobs, bias, min_tokens
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest row
 
     def __len__(self) -> int:
@@ -81,6 +82,7 @@ class InputBatch:
             state = self.requests.pop(request_id, None)
             self.penalized.discard(request_id)
             self.wants_prompt_logprobs.discard(request_id)
+            self.not_plain_greedy.discard(request_id)
             if state is not None:
                 self.block_table[state.row, : state.num_blocks] = 0  # a reused row must not show stale pages
                 self._free_rows.append(state.row)
@@ -126,6 +128,9 @@ class InputBatch:
                 self.penalized.add(entry.request_id)
             if params.prompt_logprobs is not None:
                 self.wants_prompt_logprobs.add(entry.request_id)
+            if not (params.greedy and params.logprobs is None and not params.logit_bias and not params.has_penalties
+                    and params.min_tokens == 0):
+                self.not_plain_greedy.add(entry.request_id)
         elif state is None:
             raise RuntimeError(
                 f"request {entry.request_id!r} is scheduled as running but this rank never learned it (a step was "

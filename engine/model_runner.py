@@ -163,9 +163,14 @@ class ModelRunner:
         result = ModelRunnerOutput() if self.parallel.is_driver else None
         if inputs.sample_rows:
             # Every rank takes part in the vocab-parallel gather; only the driver receives the logits and samples.
-            logits = self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=hidden.device)],
-                                               driver_only=True)
-            if self.sampler is not None and result is not None and logits is not None:
+            rows = (hidden if len(inputs.sample_rows) == hidden.shape[0]  # every row samples: a decode-only step
+                    else hidden[torch.tensor(inputs.sample_rows, device=hidden.device)])
+            logits = self.model.compute_logits(rows, driver_only=True)
+            if result is not None and logits is not None and not self.batch.not_plain_greedy:
+                # Every row greedy with nothing else asked: the argmax is the whole sampler.
+                tokens = logits.argmax(dim=-1).tolist()
+                result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, tokens)}
+            elif self.sampler is not None and result is not None and logits is not None:
                 sampled = self.sampler.sample(logits, [
                     SamplingRow(entry.request_id, params, entry.num_output_tokens, entry.blocked_token_ids)
                     for entry, params in inputs.sampling

@@ -252,6 +252,12 @@ class TextStream:
         """Adds generated tokens; returns (the text now safe to send, whether a stop string was found). A found stop
         string ends the request: the text is cut before it (after it with include_stop_str_in_output) and
         everything up to there is returned."""
+        if (not self._stop and not finished and self._stop_from is not None and len(token_ids) == 1
+                and self._detokenizer is not None):  # the common step: one token, no stop string to look for
+            delta = self._detokenizer.push(token_ids[0])
+            self._num_tokens += 1
+            self._length += len(delta)
+            return delta, False
         pieces: list[str] = []
         for token in token_ids:
             if self._detokenizer is not None:
