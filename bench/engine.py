@@ -325,6 +325,32 @@ def run_alone(engines: dict[str, Instrumented], prompts: list[list[int]],
     return tokens, samples
 
 
+def cold_cache_probe(touch_bytes: int, rounds: int = 30) -> tuple[float, float]:
+    """Median seconds of a fixed piece of host work (the inputs of an 8-row decode step, engine.input_batch) run on
+    its own and right after writing `touch_bytes` of memory, as a long-context forward streams its KV: on a CPU the
+    forward evicts the caches the host work runs from, so host time grows with context without any host work
+    growing."""
+    from engine.input_batch import build_step_inputs
+    from engine.scheduler import ScheduledRequest
+
+    rows = [ScheduledRequest(f"probe-{i}", [1], 100 + i, [], True, 0) for i in range(8)]
+    table = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)
+    cpu = torch.device("cpu")
+
+    def probe() -> float:
+        start = time.perf_counter()
+        build_step_inputs(rows, table, 32, 1, 0, cpu, None, [])
+        return time.perf_counter() - start
+
+    alone = [probe() for _ in range(rounds)]
+    buffer = torch.empty(max(1, touch_bytes // 4))
+    after = []
+    for _ in range(rounds):
+        buffer.normal_()
+        after.append(probe())
+    return statistics.median(alone), statistics.median(after)
+
+
 def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device) -> tuple[list[list[str]], list[str]]:
     """The sweep: per context, one round of --sweep-batch prompts on each native config and (up to
     --hf-max-context) HF, alternating step by step. Returns the table rows and summary lines (host overhead at each
@@ -383,6 +409,17 @@ def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device
         f"{by_context[context] / by_context[shortest]:.2f}x"
         for label, by_context in overheads.items() for context in sorted(by_context) if context != shortest
     ]
+    if device.type == "cpu":
+        mc = config.model_config
+        # One layer's K and V of the batch at the longest context, as the decode forward gathers it.
+        touch = 2 * args.sweep_batch * max(args.contexts) * mc.num_key_value_heads * mc.head_dim * 4
+        alone, after = cold_cache_probe(touch)
+        summary.append(
+            f"sweep: the same host work (an 8-row decode step's inputs) takes {1e3 * alone:.3f} ms alone and "
+            f"{1e3 * after:.3f} ms right after writing {touch / 2**20:.0f} MiB (one layer's K and V at "
+            f"{max(args.contexts)} tokens): on CPU the forward evicts the caches the host work runs from, so the "
+            f"overhead column grows with context while the work per step does not (tests/engine/test_input_batch.py: "
+            f"a decode step's payload is the same at any context)")
     return rows, summary
 
 
