@@ -23,10 +23,9 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Running `python bench/engine.py` puts bench/ first on sys.path, where this file would shadow the `engine`
@@ -36,30 +35,25 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.docs_section import DocsSection  # noqa: E402
-from bench.engine_timing import Instrumented, Samples, VllmInstrumented, timed  # noqa: E402
+from bench.engine_sweep import SWEEP_COLUMNS, context_sweep, sweep_notes  # noqa: E402
+from bench.engine_timing import (  # noqa: E402
+    BACKEND_CONFIGS,
+    CONFIGS,
+    Instrumented,
+    Samples,
+    VllmInstrumented,
+    console_line,
+    load_hf,
+    make_engines,
+    run_round,
+)
 import torch  # noqa: E402
 
 from engine.args import EngineArgs  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.tiny_model import write_tiny_model  # noqa: E402
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
-# label -> (backend, tensor_parallel_size, decode_context_parallel_size). --backend picks the rows: native (default)
-# the native layouts; vllm vLLM's (dcp=1: vLLM's CPU attention cannot shard KV); both adds native tp=2 dcp=1 so the
-# two backends are side by side at tp=1 and tp=2.
-CONFIGS = {
-    "tp=1": ("native", 1, 1),
-    "tp=2": ("native", 2, 1),
-    "tp=2 dcp=2": ("native", 2, 2),
-    "vllm tp=1": ("vllm", 1, 1),
-    "vllm tp=2": ("vllm", 2, 1),
-}
-BACKEND_CONFIGS = {
-    "native": ["tp=1", "tp=2 dcp=2"],
-    "vllm": ["vllm tp=1", "vllm tp=2"],
-    "both": ["tp=1", "vllm tp=1", "tp=2", "vllm tp=2", "tp=2 dcp=2"],
-}
 DOCS = DocsSection("bench/engine.py")
 COLUMNS = ("config", "batch", "decode tok/s", "step ms", "runner ms", "forward ms", "overhead ms", "HF tok/s",
            "HF step ms", "HF fwd ms", "ours/HF", "tokens = HF")
@@ -159,74 +153,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# ---- Hugging Face transformers -----------------------------------------------------------------------------------
-
-
-def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
-    """The same checkpoint in transformers, with EOS removed from its generation config: like ignore_eos, it
-    neither stops at nor suppresses EOS (min_new_tokens alone would mask EOS logits and change greedy tokens)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None
-    model.bench_forward = []
-    model.forward = timed(model.forward, model.bench_forward.append, device)
-    return model
-
-
-def hf_generate(
-    model: Any, prompts: list[list[int]], max_tokens: int, between_steps: Callable[[], None]
-) -> tuple[list[list[int]], Samples]:
-    """Batched greedy generate (no padding: equal-length prompts) that calls `between_steps` after each token from
-    a stopping criterion, which HF calls once per token. Its decode step times are the gaps from one call's return
-    to the next call, so the time spent in `between_steps` is not counted."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    called: list[float] = []
-    returned: list[float] = []
-
-    class Interleave(StoppingCriteria):
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-            called.append(time.perf_counter())
-            between_steps()
-            returned.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    device = next(model.parameters()).device
-    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
-    model.bench_forward.clear()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([Interleave()]),
-        )
-    if out.shape[1] != input_ids.shape[1] + max_tokens or len(called) != max_tokens:
-        raise RuntimeError(f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
-    steps = [next_call - back for back, next_call in zip(returned, called[1:])]
-    return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:],
-                                                          prefill=model.bench_forward[:1])
-
-
-def run_round(
-    engines: dict[str, Instrumented], hf: Any, prompts: list[list[int]], max_tokens: int
-) -> tuple[dict[str, list[list[int]]], dict[str, Samples], list[list[int]], Samples]:
-    """One generation of `prompts` on every engine and on HF, step by step in alternation: after each HF step,
-    one LLMEngine.step() of each engine. Returns (our tokens, our samples, HF tokens, HF samples)."""
-    for engine in engines.values():
-        engine.start(prompts, max_tokens)
-    hf_tokens, hf_samples = hf_generate(hf, prompts, max_tokens, lambda: [e.step() for e in engines.values()])
-    tokens, samples = {}, {}
-    for label, engine in engines.items():
-        tokens[label], samples[label] = engine.finish()
-    return tokens, samples, hf_tokens, hf_samples
-
-
-# ---- the run -------------------------------------------------------------------------------------------------------
-
-
 def start_ray() -> str:
     """A local Ray instance of this run's own (real GPUs as Ray GPUs; none on CPU: the ranks run as CPU actors)."""
     import ray
@@ -236,35 +162,6 @@ def start_ray() -> str:
     ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=gpus, include_dashboard=False,
              _temp_dir=temp_dir, log_to_driver=False)
     return temp_dir
-
-
-def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], batch: int, prompt_len: int,
-                 max_tokens: int) -> dict[str, Instrumented]:
-    """One engine per config, with a KV budget sized for `batch` sequences (so engines can share a GPU) and a token
-    budget that prefills every prompt in one step (up to 16k tokens; longer prompts are prefilled in chunks)."""
-    mc = ModelConfig.from_pretrained(model_dir)
-    tokens = batch * (prompt_len + max_tokens + 64)  # + a block's rounding per sequence
-    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # per token, fp32 at most
-    engines: dict[str, Any] = {}
-    for label in configs:
-        backend, tp, dcp = CONFIGS[label]
-        engine_args = EngineArgs(
-            model_dir, backend=backend, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-            kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
-            max_num_batched_tokens=min(16384, max(2048, batch * prompt_len)),
-            block_size=32,  # vLLM's CPU attention needs multiples of 32; the same page for both backends
-            max_model_len=min(mc.max_position_embeddings, max(4096, prompt_len + max_tokens + 64)),
-            max_num_seqs=max(256, batch),
-        )
-        if backend == "vllm":
-            engines[label] = VllmInstrumented(engine_args)
-            engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup (vLLM's first steps compile)
-            engines[label].finish()
-            continue
-        engines[label] = Instrumented(LLMEngine(engine_args.create_engine_config()), args.threads)
-        engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup
-        engines[label].finish()
-    return engines
 
 
 def random_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -302,125 +199,8 @@ def measure(
                 matching[label] &= {i for i in range(batch) if tokens[label][i] == expected[i]}
         for label in engines:
             rows.append(Row(label, batch, ours[label], hf_samples, len(matching[label])))
-            print(console_line(rows[-1].cells()), flush=True)
+            print(console_line(rows[-1].cells(), WIDTHS), flush=True)
     return rows
-
-
-SWEEP_COLUMNS = ("config", "context", "batch", "prefill s", "HF prefill s", "ours/HF prefill", "decode tok/s",
-                 "HF tok/s", "ours/HF", "step ms", "forward ms", "overhead ms", "tokens = HF")
-SWEEP_WIDTHS = (10, 7, 5, 9, 12, 15, 12, 8, 7, 8, 10, 11, 11)
-
-
-def run_alone(engines: dict[str, Instrumented], prompts: list[list[int]],
-              max_tokens: int) -> tuple[dict[str, list[list[int]]], dict[str, Samples]]:
-    """One generation on every engine without HF (contexts past --hf-max-context), still step by step in turn."""
-    for engine in engines.values():
-        engine.start(prompts, max_tokens)
-    while any(engine.engine.has_unfinished_requests() for engine in engines.values()):
-        for engine in engines.values():
-            engine.step()
-    tokens, samples = {}, {}
-    for label, engine in engines.items():
-        tokens[label], samples[label] = engine.finish()
-    return tokens, samples
-
-
-def cold_cache_probe(touch_bytes: int, rounds: int = 30) -> tuple[float, float]:
-    """Median seconds of a fixed piece of host work (the inputs of an 8-row decode step, engine.input_batch) run on
-    its own and right after writing `touch_bytes` of memory, as a long-context forward streams its KV: on a CPU the
-    forward evicts the caches the host work runs from, so host time grows with context without any host work
-    growing."""
-    from engine.input_batch import build_step_inputs
-    from engine.scheduler import ScheduledRequest
-
-    rows = [ScheduledRequest(f"probe-{i}", [1], 100 + i, [], True, 0) for i in range(8)]
-    table = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)
-    cpu = torch.device("cpu")
-
-    def probe() -> float:
-        start = time.perf_counter()
-        build_step_inputs(rows, table, 32, 1, 0, cpu, None, [])
-        return time.perf_counter() - start
-
-    alone = [probe() for _ in range(rounds)]
-    buffer = torch.empty(max(1, touch_bytes // 4))
-    after = []
-    for _ in range(rounds):
-        buffer.normal_()
-        after.append(probe())
-    return statistics.median(alone), statistics.median(after)
-
-
-def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device) -> tuple[list[list[str]], list[str]]:
-    """The sweep: per context, one round of --sweep-batch prompts on each native config and (up to
-    --hf-max-context) HF, alternating step by step. Returns the table rows and summary lines (host overhead at each
-    context against the shortest one's, per config)."""
-    from engine.tiny_model import TinyModelSpec
-
-    longest = max(args.contexts) + args.sweep_tokens + 64
-    if args.model is not None:
-        model_dir = args.model
-    else:  # the tiny model's weights, with room for the longest context
-        spec = TinyModelSpec(max_position_embeddings=max(8192, 1 << (longest - 1).bit_length()))
-        model_dir = write_tiny_model(work_dir / "tiny-long", seed=0, spec=spec)
-    configs = [label for label in args.configs if CONFIGS[label][0] == "native"]
-    engines = make_engines(args, model_dir, configs, args.sweep_batch, max(args.contexts), args.sweep_tokens)
-    config = EngineArgs(model_dir, kv_cache_memory_bytes=1 << 20).create_engine_config()
-    hf = load_hf(model_dir, config.torch_dtype, device)
-    generator = torch.Generator().manual_seed(args.seed)
-    rows: list[list[str]] = []
-    overheads: dict[str, dict[int, float]] = {label: {} for label in engines}
-    print("\n" + console_line(SWEEP_COLUMNS, SWEEP_WIDTHS), flush=True)
-    try:
-        for context in sorted(args.contexts):
-            prompts = torch.randint(0, config.model_config.vocab_size, (args.sweep_batch, context),
-                                    generator=generator).tolist()
-            expected: list[list[int]] | None = None
-            hf_samples = Samples()
-            if context <= args.hf_max_context:
-                tokens, samples, expected, hf_samples = run_round(engines, hf, prompts, args.sweep_tokens)
-            else:
-                tokens, samples = run_alone(engines, prompts, args.sweep_tokens)
-            for label in engines:
-                ours = samples[label]
-                overhead = statistics.median([a - b for a, b in zip(ours.step, ours.forward)])
-                overheads[label][context] = overhead
-                tok_s = args.sweep_batch / statistics.median(ours.step)
-                hf_tok_s = args.sweep_batch / statistics.median(hf_samples.step) if hf_samples.step else None
-                hf_prefill = hf_samples.prefill[0] if hf_samples.prefill else None
-                matching = (f"{sum(a == b for a, b in zip(tokens[label], expected))}/{args.sweep_batch}"
-                            if expected is not None else "n/a")
-                rows.append([
-                    label, str(context), str(args.sweep_batch), f"{ours.prefill[0]:.2f}",
-                    f"{hf_prefill:.2f}" if hf_prefill else "n/a",
-                    f"{ours.prefill[0] / hf_prefill:.2f}" if hf_prefill else "n/a",
-                    f"{tok_s:.0f}", f"{hf_tok_s:.0f}" if hf_tok_s else "n/a",
-                    f"{tok_s / hf_tok_s:.2f}" if hf_tok_s else "n/a",
-                    f"{1e3 * statistics.median(ours.step):.2f}", f"{1e3 * statistics.median(ours.forward):.2f}",
-                    f"{1e3 * overhead:.2f}", matching,
-                ])
-                print(console_line(rows[-1], SWEEP_WIDTHS), flush=True)
-    finally:
-        for engine in engines.values():
-            engine.engine.shutdown()
-    shortest = min(args.contexts)
-    summary = [
-        f"sweep: host overhead at {context} tokens / at {shortest}: {label} "
-        f"{by_context[context] / by_context[shortest]:.2f}x"
-        for label, by_context in overheads.items() for context in sorted(by_context) if context != shortest
-    ]
-    if device.type == "cpu":
-        mc = config.model_config
-        # One layer's K and V of the batch at the longest context, as the decode forward gathers it.
-        touch = 2 * args.sweep_batch * max(args.contexts) * mc.num_key_value_heads * mc.head_dim * 4
-        alone, after = cold_cache_probe(touch)
-        summary.append(
-            f"sweep: the same host work (an 8-row decode step's inputs) takes {1e3 * alone:.3f} ms alone and "
-            f"{1e3 * after:.3f} ms right after writing {touch / 2**20:.0f} MiB (one layer's K and V at "
-            f"{max(args.contexts)} tokens): on CPU the forward evicts the caches the host work runs from, so the "
-            f"overhead column grows with context while the work per step does not (tests/engine/test_input_batch.py: "
-            f"a decode step's payload is the same at any context)")
-    return rows, summary
 
 
 def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: str, device: torch.device) -> list[str]:
@@ -478,10 +258,6 @@ def _read_lines(path: str) -> list[str]:
         return []
 
 
-def console_line(cells: list[str] | tuple[str, ...], widths: tuple[int, ...] = WIDTHS) -> str:
-    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
-
-
 def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|:---|" + "---:|" * (len(columns) - 1),
             *["| " + " | ".join(row) + " |" for row in rows]]
@@ -527,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(info + args.notes + checks), flush=True)
         rows: list[Row] = []
         if not args.sweep_only:
-            print("\n" + console_line(COLUMNS), flush=True)
+            print("\n" + console_line(COLUMNS, WIDTHS), flush=True)
             rows = measure(args, engines, hf, prompts)
         for engine in engines.values():
             engine.shutdown() if isinstance(engine, VllmInstrumented) else engine.engine.shutdown()
@@ -552,14 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{DOCS.path} not updated: greedy tokens differ from HF's at batch 1")
     elif args.write_docs:
         command = shlex.join(["python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
-        sweep_info = [
-            f"workload: {args.sweep_batch} random prompts (seed {args.seed}) per context, greedy, {args.sweep_tokens} "
-            f"new tokens, ignore_eos; the engines prefill in chunks of up to 16,384 tokens (max_num_batched_tokens), "
-            f"HF in one forward; HF runs up to {args.hf_max_context} tokens of context",
-            "prefill s: the steps before every sequence decodes (ours) / HF's first forward; decode tok/s, step, "
-            "forward and overhead ms as in the table above (medians over the round's decode steps)",
-            *sweep_summary,
-        ]
+        sweep_info = sweep_notes(args, sweep_summary)
         DOCS.write(markdown_section(command, info, rows, summary, sweep_rows, sweep_info))
         print(f"updated {DOCS.path}")
     return 1 if wrong else 0

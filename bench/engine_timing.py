@@ -1,19 +1,40 @@
-"""Timing hooks for bench/engine.py: wrap a ModelRunner's execute and its model's forward (instance attributes
-only: the engine code is untouched), in this process or inside the rank actors, and drive an LLMEngine step by step
-so that only steps in which every sequence decodes are sampled."""
+"""The harness of bench/engine.py: timing hooks that wrap a ModelRunner's execute and its model's forward (instance
+attributes only: the engine code is untouched), in this process or inside the rank actors; engines driven step by
+step so that only steps in which every sequence decodes are sampled; transformers' generate on the same weights,
+alternating with them step by step; the configs and how their engines are made."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from engine.args import EngineArgs
+from engine.config import ModelConfig
 from engine.engine import LLMEngine
 from engine.executor import InProcessExecutor
 from engine.sampling_params import SamplingParams
+
+# label -> (backend, tensor_parallel_size, decode_context_parallel_size). --backend picks the rows: native (default)
+# the native layouts; vllm vLLM's (dcp=1: vLLM's CPU attention cannot shard KV); both adds native tp=2 dcp=1 so the
+# two backends are side by side at tp=1 and tp=2.
+CONFIGS = {
+    "tp=1": ("native", 1, 1),
+    "tp=2": ("native", 2, 1),
+    "tp=2 dcp=2": ("native", 2, 2),
+    "vllm tp=1": ("vllm", 1, 1),
+    "vllm tp=2": ("vllm", 2, 1),
+}
+BACKEND_CONFIGS = {
+    "native": ["tp=1", "tp=2 dcp=2"],
+    "vllm": ["vllm tp=1", "vllm tp=2"],
+    "both": ["tp=1", "vllm tp=1", "tp=2", "vllm tp=2", "tp=2 dcp=2"],
+}
 
 
 @dataclass
@@ -202,3 +223,115 @@ class VllmInstrumented:
 
     def shutdown(self) -> None:
         self.engine.engine_core.shutdown()
+
+
+# ---- runs: HF and the engines side by side ----------------------------------------------------------------------
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """The same checkpoint in transformers, with EOS removed from its generation config: like ignore_eos, it
+    neither stops at nor suppresses EOS (min_new_tokens alone would mask EOS logits and change greedy tokens)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+    model.bench_forward = []
+    model.forward = timed(model.forward, model.bench_forward.append, device)
+    return model
+
+
+def hf_generate(
+    model: Any, prompts: list[list[int]], max_tokens: int, between_steps: Callable[[], None]
+) -> tuple[list[list[int]], Samples]:
+    """Batched greedy generate (no padding: equal-length prompts) that calls `between_steps` after each token from
+    a stopping criterion, which HF calls once per token. Its decode step times are the gaps from one call's return
+    to the next call, so the time spent in `between_steps` is not counted."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    called: list[float] = []
+    returned: list[float] = []
+
+    class Interleave(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            called.append(time.perf_counter())
+            between_steps()
+            returned.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    device = next(model.parameters()).device
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    model.bench_forward.clear()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([Interleave()]),
+        )
+    if out.shape[1] != input_ids.shape[1] + max_tokens or len(called) != max_tokens:
+        raise RuntimeError(f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
+    steps = [next_call - back for back, next_call in zip(returned, called[1:])]
+    return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:],
+                                                          prefill=model.bench_forward[:1])
+
+
+def run_round(
+    engines: dict[str, Instrumented], hf: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[str, list[list[int]]], dict[str, Samples], list[list[int]], Samples]:
+    """One generation of `prompts` on every engine and on HF, step by step in alternation: after each HF step,
+    one LLMEngine.step() of each engine. Returns (our tokens, our samples, HF tokens, HF samples)."""
+    for engine in engines.values():
+        engine.start(prompts, max_tokens)
+    hf_tokens, hf_samples = hf_generate(hf, prompts, max_tokens, lambda: [e.step() for e in engines.values()])
+    tokens, samples = {}, {}
+    for label, engine in engines.items():
+        tokens[label], samples[label] = engine.finish()
+    return tokens, samples, hf_tokens, hf_samples
+
+
+def run_alone(engines: dict[str, Instrumented], prompts: list[list[int]],
+              max_tokens: int) -> tuple[dict[str, list[list[int]]], dict[str, Samples]]:
+    """One generation on every engine without HF (contexts past --hf-max-context), still step by step in turn."""
+    for engine in engines.values():
+        engine.start(prompts, max_tokens)
+    while any(engine.engine.has_unfinished_requests() for engine in engines.values()):
+        for engine in engines.values():
+            engine.step()
+    tokens, samples = {}, {}
+    for label, engine in engines.items():
+        tokens[label], samples[label] = engine.finish()
+    return tokens, samples
+
+
+def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], batch: int, prompt_len: int,
+                 max_tokens: int) -> dict[str, Instrumented]:
+    """One engine per config, with a KV budget sized for `batch` sequences (so engines can share a GPU) and a token
+    budget that prefills every prompt in one step (up to 16k tokens; longer prompts are prefilled in chunks)."""
+    mc = ModelConfig.from_pretrained(model_dir)
+    tokens = batch * (prompt_len + max_tokens + 64)  # + a block's rounding per sequence
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # per token, fp32 at most
+    engines: dict[str, Any] = {}
+    for label in configs:
+        backend, tp, dcp = CONFIGS[label]
+        engine_args = EngineArgs(
+            model_dir, backend=backend, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+            kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
+            max_num_batched_tokens=min(16384, max(2048, batch * prompt_len)),
+            block_size=32,  # vLLM's CPU attention needs multiples of 32; the same page for both backends
+            max_model_len=min(mc.max_position_embeddings, max(4096, prompt_len + max_tokens + 64)),
+            max_num_seqs=max(256, batch),
+        )
+        if backend == "vllm":
+            engines[label] = VllmInstrumented(engine_args)
+            engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup (vLLM's first steps compile)
+            engines[label].finish()
+            continue
+        engines[label] = Instrumented(LLMEngine(engine_args.create_engine_config()), args.threads)
+        engines[label].start([[1] * args.prompt_len] * 2, 4)  # warmup
+        engines[label].finish()
+    return engines
+
+
+def console_line(cells: list[str] | tuple[str, ...], widths: tuple[int, ...]) -> str:
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
