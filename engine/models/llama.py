@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
+from engine.kv_cache import KvCacheSpec
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -161,6 +162,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_cache_spec(self) -> KvCacheSpec:
+        """This rank's paged KV cache: K and V of the KV heads it holds."""
+        return self.config.kv_cache_spec(self.parallel.tp_size)
 
     @torch.no_grad()
     def forward(

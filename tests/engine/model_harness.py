@@ -77,15 +77,9 @@ class PagedRunner:
         interleave: int = 1,
         seed: int = 0,
     ) -> None:
-        config = model.config
         dtype = model.model.norm.weight.dtype
         device = model.model.norm.weight.device
-        shape = (num_blocks, block_size, parallel.kv_heads_per_rank, config.head_dim)
-        self.kv_caches = [
-            (torch.full(shape, float("nan"), dtype=dtype, device=device),
-             torch.full(shape, float("nan"), dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = model.kv_cache_spec.allocate(num_blocks, block_size, dtype, device, fill=float("nan"))
         self.model = model
         self.parallel = parallel
         self.block_size = block_size
