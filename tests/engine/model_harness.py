@@ -20,7 +20,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import Attention, KernelBackend
 from engine.loader import load_model
-from engine.models.llama import LlamaForCausalLM
+from engine.models import CausalLM
 from engine.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
 
@@ -70,7 +70,7 @@ class PagedRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         parallel: ParallelState,
         block_size: int,
         num_blocks: int,
