@@ -1,7 +1,8 @@
 """DeepSeek-V2 / V3 (MLA + MoE) vs Hugging Face transformers on the same random weights: greedy tokens equal, logits
 within the Llama tests' 1e-4, at (tp, dcp) = (1, 1), (2, 1), (2, 2), (4, 4).
 
-Tiny random checkpoints (tests/engine/test_model_vs_hf.py's harness and tolerances): q_lora_rank unset (V2-Lite) and
+Tiny random checkpoints (the project's write_tiny_mla_model for V2; tests/engine/test_model_vs_hf.py's harness and
+tolerances): q_lora_rank unset (V2-Lite) and
 set, a dense first layer then MoE layers, greedy / group-limited softmax routing (V2) and sigmoid noaux_tc routing
 with a correction bias and renormalized weights (V3), YaRN with mscale != mscale_all_dim (so both the cos / sin
 factor and the softmax-scale factor count), head widths that are not powers of two (the cached latent is 24 + 6).
@@ -25,56 +26,65 @@ from engine.layers.moe import TopKRouter
 from engine.loader import load_model
 from engine.models import DeepseekV2ForCausalLM
 from engine.parallel import ParallelState
+from engine.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 from tests.engine.test_model_vs_hf import BLOCK_SIZE, VOCAB, check_against_hf, prompt
 
 MAX_NEW_TOKENS = 24
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}
-COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
-    max_position_embeddings=256, initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
-    pad_token_id=None,
+# The shape every model shares: 4 heads (tp 4 leaves one per rank), a latent of 24 + 6 (no power of two), a dense
+# first layer then two MoE layers of 8 experts and a shared one, weights large enough (0.15) that attention and
+# routing are far from uniform.
+SHAPE: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=24,
+    qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, max_position_embeddings=256,
+    initializer_range=0.15,
 )
-# name -> (transformers family, config overrides, (tp, dcp) layouts run as processes)
-MODELS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int]]]] = {
-    "v2_no_q_lora_yarn_greedy": (
-        "DeepseekV2", dict(q_lora_rank=None, rope_parameters=YARN), [(2, 1), (2, 2), (4, 4)],
-    ),
+YARN = dict(yarn_factor=4.0, yarn_original_max_position_embeddings=64, yarn_mscale=0.9, yarn_mscale_all_dim=0.7)
+# DeepSeek-V2 checkpoints from the project's generator (engine/tiny_model.py), and the (tp, dcp) layouts run as
+# processes.
+TINY_MLA: dict[str, tuple[TinyMlaSpec, list[tuple[int, int]]]] = {
+    "v2_no_q_lora_yarn_greedy": (TinyMlaSpec(**SHAPE, q_lora_rank=None, **YARN), [(2, 1), (2, 2), (4, 4)]),
     "v2_q_lora_bias_group_limited": (
-        "DeepseekV2",
-        dict(q_lora_rank=32, attention_bias=True, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-             num_experts_per_tok=3, routed_scaling_factor=1.5, rope_parameters={"rope_type": "default",
-                                                                                "rope_theta": 5000.0}),
+        TinyMlaSpec(**{**SHAPE, "num_experts_per_tok": 3}, q_lora_rank=32, attention_bias=True,
+                    topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                    yarn_factor=None, rope_theta=5000.0),
         [(2, 2), (4, 4)],
     ),
-    "v3_sigmoid_noaux_tc": (
-        "DeepseekV3",
-        dict(q_lora_rank=32, n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=True,
-             routed_scaling_factor=2.5, rope_parameters=YARN, rope_interleave=True, tie_word_embeddings=True),
-        [(4, 4)],
-    ),
 }
+# DeepSeek-V3 routing (sigmoid scores, noaux_tc with a correction bias, renormalized weights), which the generator
+# does not write: a transformers DeepseekV3ForCausalLM saved as it is.
+V3_NAME = "v3_sigmoid_noaux_tc"
+V3_LAYOUTS = [(4, 4)]
+V3_CONFIG: dict[str, Any] = dict(
+    {**SHAPE, "num_experts_per_tok": 3}, vocab_size=VOCAB, q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+    tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7},
+)
+MODELS = [*TINY_MLA, V3_NAME]
 MULTI_RANK_LAYOUTS = [(2, 1), (2, 2), (4, 4)]
 
 
-def make_checkpoint(name: str, directory: Path) -> Path:
-    """A random tiny transformers model saved with safetensors; norms and the router's correction bias random too."""
+def layouts(name: str) -> list[tuple[int, int]]:
+    return V3_LAYOUTS if name == V3_NAME else TINY_MLA[name][1]
+
+
+def make_v3_checkpoint(directory: Path) -> Path:
+    """A random tiny transformers DeepseekV3ForCausalLM saved with safetensors; norms and the router's correction
+    bias random too."""
     import transformers
 
-    family, overrides, _ = MODELS[name]
-    config = getattr(transformers, f"{family}Config")(**{**COMMON, **overrides})
-    torch.manual_seed(sum(map(ord, name)))
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    config = transformers.DeepseekV3Config(**V3_CONFIG)
+    torch.manual_seed(3)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         for param_name, param in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in param_name:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif param_name.endswith("bias"):
                 param.copy_(0.2 * torch.randn_like(param))
-    path = directory / name
+    path = directory / V3_NAME
     model.save_pretrained(path)
     return path
 
@@ -90,7 +100,9 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mla_checkpoints")
-    return {name: make_checkpoint(name, root) for name in MODELS}
+    paths = {name: write_tiny_mla_model(root / name, seed=len(name), spec=spec) for name, (spec, _) in TINY_MLA.items()}
+    paths[V3_NAME] = make_v3_checkpoint(root)
+    return paths
 
 
 def scenarios(dcp: int) -> tuple[Scenario, ...]:
@@ -111,12 +123,13 @@ def test_configs_read_as_the_models_were_built(checkpoints: dict[str, Path]) -> 
     v2 = ModelConfig.from_pretrained(checkpoints["v2_no_q_lora_yarn_greedy"])
     assert v2.mla is not None and v2.mla.q_lora_rank is None and v2.moe is not None
     assert (v2.num_key_value_heads, v2.head_dim) == (1, 24 + 6)
+    assert v2.eos_token_ids == (1, 4) and v2.vocab_size == 512  # the generator's tokenizer
     v3 = ModelConfig.from_pretrained(checkpoints["v3_sigmoid_noaux_tc"])
     assert v3.architecture == "DeepseekV3ForCausalLM" and v3.moe is not None
     assert (v3.moe.scoring_func, v3.moe.topk_method, v3.moe.norm_topk_prob) == ("sigmoid", "noaux_tc", True)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", MODELS)
 def test_single_rank_matches_transformers(name: str, checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """The layer's own kernel choice on CPU: the fused CPU kernels."""
     config = ModelConfig.from_pretrained(checkpoints[name])
@@ -144,7 +157,7 @@ def test_single_rank_reference_and_triton_kernels_match_transformers(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp,dcp", MULTI_RANK_LAYOUTS)
 def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    names = [name for name, spec in MODELS.items() if (tp, dcp) in spec[2]]
+    names = [name for name in MODELS if (tp, dcp) in layouts(name)]
     for name in names:
         ParallelConfig(tp, dcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
     jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
