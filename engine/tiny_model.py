@@ -264,8 +264,8 @@ def _write(
     say(f"wrote {out}")
     if isinstance(spec, TinyMlaSpec):
         say(
-            f"  DeepseekV2ForCausalLM: {num_parameters:,} parameters (float32), {spec.num_hidden_layers} layers, hidden "
-            f"{spec.hidden_size}, {spec.num_attention_heads} heads, one latent KV head of {spec.kv_lora_rank} + "
+            f"  DeepseekV2ForCausalLM: {num_parameters:,} parameters (float32), {spec.num_hidden_layers} layers, "
+            f"hidden {spec.hidden_size}, {spec.num_attention_heads} heads, one latent KV head of {spec.kv_lora_rank} + "
             f"{spec.qk_rope_head_dim}, {spec.n_routed_experts} routed experts ({spec.num_experts_per_tok} per token) "
             f"from layer {spec.first_k_dense_replace}, max_position_embeddings {spec.max_position_embeddings}"
         )

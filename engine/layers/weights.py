@@ -115,7 +115,8 @@ class StackedLoader:
     def __call__(
         self, param: torch.nn.Parameter, source: WeightSource, name: str, shard_id: ShardId = None
     ) -> None:
-        if not isinstance(shard_id, tuple) or not isinstance(shard_id[0], int) or not 0 <= shard_id[0] < self.num_indices:
+        index = shard_id[0] if isinstance(shard_id, tuple) else None
+        if not isinstance(index, int) or not 0 <= index < self.num_indices:
             raise ValueError(f"{name!r}: shard id {shard_id!r} must be (index in [0, {self.num_indices}), part)")
         index, part = shard_id
         self.part_loader(param[index], source, name, part)  # type: ignore[arg-type]

@@ -52,8 +52,13 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 # model.layers.{layer}.mlp.experts.{expert}.{gate_proj | up_proj | down_proj}.weight
-EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-EXPERT_PARTS: dict[str, tuple[str, int | None]] = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+# checkpoint projection -> (our stacked parameter, part of its loader)
+EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
+}
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -279,12 +284,12 @@ class DeepseekV2ForCausalLM(nn.Module):
             return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
         moe = config.moe
+        experts = f"{moe.n_routed_experts} routed experts from layer {moe.first_k_dense_replace}" if moe else "dense"
         load_named_weights(
             dict(self.named_parameters()), weights, self.checkpoint_names(), resolve_name, skip,
             f"{config.architecture} as config.json describes it ({config.num_hidden_layers} layers, q_lora_rank="
-            f"{config.mla.q_lora_rank if config.mla else None}, "
-            f"{moe.n_routed_experts if moe else 0} routed experts from layer {moe.first_k_dense_replace if moe else '-'}"
-            f", attention_bias={config.attention_bias}, tie_word_embeddings={config.tie_word_embeddings})",
+            f"{config.mla.q_lora_rank if config.mla else None}, {experts}, attention_bias={config.attention_bias}, "
+            f"tie_word_embeddings={config.tie_word_embeddings})",
         )
 
 

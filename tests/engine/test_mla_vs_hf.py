@@ -57,7 +57,8 @@ TINY_MLA: dict[str, tuple[TinyMlaSpec, list[tuple[int, int]]]] = {
 V3_NAME = "v3_sigmoid_noaux_tc"
 V3_LAYOUTS = [(4, 4)]
 V3_CONFIG: dict[str, Any] = dict(
-    {**SHAPE, "num_experts_per_tok": 3}, vocab_size=VOCAB, q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+    {**SHAPE, "num_experts_per_tok": 3}, vocab_size=VOCAB, q_lora_rank=32, n_group=4, topk_group=2,
+    norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
     tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7},
