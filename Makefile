@@ -56,21 +56,31 @@ clean:
 
 # The embedded default on this machine: a local Ray head with logical GPUs, the tiny model, TP=2 x DCP=2, served at
 # http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see deployments/local_cluster.py.
-# BACKEND=vllm serves it through vLLM's CPU build instead (serve_config.local.vllm.yaml, TP=2, in .venv-vllm, built
-# when missing).
+# MODEL=tiny-mla serves the tiny DeepSeek-V2 (MLA + MoE) at TP=4 x DCP=4 instead (serve_config.local.mla.yaml).
+# BACKEND=vllm serves the tiny Llama through vLLM's CPU build instead (serve_config.local.vllm.yaml, TP=2, in
+# .venv-vllm, built when missing).
 .PHONY: serve
 DCPSERVE_PORT ?= 8000
 BACKEND ?= native
+MODEL ?= tiny
 ifeq ($(BACKEND),vllm)
 SERVE_VENV := $(VLLM_VENV)
 SERVE_CONFIG ?= serve_config.local.vllm.yaml
+else ifeq ($(MODEL),tiny-mla)
+SERVE_VENV := $(VENV)
+SERVE_CONFIG ?= serve_config.local.mla.yaml
 else
 SERVE_VENV := $(VENV)
 SERVE_CONFIG ?= serve_config.local.yaml
 endif
-serve: $(SERVE_VENV)/.installed
+# The arguments are checked before anything is installed (serve-args comes first).
+.PHONY: serve-args
+serve-args:
 	@case "$(BACKEND)" in native|vllm) ;; *) echo "BACKEND must be native or vllm, got '$(BACKEND)'" >&2; exit 2;; esac
-	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_CONFIG=$${DCPSERVE_CONFIG:-$(SERVE_CONFIG)} $(SERVE_VENV)/bin/python -m deployments.local_cluster
+	@case "$(MODEL)" in tiny|tiny-mla) ;; *) echo "MODEL must be tiny or tiny-mla, got '$(MODEL)'" >&2; exit 2;; esac
+	@if [ "$(BACKEND)" = vllm ] && [ "$(MODEL)" != tiny ]; then echo "BACKEND=vllm serves MODEL=tiny only" >&2; exit 2; fi
+serve: serve-args $(SERVE_VENV)/.installed
+	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_MODEL=$(MODEL) DCPSERVE_CONFIG=$${DCPSERVE_CONFIG:-$(SERVE_CONFIG)} $(SERVE_VENV)/bin/python -m deployments.local_cluster
 
 # Prometheus on 127.0.0.1:$(DCPSERVE_PROMETHEUS_PORT) scraping the `make serve` cluster (run it in a second terminal),
 # with the alert rules of dashboards/prometheus; prints where to point Grafana. See deployments/observe.py.

@@ -3,11 +3,14 @@
 Each row: median time per call and KV bytes read per second; on a GPU also the fraction of this device's
 measured copy bandwidth, our time over torch SDPA's on the same data (dense K/V gathered once), the combine
 kernel's share of the decode time, and the error against the torch reference, checked before timing.
-Model shape: one DCP rank of an MQA/GQA model (1 KV head, 8 query heads, head_dim 128, 16-token pages).
-Without CUDA it times the torch reference at small sizes only: a smoke run, not a kernel measurement.
+Model shapes (--shape): "gqa", one DCP rank of an MQA/GQA model (1 KV head, 8 query heads, head_dim 128, K and V
+caches); "mla", one DCP rank of DeepSeek's multi-head latent attention (1 latent KV head of 512 + 64 = 576 values,
+16 query heads absorbed into the latent space, the values the latent's 512 channels of the same cache). 16-token
+pages. Without CUDA it times the torch reference at small sizes only: a smoke run, not a kernel measurement.
 
-    python bench/kernels.py            # full table; on CUDA it also updates docs/benchmarks.md
-    python bench/kernels.py --quick    # a short subset; writes the docs only with --write-docs
+    python bench/kernels.py                # full table; on CUDA it also updates docs/benchmarks.md
+    python bench/kernels.py --shape mla    # the MLA decode case (its own section of docs/benchmarks.md)
+    python bench/kernels.py --quick        # a short subset; writes the docs only with --write-docs
 """
 
 from __future__ import annotations
@@ -35,7 +38,35 @@ from kernels._triton import HAS_TRITON, triton  # noqa: E402
 from kernels.combine import combine_lse, combine_lse_ref  # noqa: E402
 from kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref  # noqa
 
-NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 1, 8, 128, 16
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One DCP rank's decode attention: its KV heads, query heads and head widths, and whether V has a cache of its
+    own (v_head_dim None) or is the first v_head_dim channels of the key cache (MLA)."""
+
+    name: str
+    description: str
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    @property
+    def out_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def kv_bytes_read(self, batch: int, context: int, dtype: torch.dtype) -> int:
+        caches = 2 if self.v_head_dim is None else 1
+        return caches * batch * context * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+SHAPES = {
+    "gqa": Shape("gqa", "1 KV head, 8 query heads, head_dim 128, K and V caches", 1, 8, 128),
+    "mla": Shape("mla", "MLA: 1 latent KV head of 512 + 64 = 576 values, 16 query heads, values = the latent's 512 "
+                 "channels of the same cache (no V cache)", 1, 16, 576, 512),
+}
 SIZES = {  # (on_gpu, quick) -> (contexts, batches, repeats)
     (True, False): ([4096, 8192, 16384, 32768, 65536, 131072], [1, 8, 32, 64], 50),
     (True, True): ([4096, 32768, 131072], [1, 8], 20),
@@ -53,10 +84,10 @@ TARGET_TEXT = (
     f">= {TARGET_FRACTION:.0%} of measured copy bandwidth at context >= {TARGET_MIN_CONTEXT} "
     f"and batch >= {TARGET_MIN_BATCH}"
 )
-DOCS = DocsSection("bench/kernels.py")
+DOCS = {"gqa": DocsSection("bench/kernels.py"), "mla": DocsSection("bench/kernels.py --shape mla")}
 COLUMNS = ("context", "batch", "time (us)", "KV GB/s", "% copy BW", "ours/SDPA", "combine", "max abs err", "target")
 WIDTHS = (8, 6, 11, 9, 10, 10, 13, 11, 7)
-DecodeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+DecodeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float]
 
 
 @dataclass
@@ -104,6 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
                         help="update this script's section of docs/benchmarks.md (default: on CUDA unless --quick)")
     parser.add_argument("--quick", action="store_true", help="a short subset of contexts, batches and repeats")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gqa",
+                        help="gqa: K and V caches of head_dim 128; mla: DeepSeek's 576-wide latent cache (default gqa)")
     args = parser.parse_args(argv)
     optional = [value for value in (args.repeats, args.max_kv_gib) if value is not None]
     if not all(value > 0 for value in [*(args.contexts or []), *(args.batches or []), *optional]):
@@ -118,6 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtype = DTYPES[args.dtype or ("bfloat16" if on_gpu else "float32")]
     args.max_kv_bytes = (args.max_kv_gib or (40.0 if on_gpu else 1.0)) * 2**30
     args.write_docs = args.write_docs if args.write_docs is not None else on_gpu and not args.quick
+    args.shape = SHAPES[args.shape]
     return args
 
 
@@ -153,23 +187,20 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / median_seconds(lambda: dst.copy_(src), repeats, device)
 
 
-def kv_bytes_read(batch: int, context: int, dtype: torch.dtype) -> int:
-    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
-
-
-def make_paged_inputs(batch: int, context: int, dtype: torch.dtype, device: torch.device) -> DecodeArgs:
+def make_paged_inputs(shape: Shape, batch: int, context: int, dtype: torch.dtype, device: torch.device) -> DecodeArgs:
     """(q, k_cache, v_cache, block_table, local_seq_lens, scale): random data in exactly the pages needed,
-    handed to the sequences in a random permutation so the kernel's gather is non-contiguous."""
+    handed to the sequences in a random permutation so the kernel's gather is non-contiguous; v_cache None for
+    MLA (the values are read from the key cache)."""
     pages_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * pages_per_seq
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    cache_shape = (num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
     return (
-        torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device),
-        torch.randn(shape, dtype=dtype, device=device),
-        torch.randn(shape, dtype=dtype, device=device),
+        torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device),
+        torch.randn(cache_shape, dtype=dtype, device=device),
+        torch.randn(cache_shape, dtype=dtype, device=device) if shape.v_head_dim is None else None,
         torch.randperm(num_blocks, device=device).view(batch, pages_per_seq).to(torch.int32),
         torch.full((batch,), context, dtype=torch.int32, device=device),
-        HEAD_DIM**-0.5,
+        shape.head_dim**-0.5,
     )
 
 
@@ -184,13 +215,14 @@ def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
 
 
-def check_against_reference(inputs: DecodeArgs) -> tuple[float, bool]:
+def check_against_reference(inputs: DecodeArgs, v_head_dim: int | None) -> tuple[float, bool]:
     """Max |out error| of the Triton kernel on the row's own inputs, over its first sequences, and whether
     out and lse are within tolerance of paged_decode_attention_ref."""
-    out, lse = paged_decode_attention(*inputs)
+    out, lse = paged_decode_attention(*inputs, v_head_dim=v_head_dim)
     q, k_cache, v_cache, block_table, lens, scale = inputs
     n = min(CHECK_SEQS, q.shape[0])
-    ref_out, ref_lse = paged_decode_attention_ref(q[:n], k_cache, v_cache, block_table[:n], lens[:n], scale)
+    ref_out, ref_lse = paged_decode_attention_ref(q[:n], k_cache, v_cache, block_table[:n], lens[:n], scale,
+                                                  v_head_dim=v_head_dim)
     err = (out[:n].float() - ref_out.float()).abs().max().item()
     lse_err = (lse[:n] - ref_lse).abs().max().item()
     tolerance = OUT_RTOL[q.dtype] * max(ref_out.float().abs().max().item(), 1e-6)
@@ -198,35 +230,43 @@ def check_against_reference(inputs: DecodeArgs) -> tuple[float, bool]:
 
 
 def combine_seconds(
-    batch: int, parts: int, device: torch.device, repeats: int, flush: torch.Tensor | None = None
+    shape: Shape, batch: int, parts: int, device: torch.device, repeats: int, flush: torch.Tensor | None = None
 ) -> float:
-    """Time of one combine of `parts` fp32 partials [parts, batch, q_heads, head_dim], as the decode merges them."""
-    outs = torch.randn(parts, batch, NUM_Q_HEADS, HEAD_DIM, device=device)
-    lses = torch.randn(parts, batch, NUM_Q_HEADS, device=device) + 10.0
+    """Time of one combine of `parts` fp32 partials [parts, batch, q_heads, out_dim], as the decode merges them."""
+    outs = torch.randn(parts, batch, shape.num_q_heads, shape.out_dim, device=device)
+    lses = torch.randn(parts, batch, shape.num_q_heads, device=device) + 10.0
     combine = combine_lse if device.type == "cuda" else combine_lse_ref
     return median_seconds(lambda: combine(outs, lses), repeats, device, flush)
 
 
 def measure_row(
-    context: int, batch: int, dtype: torch.dtype, repeats: int, flush: torch.Tensor | None, copy_bps: float | None
+    shape: Shape, context: int, batch: int, dtype: torch.dtype, repeats: int, flush: torch.Tensor | None,
+    copy_bps: float | None,
 ) -> Row:
     """On CUDA: checks the Triton kernel against the reference, then times it, its combine, and SDPA on dense
     K/V. On CPU (flush is None): times the torch reference and a DCP-like combine_lse_ref merge."""
     device = torch.device("cpu") if flush is None else flush.device
-    inputs = make_paged_inputs(batch, context, dtype, device)
+    inputs = make_paged_inputs(shape, batch, context, dtype, device)
     q, k_cache, v_cache, block_table, _, scale = inputs
-    kv_bytes = kv_bytes_read(batch, context, dtype)
+    kv_bytes = shape.kv_bytes_read(batch, context, dtype)
+    v_head_dim = shape.v_head_dim
     if flush is None:
-        seconds = median_seconds(lambda: paged_decode_attention_ref(*inputs), repeats, device)
-        return Row(context, batch, seconds, kv_bytes, combine_seconds(batch, DCP_PARTS, device, repeats), DCP_PARTS)
-    max_err, correct = check_against_reference(inputs)
-    seconds = median_seconds(lambda: paged_decode_attention(*inputs), repeats, device, flush)
-    parts = default_num_splits(q, NUM_KV_HEADS)
-    combine = combine_seconds(batch, parts, device, repeats, flush)
+        seconds = median_seconds(lambda: paged_decode_attention_ref(*inputs, v_head_dim=v_head_dim), repeats, device)
+        combine = combine_seconds(shape, batch, DCP_PARTS, device, repeats)
+        return Row(context, batch, seconds, kv_bytes, combine, DCP_PARTS)
+    max_err, correct = check_against_reference(inputs, v_head_dim)
+    seconds = median_seconds(lambda: paged_decode_attention(*inputs, v_head_dim=v_head_dim), repeats, device, flush)
+    parts = default_num_splits(q, shape.num_kv_heads)
+    combine = combine_seconds(shape, batch, parts, device, repeats, flush)
     try:  # SDPA may fall back to a backend that expands the KV heads; then its column reads n/a
-        keys, values = dense_kv(k_cache, block_table, context), dense_kv(v_cache, block_table, context)
+        keys = dense_kv(k_cache, block_table, context)
+        # MLA: the values are the keys' first channels, contiguous as SDPA's kernels want them.
+        if v_cache is not None:
+            values = dense_kv(v_cache, block_table, context)
+        else:
+            values = keys[..., : shape.out_dim].contiguous()
         sdpa: float | None = median_seconds(lambda: sdpa_decode(q, keys, values, scale), repeats, device, flush)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError):  # RuntimeError: no SDPA backend for this shape
         sdpa = None
     return Row(context, batch, seconds, kv_bytes, combine, parts, copy_bps, sdpa, max_err, correct)
 
@@ -238,11 +278,11 @@ def measure_rows(args: argparse.Namespace, copy_bps: float | None) -> tuple[list
     skipped: list[str] = []
     for context in args.contexts:
         for batch in args.batches:
-            kv_gib = kv_bytes_read(batch, context, args.dtype) / 2**30
+            kv_gib = args.shape.kv_bytes_read(batch, context, args.dtype) / 2**30
             row, reason = None, f"KV {kv_gib:.3g} GiB > --max-kv-gib {args.max_kv_bytes / 2**30:g}"
             try:
                 if kv_gib * 2**30 <= args.max_kv_bytes:
-                    row = measure_row(context, batch, args.dtype, args.repeats, flush, copy_bps)
+                    row = measure_row(args.shape, context, batch, args.dtype, args.repeats, flush, copy_bps)
             except torch.OutOfMemoryError:
                 reason = f"out of memory with KV {kv_gib:.3g} GiB"
             if flush is not None:
@@ -255,7 +295,9 @@ def measure_rows(args: argparse.Namespace, copy_bps: float | None) -> tuple[list
     return rows, skipped
 
 
-def header_lines(device: torch.device, dtype: torch.dtype, repeats: int, copy_bps: float | None) -> list[str]:
+def header_lines(
+    shape: Shape, device: torch.device, dtype: torch.dtype, repeats: int, copy_bps: float | None
+) -> list[str]:
     """What the table was measured on and how, for the console and the docs."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -266,8 +308,8 @@ def header_lines(device: torch.device, dtype: torch.dtype, repeats: int, copy_bp
         f"device: {name}",
         f"torch {torch.__version__}, triton {triton.__version__ if HAS_TRITON else 'not installed'}, dtype "
         f"{str(dtype).removeprefix('torch.')}, date {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"shape: {NUM_KV_HEADS} KV head(s), {NUM_Q_HEADS} query heads, head_dim {HEAD_DIM}, block_size "
-        f"{BLOCK_SIZE}; block tables are random page permutations; KV GB/s counts K and V bytes read",
+        f"shape ({shape.name}): {shape.description}, block_size {BLOCK_SIZE}; block tables are random page "
+        f"permutations; KV GB/s counts the cache bytes read (K and V; MLA: the one latent cache)",
     ]
     if copy_bps is None:
         return lines + [
@@ -290,11 +332,12 @@ def console_line(cells: list[str] | tuple[str, ...]) -> str:
     return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
 
 
-def markdown_section(command: str, info: list[str], rows: list[Row], notes: list[str]) -> str:
+def markdown_section(shape: Shape, command: str, info: list[str], rows: list[Row], notes: list[str]) -> str:
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
     table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
     bullets = [f"- {line}" for line in info + notes]
-    return "\n".join(["## Paged decode attention", "", f"Command: `{command}`", "", *bullets, "", *table])
+    title = "## Paged decode attention" + (", MLA latent cache" if shape.v_head_dim is not None else "")
+    return "\n".join([title, "", f"Command: `{command}`", "", *bullets, "", *table])
 
 
 
@@ -304,13 +347,14 @@ def markdown_section(command: str, info: list[str], rows: list[Row], notes: list
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     on_gpu = args.device.type == "cuda"
+    docs = DOCS[args.shape.name]
     if args.write_docs:
-        DOCS.check()  # fail now, not after a long run
+        docs.check()  # fail now, not after a long run
     torch.manual_seed(0)
     if on_gpu:
         print("measuring copy bandwidth ...", flush=True)
     copy_bps = copy_bandwidth(args.device, COPY_BYTES, 10) if on_gpu else None
-    info = header_lines(args.device, args.dtype, args.repeats, copy_bps)
+    info = header_lines(args.shape, args.device, args.dtype, args.repeats, copy_bps)
     print("\n".join(info) + "\n\n" + console_line(COLUMNS), flush=True)
     rows, notes = measure_rows(args, copy_bps)
     graded = [row.meets_target() for row in rows if row.meets_target() is not None]
@@ -320,11 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(f"WRONG RESULTS in {len(wrong)} row(s): the kernel disagrees with the reference")
     print("".join(f"\n{line}" for line in summary), flush=True)
     if args.write_docs and wrong:
-        print(f"{DOCS.path} not updated: a kernel result was wrong")
+        print(f"{docs.path} not updated: a kernel result was wrong")
     elif args.write_docs:
         command = shlex.join(["python", "bench/kernels.py", *(sys.argv[1:] if argv is None else argv)])
-        DOCS.write(markdown_section(command, info, rows, notes + summary))
-        print(f"updated {DOCS.path}")
+        docs.write(markdown_section(args.shape, command, info, rows, notes + summary))
+        print(f"updated {docs.path}")
     return 1 if wrong else 0
 
 

@@ -2,8 +2,9 @@
 
     dcpserve layout --tokens 9 --dcp 2 [--block-size 2] [--interleave 1]
         which DCP rank holds each token of a sequence, at which page and slot (docs/dcp.md)
-    dcpserve tiny-model DIR [--seed 0] [--force]
-        write the embedded default model (tiny random Llama, one KV head, byte-level BPE tokenizer)
+    dcpserve tiny-model DIR [--seed 0] [--force] [--mla]
+        write the embedded default model (tiny random Llama, one KV head, byte-level BPE tokenizer); --mla: a tiny
+        random DeepSeek-V2 (MLA + MoE) with the same tokenizer
     dcpserve plan --model DIR --gpus-per-node 8 --gpu-memory 80GiB --context 128k [--dtype bfloat16] ...
         KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout, for
         Llama / Qwen (GQA) and DeepSeek-V2 / V3 (MLA) configs
@@ -25,7 +26,7 @@ import torch
 from cluster.model_specs import load_model_spec
 from cluster.planner import PLAN_DTYPES, PlanRequest, format_plan, plan_layouts
 from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
-from engine.tiny_model import write_tiny_model
+from engine.tiny_model import write_tiny_mla_model, write_tiny_model
 from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from kernels.layout import check_dcp_args
 
@@ -73,7 +74,8 @@ def _cmd_layout(args: argparse.Namespace) -> int:
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     try:
-        write_tiny_model(args.directory, seed=args.seed, force=args.force, log=lambda line: print(line, flush=True))
+        write = write_tiny_mla_model if args.mla else write_tiny_model
+        write(args.directory, seed=args.seed, force=args.force, log=lambda line: print(line, flush=True))
     except (OSError, ValueError) as err:
         raise SystemExit(f"dcpserve tiny-model: {err}") from err
     return 0
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory", help="where to write it (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives identical files (default 0)")
     tiny.add_argument("--force", action="store_true", help="overwrite model files in a non-empty directory")
+    tiny.add_argument("--mla", action="store_true",
+                      help="a tiny DeepSeek-V2 (multi-head latent attention + mixture of experts) instead of the Llama")
     tiny.set_defaults(func=_cmd_tiny_model)
 
     plan = commands.add_parser("plan", help="KV capacity of every valid TP x DCP layout for a model and GPU")

@@ -10,8 +10,10 @@ Two kinds, read from a model directory's config.json by `load_model_spec`:
   "KV head" of kv_lora_rank + qk_rope_head_dim values per token, from which every query head's K and V are
   expanded. Tensor parallelism cannot split one head, so every TP rank holds the whole latent of every token it
   caches: at dcp=1 each token is held tp times. The layout rules are ParallelConfig's with one KV head: tp divides
-  the attention heads, dcp divides tp, and dcp = tp leaves nothing duplicated. The native engine does not run
-  these models; the planner reads them for deployments on the vLLM backend.
+  the attention heads, dcp divides tp, and dcp = tp leaves nothing duplicated. The native engine's ModelConfig
+  reads the same configs (bf16 / fp32 checkpoints; its KV bytes and layout rules agree with this spec, as
+  tests/engine/test_config.py checks); this spec also reads what the engine refuses (fp8 checkpoints, for the vLLM
+  backend).
 """
 
 from __future__ import annotations

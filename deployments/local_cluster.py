@@ -1,6 +1,8 @@
 """`make serve`: the whole system on one CPU machine, with the embedded tiny model.
 
-1. writes the tiny model once under .dcpserve/ (git-ignored);
+1. writes the tiny model once under .dcpserve/ (git-ignored): the tiny Llama, or with DCPSERVE_MODEL=tiny-mla
+   (`make serve MODEL=tiny-mla`) the tiny DeepSeek-V2 (MLA + MoE), served from serve_config.local.mla.yaml at
+   TP=4 x DCP=4;
 2. starts a Ray head of its own on loopback with logical GPUs (`ray start --head --block`, own ports, own short
    temp dir, token auth with a token file of its own), in a new session so Ctrl-C reaches only this script;
 3. `serve deploy`s serve_config.local.yaml (model path and HTTP port filled in) and waits for RUNNING, printing
@@ -9,8 +11,9 @@
 
 Environment knobs (all optional): DCPSERVE_PORT (HTTP, 8000), DCPSERVE_RAY_PORT (GCS, 6390),
 DCPSERVE_DASHBOARD_PORT (8265), DCPSERVE_NUM_GPUS (logical GPUs, 4), DCPSERVE_STATE_DIR (.dcpserve),
-DCPSERVE_CONFIG (serve_config.local.yaml), DCPSERVE_DEPLOY_TIMEOUT_S (600), DCPSERVE_API_KEY (unset: the API is
-open; set: clients must send `Authorization: Bearer $DCPSERVE_API_KEY`).
+DCPSERVE_MODEL (tiny, or tiny-mla), DCPSERVE_CONFIG (serve_config.local.yaml; serve_config.local.mla.yaml for
+tiny-mla), DCPSERVE_DEPLOY_TIMEOUT_S (600), DCPSERVE_API_KEY (unset: the API is open; set: clients must send
+`Authorization: Bearer $DCPSERVE_API_KEY`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+# DCPSERVE_MODEL -> (directory under the state dir, the serve config it runs with unless DCPSERVE_CONFIG says)
+TINY_MODELS = {
+    "tiny": ("tiny-model", "serve_config.local.yaml"),
+    "tiny-mla": ("tiny-mla-model", "serve_config.local.mla.yaml"),
+}
 
 
 @dataclass(frozen=True)
@@ -43,21 +51,26 @@ class LocalSettings:
     config: Path
     deploy_timeout_s: float
     api_key_env: str | None = None  # "DCPSERVE_API_KEY" when it is set: the app then requires that key
+    model: str = "tiny"  # a key of TINY_MODELS
 
     @classmethod
     def from_env(cls) -> LocalSettings:
         env = os.environ
+        model = env.get("DCPSERVE_MODEL", "tiny")
+        if model not in TINY_MODELS:
+            raise SystemExit(f"DCPSERVE_MODEL (make serve MODEL=...) must be one of {sorted(TINY_MODELS)}, got {model!r}")
         return cls(
             http_port=int(env.get("DCPSERVE_PORT", "8000")),
             ray_port=int(env.get("DCPSERVE_RAY_PORT", "6390")),
             dashboard_port=int(env.get("DCPSERVE_DASHBOARD_PORT", "8265")),
             num_gpus=int(env.get("DCPSERVE_NUM_GPUS", "4")),
             state_dir=Path(env.get("DCPSERVE_STATE_DIR", REPO / ".dcpserve")).resolve(),
-            config=Path(env.get("DCPSERVE_CONFIG", REPO / "serve_config.local.yaml")).resolve(),
+            config=Path(env.get("DCPSERVE_CONFIG") or REPO / TINY_MODELS[model][1]).resolve(),
             deploy_timeout_s=float(env.get("DCPSERVE_DEPLOY_TIMEOUT_S", "600")),
             # The Ray head (and so every replica) inherits this environment: the app reads the key there, so the
             # secret never enters the generated config file.
             api_key_env="DCPSERVE_API_KEY" if env.get("DCPSERVE_API_KEY") else None,
+            model=model,
         )
 
 
@@ -76,15 +89,17 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def ensure_tiny_model(state_dir: Path) -> Path:
-    from engine.tiny_model import is_tiny_model_dir, write_tiny_model
+def ensure_tiny_model(state_dir: Path, model: str = "tiny") -> Path:
+    """The tiny model `model` (a key of TINY_MODELS) under state_dir, written the first time."""
+    from engine.tiny_model import is_tiny_model_dir, write_tiny_mla_model, write_tiny_model
 
-    model_dir = state_dir / "tiny-model"
+    model_dir = state_dir / TINY_MODELS[model][0]
     if is_tiny_model_dir(model_dir) and (model_dir / "model.safetensors").is_file():
-        say(f"tiny model: {model_dir} (already there)")
+        say(f"{model} model: {model_dir} (already there)")
         return model_dir
-    say(f"writing the tiny model to {model_dir} (once)")
-    return write_tiny_model(model_dir, log=lambda line: say(f"  {line}"))
+    say(f"writing the {model} model to {model_dir} (once)")
+    write = write_tiny_mla_model if model == "tiny-mla" else write_tiny_model
+    return write(model_dir, log=lambda line: say(f"  {line}"))
 
 
 def ray_env(state_dir: Path) -> dict[str, str]:
@@ -267,7 +282,7 @@ def main() -> None:
     stop_on_signals()
     settings = LocalSettings.from_env()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_tiny_model(settings.state_dir)
+    model_dir = ensure_tiny_model(settings.state_dir, settings.model)
     env = ray_env(settings.state_dir)
     temp_dir = Path(f"/tmp/dcpserve-{os.getuid()}-{settings.ray_port}")
     config_path = write_config(settings, model_dir)

@@ -1,7 +1,8 @@
 """Engine configuration: frozen dataclasses, read once (model directory, user arguments), validated up front.
 
-ModelConfig comes from a Hugging Face model directory's config.json; ParallelConfig holds the TP x DCP layout
-and its rules (docs/dcp.md); CacheConfig and SchedulerConfig hold the KV and batching knobs.
+ModelConfig comes from a Hugging Face model directory's config.json (Llama / Qwen, and DeepSeek-V2 / V3 with the
+fields of engine/deepseek_config.py); ParallelConfig holds the TP x DCP layout and its rules (docs/dcp.md);
+CacheConfig and SchedulerConfig hold the KV and batching knobs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from typing import Any, Literal
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from engine.deepseek_config import MLA_ARCHITECTURES, MlaConfig, MoeConfig, YarnScaling, read_deepseek_fields, read_yarn
+from engine.kv_cache import KvCacheSpec
+
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,7 +50,10 @@ def read_config_json(model: str | Path) -> tuple[dict[str, Any], Path]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs to know about a Llama-family decoder-only model."""
+    """What the engine needs to know about a decoder-only model: a Llama-family one (Llama, Qwen2, Qwen3) or a
+    DeepSeek-V2 / V3 one (mla and moe set). For MLA, num_key_value_heads is 1 (the latent: one KV head every query
+    head uses, which tensor parallelism cannot split) and head_dim is that head's width, kv_lora_rank +
+    qk_rope_head_dim; intermediate_size is the dense MLP layers'."""
 
     architecture: str
     vocab_size: int
@@ -57,7 +65,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | YarnScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
@@ -65,6 +73,8 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    mla: MlaConfig | None = None  # DeepSeek-V2 / V3: multi-head latent attention
+    moe: MoeConfig | None = None  # DeepSeek-V2 / V3 with routed experts (None: every layer dense)
 
     @classmethod
     def from_pretrained(cls, model: str | Path) -> ModelConfig:
@@ -100,6 +110,12 @@ class ModelConfig:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
+        mla, moe = None, None
+        if architecture in MLA_ARCHITECTURES:
+            mla, moe = read_deepseek_fields(raw, architecture, source)
+            # One latent KV head of kv_lora_rank + rope values per token (the config's num_key_value_heads and
+            # head_dim describe transformers' expanded heads, which are never cached).
+            kv_heads, head_dim = 1, mla.cache_head_dim
         if heads % kv_heads != 0:
             raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         rope_params = raw.get("rope_parameters") or {}
@@ -115,8 +131,11 @@ class ModelConfig:
                     high_freq_factor=float(rope_scaling_raw["high_freq_factor"]),
                     original_max_position_embeddings=int(rope_scaling_raw["original_max_position_embeddings"]),
                 )
+            elif kind == "yarn" and architecture in MLA_ARCHITECTURES:
+                scaling = read_yarn(rope_scaling_raw, int(raw.get("max_position_embeddings", 2048)), source)
             elif kind not in (None, "default"):
-                raise ValueError(f"{source}: rope scaling {kind!r} is not supported (supported: default, llama3)")
+                supported = "default, yarn" if architecture in MLA_ARCHITECTURES else "default, llama3"
+                raise ValueError(f"{source}: rope scaling {kind!r} is not supported (supported: {supported})")
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
@@ -139,13 +158,19 @@ class ModelConfig:
             torch_dtype=dtype if dtype in DTYPES else "float32",
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
+            mla=mla,
+            moe=moe,
         )
 
-    def kv_bytes_per_token_per_rank(self, tp: int, dtype: torch.dtype) -> int:
-        """K and V bytes one token takes on one rank, all layers (before DCP sharding)."""
+    def kv_cache_spec(self, tp: int) -> KvCacheSpec:
+        """The paged KV cache one rank of a tp-way group holds: kv_heads / tp heads (at least one whole head) of K
+        and V; for MLA the one latent head, whole on every rank, and no V cache (the values are the latent)."""
         kv_heads_per_rank = max(1, self.num_key_value_heads // tp)
-        element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * kv_heads_per_rank * self.head_dim * element
+        return KvCacheSpec(self.num_hidden_layers, kv_heads_per_rank, self.head_dim, has_value_cache=self.mla is None)
+
+    def kv_bytes_per_token_per_rank(self, tp: int, dtype: torch.dtype) -> int:
+        """KV bytes one token takes on one rank, all layers (before DCP sharding)."""
+        return self.kv_cache_spec(tp).bytes_per_token(dtype)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.layers.weights import WeightSource
-from engine.models import MODEL_CLASSES
-from engine.models.llama import LlamaForCausalLM
+from engine.models import MODEL_CLASSES, CausalLM
 from engine.parallel import ParallelState
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,7 +66,7 @@ def load_model(
     parallel: ParallelState,
     dtype: torch.dtype,
     device: torch.device,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """This rank's model with its shard of the checkpoint's weights, in `dtype` on `device`, ready for inference."""
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:

@@ -54,10 +54,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take on this rank across all layers."""
-        mc = self.config.model_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.parallel.kv_heads_per_rank * mc.head_dim * element
+        """Bytes one token's KV takes on this rank across all layers, as the model caches it (K and V of its KV
+        heads; MLA: the one latent head)."""
+        return self.model.kv_cache_spec.bytes_per_token(self.dtype)
 
     def kv_budget_bytes(self) -> int:
         """This rank's KV bytes: kv_cache_memory_bytes when set; on CUDA gpu_memory_utilization of the device's
@@ -125,13 +124,8 @@ class ModelRunner:
         return num_blocks_for_budget(self.kv_budget_bytes(), self.block_size, self.kv_bytes_per_token)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        mc = self.config.model_config
-        shape = (num_blocks, self.block_size, self.parallel.kv_heads_per_rank, mc.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_hidden_layers)
-        ]
+        """One (k_cache, v_cache) pair per layer of the model's cache (a key-only cache is its own v_cache)."""
+        self.kv_caches = self.model.kv_cache_spec.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
 
     @property

@@ -1,7 +1,9 @@
-"""The project's embedded default model: a tiny random-weight Llama with one KV head, written offline.
+"""The project's embedded default model: a tiny random-weight Llama with one KV head, written offline; and its MLA
+sibling, a tiny random-weight DeepSeek-V2 (multi-head latent attention + mixture of experts).
 
 `write_tiny_model(DIR)` (and `dcpserve tiny-model DIR`) writes a Hugging Face model directory that
-transformers' AutoModelForCausalLM / AutoTokenizer load with local_files_only=True:
+transformers' AutoModelForCausalLM / AutoTokenizer load with local_files_only=True (`write_tiny_mla_model(DIR)`,
+`dcpserve tiny-model --mla DIR`: the same with DeepseekV2ForCausalLM weights, every norm and bias random too):
 
 - config.json, generation_config.json, model.safetensors: LlamaForCausalLM, fp32, random weights from `seed`;
   one KV head, so TP=2 x DCP=2 and TP=4 x DCP=4 are valid layouts (docs/dcp.md);
@@ -22,9 +24,13 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as BpeTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch
 
 MARKER_FILE = "dcpserve_tiny_model.json"
 
@@ -92,6 +98,58 @@ class TinyModelSpec:
             )
 
 
+@dataclass(frozen=True)
+class TinyMlaSpec:
+    """Shape of the tiny DeepSeek-V2 model; the defaults are `dcpserve tiny-model --mla`'s: one latent KV head of
+    40 + 12 values (neither, nor their sum, a power of two), 4 heads (so TP=4 x DCP=4 is valid), a dense first
+    layer, then MoE layers of 8 routed experts (2 per token) and a shared one, YaRN RoPE."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256  # the dense layers'
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    q_lora_rank: int | None = None  # None: one q_proj, as DeepSeek-V2-Lite
+    kv_lora_rank: int = 40
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 12
+    v_head_dim: int = 32
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 64
+    first_k_dense_replace: int = 1
+    topk_method: str = "greedy"  # or "group_limited_greedy" with n_group / topk_group
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    attention_bias: bool = False
+    yarn_factor: float | None = 4.0  # None: plain RoPE
+    yarn_original_max_position_embeddings: int = 2048
+    yarn_mscale: float = 0.707
+    yarn_mscale_all_dim: float = 0.707
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is too small: a byte-level BPE needs the 256 byte tokens and "
+                f"{len(SPECIAL_TOKENS)} special tokens; use at least {256 + len(SPECIAL_TOKENS)}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+
+    def rope_parameters(self) -> dict[str, object]:
+        if self.yarn_factor is None:
+            return {"rope_type": "default", "rope_theta": self.rope_theta}
+        return {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": self.yarn_factor,
+                "original_max_position_embeddings": self.yarn_original_max_position_embeddings,
+                "beta_fast": 32, "beta_slow": 1, "mscale": self.yarn_mscale, "mscale_all_dim": self.yarn_mscale_all_dim}
+
+
 def is_tiny_model_dir(directory: str | Path) -> bool:
     """True when `directory` was written by write_tiny_model (it holds the marker file)."""
     return (Path(directory) / MARKER_FILE).is_file()
@@ -145,6 +203,30 @@ def write_tiny_model(
     Refuses a non-empty directory that is not already a tiny model unless force=True; `log` receives progress lines.
     """
     spec = spec or TinyModelSpec()
+    return _write(directory, seed, spec, force, log)
+
+
+def write_tiny_mla_model(
+    directory: str | Path,
+    seed: int = 0,
+    *,
+    spec: TinyMlaSpec | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Writes the tiny DeepSeek-V2 model (MLA + MoE, random weights from `seed`, the same tokenizer) into `directory`
+    and returns its resolved path; the same directory rules as write_tiny_model."""
+    spec = spec or TinyMlaSpec()
+    return _write(directory, seed, spec, force, log)
+
+
+def _write(
+    directory: str | Path,
+    seed: int,
+    spec: TinyModelSpec | TinyMlaSpec,
+    force: bool,
+    log: Callable[[str], None] | None,
+) -> Path:
     say = log or (lambda line: None)
     out = Path(directory).expanduser().resolve()
     _prepare_directory(out, force)
@@ -164,10 +246,15 @@ def write_tiny_model(
         "chat_template": CHAT_TEMPLATE,
     })
 
-    say(f"writing weights (LlamaForCausalLM, seed {seed})...")
-    num_parameters = _write_weights(out, spec, vocab_size, bos_id, eos_ids, seed)
+    mla = isinstance(spec, TinyMlaSpec)
+    architecture = "DeepseekV2ForCausalLM" if mla else "LlamaForCausalLM"
+    say(f"writing weights ({architecture}, seed {seed})...")
+    if isinstance(spec, TinyMlaSpec):
+        num_parameters = _write_mla_weights(out, spec, vocab_size, bos_id, eos_ids, seed)
+    else:
+        num_parameters = _write_weights(out, spec, vocab_size, bos_id, eos_ids, seed)
     _write_json(out / MARKER_FILE, {
-        "generator": "dcpserve tiny-model",
+        "generator": "dcpserve tiny-model" + (" --mla" if mla else ""),
         "seed": seed,
         "spec": asdict(spec),
         "tokenizer_corpus": [f"<stdlib>/{name}" for name in CORPUS_FILES],
@@ -175,11 +262,19 @@ def write_tiny_model(
     })
 
     say(f"wrote {out}")
-    say(
-        f"  LlamaForCausalLM: {num_parameters:,} parameters (float32), {spec.num_hidden_layers} layers, hidden "
-        f"{spec.hidden_size}, {spec.num_attention_heads} heads, {spec.num_key_value_heads} KV head(s), head_dim "
-        f"{spec.head_dim}, max_position_embeddings {spec.max_position_embeddings}"
-    )
+    if isinstance(spec, TinyMlaSpec):
+        say(
+            f"  DeepseekV2ForCausalLM: {num_parameters:,} parameters (float32), {spec.num_hidden_layers} layers, "
+            f"hidden {spec.hidden_size}, {spec.num_attention_heads} heads, one latent KV head of {spec.kv_lora_rank} + "
+            f"{spec.qk_rope_head_dim}, {spec.n_routed_experts} routed experts ({spec.num_experts_per_tok} per token) "
+            f"from layer {spec.first_k_dense_replace}, max_position_embeddings {spec.max_position_embeddings}"
+        )
+    else:
+        say(
+            f"  LlamaForCausalLM: {num_parameters:,} parameters (float32), {spec.num_hidden_layers} layers, hidden "
+            f"{spec.hidden_size}, {spec.num_attention_heads} heads, {spec.num_key_value_heads} KV head(s), head_dim "
+            f"{spec.head_dim}, max_position_embeddings {spec.max_position_embeddings}"
+        )
     say(f"  tokenizer: byte-level BPE, {vocab_size} tokens, bos {bos_id}, eos {eos_ids}, chat template")
     return out
 
@@ -235,6 +330,85 @@ def _write_weights(out: Path, spec: TinyModelSpec, vocab_size: int, bos_id: int,
     _write_json(out / "config.json", raw)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids).to_json_file(str(out / "generation_config.json"))
     return sum(t.numel() for t in state.values())
+
+
+def _write_mla_weights(
+    out: Path, spec: TinyMlaSpec, vocab_size: int, bos_id: int, eos_ids: list[int], seed: int
+) -> int:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
+
+    config = DeepseekV2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        n_shared_experts=spec.n_shared_experts,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        topk_method=spec.topk_method,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        attention_bias=spec.attention_bias,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        initializer_range=spec.initializer_range,
+        rope_parameters=spec.rope_parameters(),
+        tie_word_embeddings=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_ids,
+        pad_token_id=None,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV2ForCausalLM(config).to(torch.float32)
+        with torch.no_grad():  # norms and biases random too, so a load that swaps or drops one shows
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                elif name.endswith("bias"):
+                    param.copy_(0.2 * torch.randn_like(param))
+    state = _per_expert_tensors({name: t.detach().contiguous() for name, t in model.state_dict().items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    # Every field written (not a diff against transformers' defaults): readers need not know those defaults.
+    raw = json.loads(config.to_json_string(use_diff=False))
+    raw["architectures"] = ["DeepseekV2ForCausalLM"]
+    raw["torch_dtype"] = "float32"
+    raw.pop("transformers_version", None)
+    _write_json(out / "config.json", raw)
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids).to_json_file(str(out / "generation_config.json"))
+    return sum(t.numel() for t in state.values())
+
+
+def _per_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers keeps a MoE layer's experts stacked (experts.gate_up_proj [E, 2I, H], gate rows first, and
+    experts.down_proj [E, H, I]); checkpoints, DeepSeek's included, hold one tensor per expert and projection."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            for expert, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                out[f"{prefix}.{expert}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{expert}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for expert, down in enumerate(tensor):
+                out[f"{prefix}.{expert}.down_proj.weight"] = down.contiguous()
+        else:
+            out[name] = tensor
+    return out
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._triton import tl, triton, triton_interpreting
@@ -10,17 +12,21 @@ from kernels._triton import tl, triton, triton_interpreting
 def check_paged_cache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     block_table: torch.Tensor,
     num_seqs: int,
-) -> None:
-    """Validates q [*, num_q_heads, head_dim] against the paged caches and the block table."""
+    v_head_dim: int | None = None,
+) -> int:
+    """Validates q [*, num_q_heads, head_dim] against the paged caches and the block table; returns the value width.
+
+    Values are the first v_head_dim (default: head_dim) channels of v_cache, or of k_cache when v_cache is None
+    (MLA: one cache holds [latent, rope key] and the values are the latent)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens_or_seqs, num_q_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    if k_cache.dim() != 4 or (v_cache is not None and k_cache.shape != v_cache.shape):
         raise ValueError(
             f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape) if v_cache is not None else None}"
         )
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -30,12 +36,21 @@ def check_paged_cache(
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA/MQA)"
         )
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    value_dtype = v_cache.dtype if v_cache is not None else k_cache.dtype
+    if q.dtype != k_cache.dtype or k_cache.dtype != value_dtype:
+        raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {value_dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table must be [num_seqs={num_seqs}, max_blocks], got shape {tuple(block_table.shape)}")
     if block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
+    if v_head_dim is None:
+        return head_dim
+    if not isinstance(v_head_dim, int) or not 1 <= v_head_dim <= head_dim:
+        raise ValueError(
+            f"v_head_dim must be an integer in [1, head_dim={head_dim}] (values are the first v_head_dim channels "
+            f"of the value cache), got {v_head_dim!r}"
+        )
+    return v_head_dim
 
 
 def check_lengths(name: str, lens: torch.Tensor, num_seqs: int) -> None:
@@ -72,13 +87,49 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def tile_sizes(head_dim: int, group: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_G): tl.dot wants every dimension >= 16."""
-    return max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(group))
+# tl.dot wants every tile dimension >= 16.
+MIN_TILE = 16
 
 
-def default_block_n() -> int:
-    return 32 if triton_interpreting() else 64
+@dataclass(frozen=True)
+class ChannelTiles:
+    """How the Triton kernels cover one head's channels: the value channels [0, v_head_dim) in one tile of
+    block_dv columns (read for the scores and, from the value source, for the output), and when the keys are wider
+    (MLA: [latent, rope key]) the key-only rest [v_head_dim, head_dim) in a second tile of block_dr columns. Both
+    are powers of two, masked past the real widths, so no width has to be one; MLA's 512 + 64 pads nothing."""
+
+    block_dv: int
+    block_dr: int
+    has_rest: bool
+
+
+def channel_tiles(head_dim: int, v_head_dim: int) -> ChannelTiles:
+    rest = head_dim - v_head_dim
+    return ChannelTiles(
+        block_dv=max(MIN_TILE, triton.next_power_of_2(v_head_dim)),
+        block_dr=max(MIN_TILE, triton.next_power_of_2(rest)) if rest > 0 else MIN_TILE,
+        has_rest=rest > 0,
+    )
+
+
+def head_block_size(group: int, block_dv: int) -> int:
+    """Query heads one decode program packs (all the heads of a KV head, up to a bound: MLA has every head on its
+    one KV head, and a [heads, 512] fp32 accumulator must fit a program's registers)."""
+    limit = 16 if block_dv >= 256 else 64
+    return max(MIN_TILE, min(triton.next_power_of_2(group), limit))
+
+
+def default_block_n(block_dv: int = 0) -> int:
+    """Keys per tile: smaller for wide heads (the [BLOCK_N, 512] tiles of MLA) and under the interpreter."""
+    if triton_interpreting():
+        return 32
+    return 32 if block_dv >= 256 else 64
+
+
+def shares_values(keys: torch.Tensor, values: torch.Tensor | None) -> bool:
+    """True when the values are read from the keys themselves (values None, or the same memory as keys), so a
+    kernel reads one tile for both."""
+    return values is None or (values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride())
 
 
 @triton.jit
@@ -95,7 +146,8 @@ def load_paged_tile(
     stride_h,
     block_size: tl.constexpr,
 ):
-    """Loads cache rows for `tokens` (positions in this rank's local sequence) as a [BLOCK_N, BLOCK_D] tile."""
+    """Loads cache rows for `tokens` (positions in this rank's local sequence) as a [BLOCK_N, BLOCK_D] tile of the
+    channels `d`."""
     page = tl.load(block_table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
     offset = tokens % block_size
     ptrs = cache_ptr + page[:, None] * stride_b + offset[:, None] * stride_s + kv_head * stride_h + d[None, :]
@@ -103,11 +155,21 @@ def load_paged_tile(
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
-    """One flash-attention step over a key tile: returns the updated (max, sum, accumulator), all fp32.
+def tile_scores(q_v, k_v, q_r, k_r, scale, HAS_REST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scaled scores [rows, BLOCK_N] of a key tile: the value channels' dot product plus, for keys wider than the
+    values, the rest's (q_r / k_r are ignored without HAS_REST)."""
+    s = tl.dot(q_v, tl.trans(k_v), input_precision=DOT_PRECISION)
+    if HAS_REST:
+        s += tl.dot(q_r, tl.trans(k_r), input_precision=DOT_PRECISION)
+    return s * scale
+
+
+@triton.jit
+def online_softmax_step(s, v, visible, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One flash-attention step over a key tile's scaled scores s [rows, BLOCK_N] and values v [BLOCK_N, BLOCK_DV]:
+    returns the updated (max, sum, accumulator), all fp32.
 
     Rows whose keys are all invisible in this tile keep their state (exp(-inf) = 0, max guarded)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -132,11 +194,14 @@ def output_buffers(
     num_heads: int,
     out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
+    head_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validates caller-provided outputs (e.g. preallocated for CUDA graphs) or allocates them.
 
-    out: [rows, num_heads, head_dim] in like's dtype; lse_out: [rows, num_heads] fp32."""
-    rows, head_dim = like.shape[0], like.shape[-1]
+    out: [rows, num_heads, head_dim] in like's dtype (head_dim: like's last dimension unless given, e.g. the value
+    width when it differs from the key width); lse_out: [rows, num_heads] fp32."""
+    rows = like.shape[0]
+    head_dim = like.shape[-1] if head_dim is None else head_dim
     if out is None:
         out = torch.empty((rows, num_heads, head_dim), dtype=like.dtype, device=like.device)
     elif out.shape != (rows, num_heads, head_dim) or out.dtype != like.dtype or out.device != like.device:

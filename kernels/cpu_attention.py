@@ -22,7 +22,13 @@ torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (the kernel behind F.
 CPU), as measured on torch 2.13: inputs [B, heads, L, D] (any strides; key/value may have fewer heads: GQA), the
 mask in the query's dtype, returns out [B, heads, L, D] (memory [B, L, heads, D]) and lse [B, heads, L] natural-log
 in fp32 (fp64 for fp64 inputs); a fully masked row gives out = 0 but lse = 0 (fixed here to -inf); a zero-sized
-dimension crashes the process (SIGFPE), so empty inputs never reach it. Math runs in fp32 (fp64 for fp64 inputs).
+dimension crashes the process (SIGFPE), so empty inputs never reach it; query, key and value must have the same head
+size. Math runs in fp32 (fp64 for fp64 inputs).
+
+Values narrower than keys (v_head_dim; MLA reads them from the key cache: [latent, rope key] per token, values =
+the latent) go through the fused op at the keys' width and the output keeps the first v_head_dim channels: values
+read from the keys are the gathered keys themselves (one gather for both), so the extra channels cost compute, not
+memory traffic.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._attention_common import compute_dtype_for, output_buffers
+from kernels._attention_common import compute_dtype_for, output_buffers, shares_values
 from kernels.decode_attention import _check_decode_args, paged_decode_attention_ref
 from kernels.prefill_attention import _check_prefill_args, paged_prefill_attention_ref
 
@@ -101,29 +107,31 @@ def _context_masks(lens: torch.Tensor, slots: int, dtype: torch.dtype
 def _attend_context(
     queries: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     pages: torch.Tensor,
     masks: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
     min_len: int,
     scale: float,
+    value_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries [S, L, num_q_heads, D] (compute dtype) over each sequence's cached tokens in pages [S, P]
-    (int64, in range), with the masks of _context_masks for their lengths (at least one sequence has a token).
-    Returns out [S, L, num_q_heads, D] and lse [S, L, num_q_heads] (compute dtype; rows of lens 0: 0 / -inf)."""
+    (int64, in range), with the masks of _context_masks for their lengths (at least one sequence has a token); the
+    values are the first value_dim channels of v_cache (of k_cache when v_cache is None).
+    Returns out [S, L, num_q_heads, value_dim] and lse [S, L, num_q_heads] (compute dtype; rows of lens 0: 0 / -inf)."""
     num_seqs, rows, num_q_heads, head_dim = queries.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     mask, tail, empty = masks
     keys = _gather_context(k_cache, pages, tail, min_len, queries.dtype)
-    values = _gather_context(v_cache, pages, tail, min_len, queries.dtype)
+    values = keys if shares_values(k_cache, v_cache) else _gather_context(v_cache, pages, tail, min_len, queries.dtype)
     # Query rows of one KV head: [S, Hk, L * G, D], row l * G + g is query head kv * G + g of token l.
     folded = queries.reshape(num_seqs, rows, num_kv_heads, group, head_dim).transpose(1, 2)
     folded = folded.reshape(num_seqs, num_kv_heads, rows * group, head_dim)
     out, lse = _flash_attention(
         folded, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale,
     )
-    out = out.reshape(num_seqs, num_kv_heads, rows, group, head_dim).transpose(1, 2)
-    out = out.reshape(num_seqs, rows, num_q_heads, head_dim)
+    out = out[..., :value_dim].reshape(num_seqs, num_kv_heads, rows, group, value_dim).transpose(1, 2)
+    out = out.reshape(num_seqs, rows, num_q_heads, value_dim)
     lse = lse.reshape(num_seqs, num_kv_heads, rows, group).transpose(1, 2).reshape(num_seqs, rows, num_q_heads)
     if empty is not None:  # the fused op gives a fully masked row lse = 0
         out = out.masked_fill(empty[..., None], 0.0)
@@ -191,7 +199,7 @@ def plan_decode_cpu(
 def paged_decode_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     block_table: torch.Tensor,
     local_seq_lens: torch.Tensor,
     scale: float,
@@ -199,18 +207,20 @@ def paged_decode_attention_cpu(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     plan: CpuDecodePlan | None = None,
+    v_head_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU paged decode attention, batched over sequences (same contract as paged_decode_attention_ref).
-    q [num_seqs, num_q_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; block_table
-    [num_seqs, max_blocks]; local_seq_lens [num_seqs]. Returns out [num_seqs, num_q_heads, head_dim] (q's dtype)
-    and lse [num_seqs, num_q_heads] (fp32), written into out / lse_out when given. `plan`: plan_decode_cpu of the
-    same block_table and lengths (made once per step by the engine, which checked them there); without it the
-    arguments are checked and planned here."""
-    _check_decode_args(q, k_cache, v_cache, block_table, local_seq_lens)
+    q [num_seqs, num_q_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim] (v_cache None: the
+    values are read from k_cache); block_table [num_seqs, max_blocks]; local_seq_lens [num_seqs]; v_head_dim: the
+    values are the first v_head_dim channels (default head_dim). Returns out [num_seqs, num_q_heads, v_head_dim]
+    (q's dtype) and lse [num_seqs, num_q_heads] (fp32), written into out / lse_out when given. `plan`:
+    plan_decode_cpu of the same block_table and lengths (made once per step by the engine, which checked them there);
+    without it the arguments are checked and planned here."""
+    value_dim = _check_decode_args(q, k_cache, v_cache, block_table, local_seq_lens, v_head_dim)
     _require_cpu("paged_decode_attention_cpu", q, k_cache, v_cache, block_table, local_seq_lens)
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size = k_cache.shape[:2]
-    out, lse = output_buffers(q, num_q_heads, out, lse_out)
+    out, lse = output_buffers(q, num_q_heads, out, lse_out, value_dim)
     if plan is None:
         plan = plan_decode_cpu(block_table, local_seq_lens, num_blocks, block_size, q.dtype)
     elif plan.num_seqs != num_seqs or plan.compute_dtype != compute_dtype_for(q.dtype):
@@ -224,18 +234,19 @@ def paged_decode_attention_cpu(
         return out, lse
     if num_q_heads == 0 or head_dim == 0:  # shapes the fused op cannot take (nothing to compute)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_table, local_seq_lens, scale, out=out,
-                                          lse_out=lse)
+                                          lse_out=lse, v_head_dim=v_head_dim)
     queries = q.to(plan.compute_dtype).reshape(num_seqs, 1, num_q_heads, head_dim)
     if plan.pieces is None:  # the whole batch, no empty sequence
         result, result_lse = _attend_context(queries, k_cache, v_cache, plan.piece_pages[0], plan.masks[0],
-                                             plan.min_lens[0], scale)
+                                             plan.min_lens[0], scale, value_dim)
         out.copy_(result[:, 0])
         lse.copy_(result_lse[:, 0])
         return out, lse
     out.zero_()
     lse.fill_(float("-inf"))
     for seqs, pages, masks, min_len in zip(plan.pieces, plan.piece_pages, plan.masks, plan.min_lens):
-        result, result_lse = _attend_context(queries[seqs], k_cache, v_cache, pages, masks, min_len, scale)
+        result, result_lse = _attend_context(queries[seqs], k_cache, v_cache, pages, masks, min_len, scale,
+                                             value_dim)
         out.index_copy_(0, seqs, result[:, 0].to(out.dtype))
         lse.index_copy_(0, seqs, result_lse[:, 0].to(lse.dtype))
     return out, lse
@@ -284,25 +295,28 @@ def _attend_piece(
     keys: torch.Tensor | None,
     values: torch.Tensor | None,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     pages: torch.Tensor,
     context: torch.Tensor,
     scale: float,
+    value_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of one piece: queries [n, L, H, D] (chunks padded at the end) over each sequence's cached context
-    (context [n] tokens in pages [n, P], P = 0 when none has any) and, when keys / values [n, L, Hk, D] are given,
-    the chunk itself (causal). Returns out [n, L, H, D] and lse [n, L, H] in the compute dtype."""
+    (context [n] tokens in pages [n, P], P = 0 when none has any) and, when keys [n, L, Hk, D] are given, the chunk
+    itself (causal; values [n, L, Hk, D], or None: the keys). Returns out [n, L, H, value_dim] and lse [n, L, H] in
+    the compute dtype."""
     result: torch.Tensor | None = None
     result_lse: torch.Tensor | None = None
     if pages.shape[1]:
         masks, min_len = _context_masks(context, pages.shape[1] * k_cache.shape[1], queries.dtype)
-        result, result_lse = _attend_context(queries, k_cache, v_cache, pages, masks, min_len, scale)
-    if keys is not None and values is not None:
+        result, result_lse = _attend_context(queries, k_cache, v_cache, pages, masks, min_len, scale, value_dim)
+    if keys is not None:
+        new_values = keys if values is None else values
         # Padded rows sit after a chunk's real ones: with top-left causal masking no real row sees them.
         new_out, new_lse = _flash_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), 0.0, True, scale=scale
+            queries.transpose(1, 2), keys.transpose(1, 2), new_values.transpose(1, 2), 0.0, True, scale=scale
         )
-        new_out, new_lse = new_out.transpose(1, 2), new_lse.transpose(1, 2)  # [n, L, H, D], [n, L, H]
+        new_out, new_lse = new_out.transpose(1, 2)[..., :value_dim], new_lse.transpose(1, 2)  # [n, L, H, Dv], [n, L, H]
         if result is None or result_lse is None:
             return new_out, new_lse
         # Exact merge (kernels/combine.py); the chunk part always sees its first key, so the total is finite.
@@ -311,7 +325,8 @@ def _attend_piece(
         new_weight = torch.exp(new_lse - total_lse)[..., None]
         return result * context_weight + new_out * new_weight, total_lse
     if result is None or result_lse is None:  # context only, and none in this piece
-        return queries.new_zeros(queries.shape), queries.new_full(queries.shape[:3], float("-inf"))
+        return (queries.new_zeros((*queries.shape[:3], value_dim)),
+                queries.new_full(queries.shape[:3], float("-inf")))
     return result, result_lse
 
 
@@ -320,7 +335,7 @@ def paged_prefill_attention_cpu(
     key: torch.Tensor | None,
     value: torch.Tensor | None,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     block_table: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
@@ -329,26 +344,29 @@ def paged_prefill_attention_cpu(
     *,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    v_head_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU paged prefill attention, batched over sequences (same contract as paged_prefill_attention_ref).
     q [num_tokens, num_q_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] or None (context
-    only); caches [num_blocks, block_size, num_kv_heads, head_dim]; block_table [num_seqs, max_blocks];
-    query_start_loc [num_seqs + 1]; context_lens [num_seqs] (cached tokens on this rank).
-    Returns out [num_tokens, num_q_heads, head_dim] (q's dtype) and lse [num_tokens, num_q_heads] (fp32),
-    written into out / lse_out when given.
+    only); caches [num_blocks, block_size, num_kv_heads, head_dim] (v_cache None, and value None: the values are
+    read from the keys); block_table [num_seqs, max_blocks]; query_start_loc [num_seqs + 1]; context_lens
+    [num_seqs] (cached tokens on this rank); v_head_dim: the values are the first v_head_dim channels (default
+    head_dim). Returns out [num_tokens, num_q_heads, v_head_dim] (q's dtype) and lse [num_tokens, num_q_heads]
+    (fp32), written into out / lse_out when given.
     max_query_len is accepted for signature parity: the chunk lengths are read from query_start_loc, which on
     CPU costs no device sync, so a stale value cannot truncate a chunk."""
-    _check_prefill_args(q, key, value, k_cache, v_cache, block_table, query_start_loc, context_lens)
+    value_dim = _check_prefill_args(q, key, value, k_cache, v_cache, block_table, query_start_loc, context_lens,
+                                    v_head_dim=v_head_dim)
     _require_cpu("paged_prefill_attention_cpu", q, key, value, k_cache, v_cache, block_table, query_start_loc,
                  context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size = k_cache.shape[:2]
-    out, lse = output_buffers(q, num_q_heads, out, lse_out)
+    out, lse = output_buffers(q, num_q_heads, out, lse_out, value_dim)
     if num_tokens == 0:
         return out, lse
     if num_q_heads == 0 or head_dim == 0:  # shapes the fused op cannot take (nothing to compute)
         return paged_prefill_attention_ref(q, key, value, k_cache, v_cache, block_table, query_start_loc,
-                                           context_lens, scale, out=out, lse_out=lse)
+                                           context_lens, scale, out=out, lse_out=lse, v_head_dim=v_head_dim)
     starts = query_start_loc.to(torch.int64)
     chunk_lens = starts[1:] - starts[:-1]
     # A sequence without new tokens has no rows: its context is neither read nor checked (as in the reference).
@@ -356,7 +374,8 @@ def paged_prefill_attention_cpu(
     pages = _check_context_pages(block_table, context, num_blocks, block_size)
     queries = q.to(compute_dtype_for(q.dtype))
     keys = key.to(queries.dtype) if key is not None else None
-    values = value.to(queries.dtype) if value is not None else None
+    # The same tensor for both when the values are the keys (one padding, one pass through the fused op).
+    values = value.to(queries.dtype) if value is not None and not shares_values(key, value) else None
     for seqs in _pieces(chunk_lens > 0, chunk_lens, context):
         piece_chunks, piece_context = chunk_lens[seqs], context[seqs]
         rows = int(piece_chunks.max())
@@ -371,10 +390,10 @@ def paged_prefill_attention_cpu(
         max_context = int(piece_context.max())
         piece_pages = pages[seqs, : -(-max_context // block_size)]
         result, result_lse = _attend_piece(
-            piece_q, piece_k, piece_v, k_cache, v_cache, piece_pages, piece_context, scale
+            piece_q, piece_k, piece_v, k_cache, v_cache, piece_pages, piece_context, scale, value_dim
         )
         if token_rows is None:
-            out.copy_(result.reshape(num_tokens, num_q_heads, head_dim))
+            out.copy_(result.reshape(num_tokens, num_q_heads, value_dim))
             lse.copy_(result_lse.reshape(num_tokens, num_q_heads))
         else:
             out.index_copy_(0, token_rows, result[valid].to(out.dtype))

@@ -13,6 +13,11 @@ dcp > 1 (every rank of the group sees the same rows; each holds one shard of the
   5. prefill rows over the chunk's own tokens, locally (every rank has all new K/V), merged with step 4's
      partial by combine_lse.
 Every collective runs on every rank of the group whatever the mix of rows, with the same shapes.
+
+MLA (v_head_dim set): one key-only cache of [latent | rope key] per token; the queries come absorbed into the
+latent space ([q_nope W_UK | q_rope]), the values are the latent (the keys' first v_head_dim channels) and the
+output is [T, heads, v_head_dim] for the caller's up-projection. The latent is the one KV head, so the DCP path
+is the one above, unchanged.
 """
 
 from __future__ import annotations
@@ -57,8 +62,13 @@ class Attention(nn.Module):
         head_dim: int,
         parallel: ParallelState,
         device: torch.device,
+        *,
+        v_head_dim: int | None = None,
+        scale: float | None = None,
     ) -> None:
-        """num_heads / num_kv_heads are this rank's (query heads per rank, KV heads held by this rank)."""
+        """num_heads / num_kv_heads are this rank's (query heads per rank, KV heads held by this rank).
+        v_head_dim: a key-only cache whose first v_head_dim channels are the values (MLA); scale: the softmax scale
+        (default head_dim ** -0.5)."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} per rank must be a multiple of num_kv_heads={num_kv_heads}")
@@ -70,7 +80,9 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.v_head_dim = v_head_dim  # None: separate K and V caches of head_dim
+        self.value_dim = head_dim if v_head_dim is None else v_head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.dcp_size = parallel.dcp_size
         self.parallel = parallel
         self.exchange: DcpAttentionExchange | None = None
@@ -99,12 +111,16 @@ class Attention(nn.Module):
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, heads, D], k / v [T, kv_heads, D]; caches [num_blocks, block_size, kv_heads, D] -> [T, heads, D]."""
+        """q [T, heads, D], k / v [T, kv_heads, D]; caches [num_blocks, block_size, kv_heads, D] -> [T, heads, D].
+        With v_head_dim (MLA) v and v_cache are not read (pass None): the values are the keys' first v_head_dim
+        channels, and the output is [T, heads, v_head_dim]."""
+        if self.v_head_dim is not None:
+            v, v_cache = None, None
         num_tokens = q.shape[0]
         if k.shape[0] != num_tokens or metadata.slot_mapping.shape != (num_tokens,):
             raise ValueError(
@@ -119,40 +135,41 @@ class Attention(nn.Module):
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)
         return self._forward_dcp(q, k, v, k_cache, v_cache, metadata)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, metadata: AttentionMetadata,
                 out: torch.Tensor, lse_out: torch.Tensor | None = None) -> None:
         """The decode rows over the local cache. The CPU kernels check and plan the step's pages and masks once
         (plan_decode_cpu) and every layer reuses that plan."""
         table, lens = metadata.decode_block_table, metadata.decode_local_seq_lens
         if self.kernels != "cpu":
-            self.decode(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out)
+            self.decode(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out,
+                        v_head_dim=self.v_head_dim)
             return
         key = ("cpu_decode", q.dtype)
         if key not in metadata.kernel_plans:
             metadata.kernel_plans[key] = plan_decode_cpu(table, lens, k_cache.shape[0], k_cache.shape[1], q.dtype)
         paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out,
-                                   plan=metadata.kernel_plans[key])
+                                   plan=metadata.kernel_plans[key], v_head_dim=self.v_head_dim)
 
     def _forward_local(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """No DCP: this rank's cache holds whole sequences."""
         num_decodes = metadata.num_decode_tokens
-        out = torch.empty_like(q)
+        out = q.new_empty((q.shape[0], q.shape[1], self.value_dim))
         if num_decodes:
             self._decode(q[:num_decodes], k_cache, v_cache, metadata, out=out[:num_decodes])
         if num_decodes < q.shape[0]:
             self.prefill(
-                q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache,
+                q[num_decodes:], k[num_decodes:], v[num_decodes:] if v is not None else None, k_cache, v_cache,
                 metadata.prefill_block_table, metadata.prefill_query_start_loc,
                 metadata.prefill_local_context_lens, self.scale, metadata.prefill_max_query_len,
-                out=out[num_decodes:],
+                out=out[num_decodes:], v_head_dim=self.v_head_dim,
             )
         return out
 
@@ -160,9 +177,9 @@ class Attention(nn.Module):
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """DCP: partials over the local shard, merged over the group; the chunk's own tokens merged locally."""
@@ -175,7 +192,7 @@ class Attention(nn.Module):
         with timer.measure() if timer is not None else nullcontext():
             q_group = self.exchange.gather_queries(q)  # [T, dcp * heads, D]
         group_heads = q_group.shape[1]
-        shard_out = torch.empty_like(q_group)
+        shard_out = q_group.new_empty((num_tokens, group_heads, self.value_dim))
         shard_lse = torch.empty((num_tokens, group_heads), dtype=torch.float32, device=q.device)
         if num_decodes:
             self._decode(q_group[:num_decodes], k_cache, v_cache, metadata, out=shard_out[:num_decodes],
@@ -185,16 +202,17 @@ class Attention(nn.Module):
                 q_group[num_decodes:], None, None, k_cache, v_cache, metadata.prefill_block_table,
                 metadata.prefill_query_start_loc, metadata.prefill_local_context_lens, self.scale,
                 metadata.prefill_max_query_len,
-                out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:],
+                out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:], v_head_dim=self.v_head_dim,
             )
         with timer.measure() if timer is not None else nullcontext():
             out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
         if not has_prefill:
             return out
         new_out, new_lse = self.prefill(
-            q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache, metadata.prefill_block_table,
-            metadata.prefill_query_start_loc, torch.zeros_like(metadata.prefill_local_context_lens), self.scale,
-            metadata.prefill_max_query_len,
+            q[num_decodes:], k[num_decodes:], v[num_decodes:] if v is not None else None, k_cache, v_cache,
+            metadata.prefill_block_table, metadata.prefill_query_start_loc,
+            torch.zeros_like(metadata.prefill_local_context_lens), self.scale, metadata.prefill_max_query_len,
+            v_head_dim=self.v_head_dim,
         )
         self.combine(
             torch.stack([out[num_decodes:], new_out]),

@@ -6,7 +6,9 @@ for QKVParallelLinear, the part index for MergedColumnParallelLinear).
 
 - ColumnParallelLinear: rank r holds output rows [r * out/tp, (r+1) * out/tp); its output stays sharded.
 - RowParallelLinear: rank r holds input columns [r * in/tp, ...); partial outputs are summed over the TP group
-  (the bias is added once, on rank 0, before the sum).
+  (the bias is added once, on rank 0, before the sum); reduce_results=False leaves the sum to the caller (a MoE
+  layer sums its experts' partials first and reduces once).
+- ReplicatedLinear: the whole weight on every rank (MLA's small latent down-projections).
 - MergedColumnParallelLinear: several column-parallel outputs in one matmul (gate_proj + up_proj).
 - QKVParallelLinear: q, k and v in one matmul. Query heads split over TP; KV heads split when
   tp <= num_kv_heads and are replicated when tp > num_kv_heads (rank r holds ParallelState.first_kv_head).
@@ -22,7 +24,8 @@ from engine.layers.weights import ShardedLoader, ShardId, ShardSpec, new_paramet
 from engine.parallel import ParallelState
 
 
-def _split(size: int, tp_size: int, what: str) -> int:
+def split_for_tp(size: int, tp_size: int, what: str) -> int:
+    """size / tp_size, or an error naming `what` when tp does not divide it."""
     if size % tp_size != 0:
         raise ValueError(f"{what}={size} is not divisible by tp={tp_size}; choose tp among the divisors of {size}")
     return size // tp_size
@@ -44,12 +47,26 @@ class ColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.parallel = parallel
-        self.output_size_per_rank = rows = _split(output_size, parallel.tp_size, "output_size")
+        self.output_size_per_rank = rows = split_for_tp(output_size, parallel.tp_size, "output_size")
         start = parallel.tp_rank * rows
         weight_rows = ShardSpec((output_size, input_size), 0, start, rows)
         bias_rows = ShardSpec((output_size,), 0, start, rows)
         self.weight = new_parameter((rows, input_size), dtype, device, ShardedLoader({None: weight_rows}))
         self.bias = new_parameter((rows,), dtype, device, ShardedLoader({None: bias_rows})) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x @ W^T + b with the whole weight on every rank (identical outputs, no collective)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = new_parameter((output_size, input_size), dtype, device)
+        self.bias = new_parameter((output_size,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -66,12 +83,15 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        reduce_results: bool = True,
     ) -> None:
+        """reduce_results=False: forward returns this rank's partial sum; the caller all-reduces."""
         super().__init__()
+        self.reduce_results = reduce_results
         self.input_size = input_size
         self.output_size = output_size
         self.parallel = parallel
-        self.input_size_per_rank = cols = _split(input_size, parallel.tp_size, "input_size")
+        self.input_size_per_rank = cols = split_for_tp(input_size, parallel.tp_size, "input_size")
         columns = ShardSpec((output_size, input_size), 1, parallel.tp_rank * cols, cols)
         self.weight = new_parameter((output_size, cols), dtype, device, ShardedLoader({None: columns}))
         # The bias is replicated (every rank holds it; only rank 0 adds it).
@@ -80,7 +100,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Adding the bias on rank 0 inside the sum keeps tp = 1 identical to a plain nn.Linear.
         bias = self.bias if self.parallel.tp_rank == 0 else None
-        return self.parallel.all_reduce(F.linear(x, self.weight, bias))
+        partial = F.linear(x, self.weight, bias)
+        return self.parallel.all_reduce(partial) if self.reduce_results else partial
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -99,7 +120,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.parallel = parallel
-        self.output_sizes_per_rank = [_split(size, parallel.tp_size, "output_size") for size in output_sizes]
+        self.output_sizes_per_rank = [split_for_tp(size, parallel.tp_size, "output_size") for size in output_sizes]
         weight_specs: dict[ShardId, ShardSpec] = {}
         bias_specs: dict[ShardId, ShardSpec] = {}
         offset = 0
@@ -145,7 +166,7 @@ class QKVParallelLinear(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.parallel = parallel
-        self.num_heads_per_rank = _split(num_heads, tp, "num_attention_heads")
+        self.num_heads_per_rank = split_for_tp(num_heads, tp, "num_attention_heads")
         self.num_kv_heads_per_rank = parallel.kv_heads_per_rank
         self.first_head = parallel.tp_rank * self.num_heads_per_rank
         self.first_kv_head = parallel.first_kv_head

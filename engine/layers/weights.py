@@ -39,7 +39,7 @@ class TensorSource:
         return self.tensor[index]
 
 
-ShardId = str | int | None
+ShardId = str | int | tuple[int, str | int | None] | None
 WeightLoader = Callable[[torch.nn.Parameter, WeightSource, str, ShardId], None]
 
 
@@ -102,6 +102,24 @@ class ShardedLoader:
             )
         with torch.no_grad():
             target.copy_(loaded)  # casts to the parameter's dtype and moves to its device
+
+
+class StackedLoader:
+    """The loader of a parameter that stacks one tensor per index along dim 0 (a MoE layer's experts): shard id
+    (index, part) loads the checkpoint tensor into param[index] by `specs[part]`, as ShardedLoader would."""
+
+    def __init__(self, num_indices: int, specs: dict[ShardId, ShardSpec]) -> None:
+        self.num_indices = num_indices
+        self.part_loader = ShardedLoader(specs)
+
+    def __call__(
+        self, param: torch.nn.Parameter, source: WeightSource, name: str, shard_id: ShardId = None
+    ) -> None:
+        index = shard_id[0] if isinstance(shard_id, tuple) else None
+        if not isinstance(index, int) or not 0 <= index < self.num_indices:
+            raise ValueError(f"{name!r}: shard id {shard_id!r} must be (index in [0, {self.num_indices}), part)")
+        index, part = shard_id
+        self.part_loader(param[index], source, name, part)  # type: ignore[arg-type]
 
 
 def new_parameter(

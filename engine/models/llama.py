@@ -16,13 +16,15 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.layers.activation import SiluAndMul
+from engine.kv_cache import KvCacheSpec
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.layers.mlp import SwiGluMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.weights import WeightSource, as_weight_source
+from engine.layers.weights import ShardId, WeightSource
+from engine.models.checkpoint import load_named_weights
 from engine.parallel import ParallelState
 
 # (our merged module, the checkpoint's module, shard id)
@@ -73,23 +75,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: merged gate/up (column parallel), down (row parallel)."""
-
-    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, parallel, bias=False, dtype=dtype, device=device
-        )
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, parallel, bias=False, dtype=dtype, device=device
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -98,7 +83,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(config, parallel, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(config, parallel, dtype, device)
+        self.mlp = SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device)
 
     def forward(
         self,
@@ -162,6 +147,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def kv_cache_spec(self) -> KvCacheSpec:
+        """This rank's paged KV cache: K and V of the KV heads it holds."""
+        return self.config.kv_cache_spec(self.parallel.tp_size)
+
     @torch.no_grad()
     def forward(
         self,
@@ -191,43 +181,23 @@ class LlamaForCausalLM(nn.Module):
         """Copies this rank's shard of every checkpoint tensor (Hugging Face names) into the parameters.
 
         Raises ValueError naming the tensors when some are missing or unexpected, or a shape does not match."""
-        params = dict(self.named_parameters())
-        expected = self.checkpoint_names()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, weight in weights:
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding is the LM head; some checkpoints store both copies
-            if name not in expected:
-                unexpected.append(name)
-                continue
-            if name in loaded:
-                raise ValueError(f"checkpoint tensor {name!r} appears twice (in two files of a sharded checkpoint?)")
-            param_name, shard_id = name, None
-            for ours, theirs, shard in STACKED_PARAMS:
-                if theirs in name:
-                    param_name, shard_id = name.replace(theirs, ours), shard
-                    break
-            param = params[param_name]
-            param.weight_loader(param, as_weight_source(weight), name, shard_id)
-            loaded.add(name)
-        missing = sorted(expected - loaded)
-        if missing or unexpected:
-            problems = []
-            if missing:
-                problems.append(f"missing {len(missing)} tensors: {_preview(missing)}")
-            if unexpected:
-                problems.append(f"unexpected {len(unexpected)} tensors: {_preview(sorted(unexpected))}")
-            raise ValueError(
-                f"checkpoint does not match {self.config.architecture} as config.json describes it "
-                f"({self.config.num_hidden_layers} layers, attention_bias={self.config.attention_bias}, "
-                f"qk_norm={self.config.qk_norm}, tie_word_embeddings={self.config.tie_word_embeddings}): "
-                + "; ".join(problems)
-            )
+        config = self.config
+
+        def skip(name: str) -> bool:
+            # Tied: the embedding is the LM head; some checkpoints store both copies.
+            return name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+        load_named_weights(
+            dict(self.named_parameters()), weights, self.checkpoint_names(), resolve_stacked, skip,
+            f"{config.architecture} as config.json describes it ({config.num_hidden_layers} layers, "
+            f"attention_bias={config.attention_bias}, qk_norm={config.qk_norm}, "
+            f"tie_word_embeddings={config.tie_word_embeddings})",
+        )
 
 
-def _preview(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+def resolve_stacked(name: str) -> tuple[str, ShardId]:
+    """A checkpoint name -> (our parameter, shard id): q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    for ours, theirs, shard in STACKED_PARAMS:
+        if theirs in name:
+            return name.replace(theirs, ours), shard
+    return name, None

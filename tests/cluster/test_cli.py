@@ -67,6 +67,14 @@ def test_tiny_model_writes_a_model_and_reports_progress(tiny_model: TinyModelRun
     assert again.returncode == 0, again.stderr
 
 
+def test_tiny_model_mla_writes_a_deepseek_v2_model(tmp_path: Path) -> None:
+    result = dcpserve("tiny-model", "--mla", str(tmp_path / "mla"))
+    assert result.returncode == 0, result.stderr
+    assert "DeepseekV2ForCausalLM" in result.stdout and "one latent KV head of 40 + 12" in result.stdout
+    config = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 40
+
+
 def test_tiny_model_refuses_a_foreign_directory_without_force(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     result = dcpserve("tiny-model", str(tmp_path))

@@ -29,7 +29,7 @@ def test_ray_cluster_yaml_is_valid_for_ray_up() -> None:
 
 
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.local.yaml", "serve_config.vllm.yaml",
-                                  "serve_config.local.vllm.yaml"])
+                                  "serve_config.local.vllm.yaml", "serve_config.local.mla.yaml"])
 def test_serve_configs_validate(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 

@@ -20,7 +20,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import Attention, KernelBackend
 from engine.loader import load_model
-from engine.models.llama import LlamaForCausalLM
+from engine.models import CausalLM
 from engine.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
 
@@ -70,22 +70,16 @@ class PagedRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         parallel: ParallelState,
         block_size: int,
         num_blocks: int,
         interleave: int = 1,
         seed: int = 0,
     ) -> None:
-        config = model.config
         dtype = model.model.norm.weight.dtype
         device = model.model.norm.weight.device
-        shape = (num_blocks, block_size, parallel.kv_heads_per_rank, config.head_dim)
-        self.kv_caches = [
-            (torch.full(shape, float("nan"), dtype=dtype, device=device),
-             torch.full(shape, float("nan"), dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = model.kv_cache_spec.allocate(num_blocks, block_size, dtype, device, fill=float("nan"))
         self.model = model
         self.parallel = parallel
         self.block_size = block_size

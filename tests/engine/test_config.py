@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import ModelConfig, ParallelConfig
+from engine.deepseek_config import YarnScaling
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -84,3 +88,100 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:
     with pytest.raises(ValueError, match=r"gives the KV cache 56.00 GiB, but only 40.00 GiB of the device's 80.00 GiB "
                                          r"are free .* lower gpu_memory_utilization or set kv_cache_memory_bytes"):
         cache.cuda_kv_budget(80 * gib, 16 * gib, 40 * gib)  # another process holds 24 GiB
+
+
+# ---- DeepSeek-V2 / V3 (MLA + MoE) ------------------------------------------------------------------------------
+
+
+def test_reads_deepseek_v2_lite_as_one_latent_kv_head() -> None:
+    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+
+    config = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
+    assert config.mla is not None and config.moe is not None
+    assert (config.num_key_value_heads, config.head_dim) == (1, 512 + 64)
+    assert (config.mla.q_lora_rank, config.mla.kv_lora_rank, config.mla.qk_head_dim, config.mla.v_head_dim) == (
+        None, 512, 192, 128)
+    moe = config.moe
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.n_shared_experts, moe.moe_intermediate_size) == (
+        64, 6, 2, 1408)
+    assert (moe.scoring_func, moe.topk_method, moe.norm_topk_prob) == ("softmax", "greedy", False)
+    assert [moe.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    yarn = config.rope_scaling
+    assert isinstance(yarn, YarnScaling) and (yarn.factor, yarn.original_max_position_embeddings) == (40.0, 4096)
+    assert yarn.cos_sin_factor == 1.0  # mscale == mscale_all_dim
+    assert yarn.softmax_scale_factor == pytest.approx((0.1 * 0.707 * math.log(40) + 1) ** 2)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_mla_kv_cache_is_one_latent_head_on_every_rank_and_agrees_with_the_planner(tp: int) -> None:
+    from cluster.model_specs import MlaSpec
+    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+
+    config = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
+    spec = config.kv_cache_spec(tp)
+    assert (spec.num_kv_heads, spec.head_dim, spec.has_value_cache) == (1, 576, False)
+    assert config.kv_bytes_per_token_per_rank(tp, torch.bfloat16) == 27 * 576 * 2
+    planner = MlaSpec.from_dict(DEEPSEEK_V2_LITE)
+    assert planner.kv_bytes_per_token_per_rank(tp, torch.bfloat16) == config.kv_bytes_per_token_per_rank(
+        tp, torch.bfloat16)
+    caches = spec.allocate(3, 4, torch.float32, "cpu")
+    assert len(caches) == 27 and all(k is v and k.shape == (3, 4, 1, 576) for k, v in caches)
+
+
+def test_reads_deepseek_v3_routing_and_refuses_its_fp8_weights() -> None:
+    from tests.cluster.model_configs import DEEPSEEK_V3
+
+    with pytest.raises(ValueError, match="quantization_config \\(quant_method='fp8'\\) is not supported"):
+        ModelConfig.from_dict(DEEPSEEK_V3)
+    bf16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
+    config = ModelConfig.from_dict(bf16)
+    assert config.moe is not None and config.mla is not None and config.mla.q_lora_rank == 1536
+    moe = config.moe
+    assert (moe.scoring_func, moe.topk_method, moe.n_group, moe.topk_group) == ("sigmoid", "noaux_tc", 8, 4)
+    assert moe.has_correction_bias and moe.norm_topk_prob and moe.routed_scaling_factor == 2.5
+    # Left out, the routing is what the architecture's reference code does.
+    defaults = {k: v for k, v in bf16.items() if k not in ("scoring_func", "topk_method")}
+    assert ModelConfig.from_dict(defaults).moe == moe
+
+
+def test_mtp_layers_are_accepted_and_said_to_be_unused(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+
+    with caplog.at_level(logging.INFO, logger="engine.deepseek_config"):
+        ModelConfig.from_dict({**DEEPSEEK_V2_LITE, "num_nextn_predict_layers": 1})
+    assert "num_nextn_predict_layers=1" in caplog.text and "not used" in caplog.text
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"scoring_func": "tanh"}, r"scoring_func='tanh' is not supported"),
+    ({"topk_method": "random"}, r"topk_method='random' is not supported"),
+    ({"topk_method": "group_limited_greedy", "n_group": 5}, r"n_group=5 must divide n_routed_experts=64"),
+    ({"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 0}, r"topk_group=0 must be an integer"),
+    ({"topk_method": "group_limited_greedy", "n_group": 32, "topk_group": 2},
+     r"topk_group=2 of n_group=32 groups \(2 experts each\) cannot hold num_experts_per_tok=6"),
+    ({"num_experts_per_tok": 65}, r"num_experts_per_tok=65 exceeds n_routed_experts=64"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"rope scaling 'linear' is not supported \(supported: default, yarn\)"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ({"qk_rope_head_dim": 63}, r"qk_rope_head_dim=63 must be even"),
+    ({"kv_lora_rank": None}, r"missing required field 'kv_lora_rank'"),
+    ({"moe_intermediate_size": None}, r"missing required field 'moe_intermediate_size'"),
+])
+def test_unsupported_deepseek_configs_are_refused_by_name(change: dict, message: str) -> None:
+    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**DEEPSEEK_V2_LITE, **change})
+
+
+def test_mla_layouts_are_every_dcp_dividing_tp() -> None:
+    """One latent KV head: dcp may be any divisor of tp (dcp = tp removes all duplication), tp divides the heads."""
+    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+
+    model = ModelConfig.from_dict(DEEPSEEK_V2_LITE)  # 16 heads
+    for tp, dcp in [(1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 8), (16, 16)]:
+        ParallelConfig(tp, dcp).validate(model)
+    with pytest.raises(ValueError, match="dcp=3 must divide tp=4"):
+        ParallelConfig(4, 3).validate(model)
+    with pytest.raises(ValueError, match="tp=32 must divide the model's 16 attention heads"):
+        ParallelConfig(32, 1).validate(model)

@@ -128,7 +128,9 @@ def hf_reference(model_dir: str, tokens: tuple[int, ...], max_new_tokens: int) -
     """transformers' greedy tokens, and its full-forward logits at every position that chose one of them."""
     model = hf_model(model_dir)
     with torch.no_grad():
-        out = model.generate(torch.tensor([tokens]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        # eos_token_id=None: the harness decodes exactly max_new_tokens, so the reference must not stop at an EOS.
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
         generated = out[0, len(tokens) :].tolist()
         assert len(generated) == max_new_tokens
         full = torch.tensor([list(tokens) + generated[:-1]])

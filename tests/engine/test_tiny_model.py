@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from engine.config import ModelConfig, ParallelConfig
-from engine.tiny_model import MARKER_FILE, TinyModelSpec, is_tiny_model_dir, write_tiny_model
+from engine.deepseek_config import YarnScaling
+from engine.tiny_model import (
+    MARKER_FILE,
+    TinyMlaSpec,
+    TinyModelSpec,
+    is_tiny_model_dir,
+    write_tiny_mla_model,
+    write_tiny_model,
+)
 
 WRITTEN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", MARKER_FILE)
@@ -116,3 +124,42 @@ def test_progress_lines(tmp_path: Path) -> None:
     assert lines[1].startswith("writing weights")
     assert lines[2] == f"wrote {out}"
     assert "410,240 parameters" in lines[3]
+
+
+# ---- the tiny DeepSeek-V2 (MLA + MoE) ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_mla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_mla_model(tmp_path_factory.mktemp("tiny_mla") / "model", seed=0)
+
+
+def test_mla_model_loads_in_transformers_and_in_the_engine(tiny_mla_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in tiny_mla_dir.iterdir()) == sorted(WRITTEN_FILES)
+    model, info = AutoModelForCausalLM.from_pretrained(tiny_mla_dir, local_files_only=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert type(model).__name__ == "DeepseekV2ForCausalLM"
+    config = ModelConfig.from_pretrained(tiny_mla_dir)
+    assert config.mla is not None and config.moe is not None and config.mla.q_lora_rank is None
+    assert (config.num_key_value_heads, config.head_dim, config.vocab_size) == (1, 40 + 12, 512)
+    assert [config.moe.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert isinstance(config.rope_scaling, YarnScaling)
+    for tp, dcp in ((4, 4), (4, 2), (2, 2), (1, 1)):
+        ParallelConfig(tp, dcp).validate(config)
+    # Norms are random, not transformers' ones: a load that drops one shows.
+    assert not torch.equal(model.model.layers[0].self_attn.kv_a_layernorm.weight, torch.ones(40))
+
+
+def test_mla_model_is_deterministic_and_takes_its_spec(tiny_mla_dir: Path, tmp_path: Path) -> None:
+    again = write_tiny_mla_model(tmp_path / "again", seed=0)
+    for name in WRITTEN_FILES:
+        assert (again / name).read_bytes() == (tiny_mla_dir / name).read_bytes(), name
+    spec = TinyMlaSpec(q_lora_rank=24, yarn_factor=None, num_hidden_layers=2)
+    other = write_tiny_mla_model(tmp_path / "other", seed=0, spec=spec)
+    config = ModelConfig.from_pretrained(other)
+    assert config.mla is not None and config.mla.q_lora_rank == 24 and config.rope_scaling is None
+    assert json.loads((other / MARKER_FILE).read_text())["spec"]["q_lora_rank"] == 24
+    with pytest.raises(ValueError, match="qk_rope_head_dim=7 must be even"):
+        TinyMlaSpec(qk_rope_head_dim=7)

@@ -19,7 +19,7 @@ class ShardedCache:
     """Per-rank paged caches of a DCP group holding the first `lens[i]` tokens of each sequence."""
 
     k_caches: list[torch.Tensor]  # N x [num_blocks, block_size, num_kv_heads, head_dim]
-    v_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor | None]  # None: a key-only cache (values read from the keys, as MLA's latent)
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32, shared by every rank
     local_lens: list[torch.Tensor]  # N x [num_seqs] int32
 
@@ -42,7 +42,7 @@ def random_block_table(
 
 def shard_kv(
     keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    values: list[torch.Tensor] | None,
     dcp_size: int,
     block_size: int,
     interleave: int,
@@ -51,7 +51,8 @@ def shard_kv(
     device: torch.device,
 ) -> ShardedCache:
     """Stores each sequence's K/V ([L_i, num_kv_heads, head_dim]) on N simulated ranks through
-    dcp_slot_mapping + `store`; unwritten cache slots stay NaN so any over-read shows."""
+    dcp_slot_mapping + `store`; unwritten cache slots stay NaN so any over-read shows. values None: key-only
+    caches (v_caches are None)."""
     lens = [k.shape[0] for k in keys]
     tokens_per_block = block_size * dcp_size
     table, num_pages = random_block_table([-(-n // tokens_per_block) for n in lens], generator)
@@ -61,13 +62,13 @@ def shard_kv(
     seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lens)]).to(device)
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device)
     all_keys = torch.cat(keys).to(device)
-    all_values = torch.cat(values).to(device)
+    all_values = torch.cat(values).to(device) if values is not None else None
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     k_caches, v_caches, local_lens = [], [], []
     for rank in range(dcp_size):
         shape = (num_pages, block_size, num_kv_heads, head_dim)
         k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device) if values is not None else None
         slots = dcp_slot_mapping(table, seq_idx, positions, block_size, dcp_size, rank, interleave)
         store(all_keys, all_values, k_cache, v_cache, slots)
         local = dcp_local_seq_lens(seq_lens, dcp_size, rank, interleave)
