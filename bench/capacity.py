@@ -11,6 +11,8 @@ keeps each token on one rank instead of on all four, holds 4x as many.
     python bench/capacity.py                 # full run (console only)
     python bench/capacity.py --write-docs    # also writes docs/img/capacity.png and its section of docs/benchmarks.md
     python bench/capacity.py --quick         # a shorter workload
+    python bench/capacity.py --model tiny-mla --write-docs   # the same with the tiny DeepSeek-V2 (MLA: one latent
+                                                              # KV head, whole on every TP rank)
 
 With `--backend both` (run with .venv-vllm/bin/python: it needs vLLM) it compares the two engine backends instead:
 the same app at tp=2 x dcp=1 (vLLM's CPU attention cannot shard KV) with the native engine and with vLLM, the same
@@ -38,7 +40,7 @@ from bench.compare import BurstResult, Row, ServeHead, metric_row  # noqa: E402
 
 from engine.block_manager import blocks_needed  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.tiny_model import write_tiny_model  # noqa: E402
+from engine.tiny_model import write_tiny_mla_model, write_tiny_model  # noqa: E402
 
 TP, DCPS, BLOCK_SIZE = 4, (1, 4), 16
 BACKENDS_TP, BACKENDS_BLOCK_SIZE = 2, 32  # --backend both: vLLM's CPU attention pages in multiples of 32 tokens
@@ -47,6 +49,15 @@ WORKLOADS = {False: (1536, 128, 16, 2), True: (960, 64, 8, 2)}
 COMPARISON = compare.Comparison("bench/capacity.py", ("dcp=1", "dcp=4"),
                                 "KV capacity and throughput: dcp=1 vs dcp=4 through the deployed app",
                                 REPO_ROOT / "docs" / "img" / "capacity.png", "dcp=1 vs dcp=4")
+MLA_COMPARISON = compare.Comparison("bench/capacity.py --model tiny-mla", ("dcp=1", "dcp=4"),
+                                    "KV capacity of an MLA model: dcp=1 vs dcp=4 through the deployed app",
+                                    REPO_ROOT / "docs" / "img" / "capacity_mla.png", "dcp=1 vs dcp=4, MLA")
+# --model -> (how the checkpoint is written, what the docs call it, its comparison)
+MODELS = {
+    "tiny": (write_tiny_model, "the tiny model (engine.tiny_model)", COMPARISON),
+    "tiny-mla": (write_tiny_mla_model, "the tiny DeepSeek-V2 (engine.tiny_model.write_tiny_mla_model: MLA + MoE)",
+                 MLA_COMPARISON),
+}
 BACKENDS_COMPARISON = compare.Comparison(
     "bench/capacity.py --backend both", ("native", "vllm"),
     "Engine backends through the deployed app: native vs vLLM (tp=2, dcp=1, CPU)",
@@ -148,18 +159,27 @@ def table_rows(results: list[LayoutResult], workload: Workload) -> list[Row]:
     ]
 
 
-def write_plot(results: list[LayoutResult], workload: Workload, path: Path) -> None:
+def write_plot(results: list[LayoutResult], workload: Workload, path: Path, model: ModelConfig) -> None:
+    heads = "1 latent KV head (MLA)" if model.mla is not None else f"{model.num_key_value_heads} KV head"
     compare.write_plot(
         path, results, [f"{r.label} ({r.capacity_tokens:,} KV tokens)" for r in results],
         [(i, r.sequences_fit(workload)) for i, r in enumerate(results)],
         title=f"{workload.num_requests} requests of {workload.prompt_tokens} + {workload.max_tokens} tokens, tp={TP}",
         ylabel="sequences in the engine",
-        suptitle="Same per-rank KV memory, 1 KV head, tp=4 (CPU, 4 logical GPUs)",
+        suptitle=f"Same per-rank KV memory, {heads}, tp=4 (CPU, 4 logical GPUs)",
     )
 
 
-def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, results: list[LayoutResult]) -> list[str]:
+def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, results: list[LayoutResult],
+                 model_label: str) -> list[str]:
     import torch
+
+    if model.mla is not None:
+        shape = (f"{model.num_hidden_layers} layers, {model.num_attention_heads} query heads, one latent KV head of "
+                 f"{model.head_dim} values (kv_lora_rank {model.mla.kv_lora_rank} + rope {model.mla.qk_rope_head_dim})")
+    else:
+        shape = (f"{model.num_hidden_layers} layers, {model.num_attention_heads} query heads, "
+                 f"{model.num_key_value_heads} KV head, head_dim {model.head_dim}")
 
     return [
         f"{compare.cpu_run_line(TP)} (and, on this machine, shared with other jobs), so all ranks compete for the "
@@ -167,9 +187,8 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
         f"flight per step, since the per-step cost is dominated by fixed gloo / Ray overhead), not GPU memory "
         f"bandwidth; the KV capacity and sequence counts are exact and hold on GPUs too. vLLM reports up to ~3x "
         f"output tokens/s with DCP on GPUs",
-        f"model: the tiny model (engine.tiny_model): {model.num_hidden_layers} layers, {model.num_attention_heads} "
-        f"query heads, {model.num_key_value_heads} KV head, head_dim {model.head_dim}, float32; "
-        f"{model.kv_bytes_per_token_per_rank(TP, torch.float32)} KV bytes per token on a rank",
+        f"model: {model_label}: {shape}, float32; {model.kv_bytes_per_token_per_rank(TP, torch.float32)} KV bytes per "
+        f"token on a rank",
         f"layout: one replica of tp={TP} (the 4 logical GPUs), dcp=1 vs dcp=4, block_size {BLOCK_SIZE}; the same "
         f"per-rank KV budget {budget_bytes:,} bytes (kv_cache_memory_bytes), sized so dcp=1 holds "
         f"{workload.dcp1_sequences} sequences: with dcp=1 each of the 4 ranks keeps a copy of the one KV head, with "
@@ -196,17 +215,23 @@ def main(argv: list[str] | None = None) -> int:
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--backend", choices=["native", "both"], default="native")
+    pre.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                     help="tiny (1-KV-head Llama, default) or tiny-mla (DeepSeek-V2: MLA + MoE)")
     known, rest = pre.parse_known_args(argv)
     if known.backend == "both":
+        if known.model != "tiny":
+            raise SystemExit("--backend both compares the engines on the tiny Llama only (vLLM's CPU attention "
+                             "cannot shard KV, and the comparison is dcp=1)")
         return main_backends(rest)
-    args = COMPARISON.parse_args(__doc__.split("\n\n")[0], "a shorter workload (about 2 minutes in all)", rest)
-    COMPARISON.docs.check()  # unpaired markers fail now, not after the run
+    write_model, model_label, comparison = MODELS[known.model]
+    args = comparison.parse_args(__doc__.split("\n\n")[0], "a shorter workload (about 2 minutes in all)", rest)
+    comparison.docs.check()  # unpaired markers fail now, not after the run
     workload = Workload(*WORKLOADS[args.quick])
     if workload.num_requests <= workload.dcp1_sequences:
         raise SystemExit("the burst must exceed what dcp=1 holds, or nothing queues")
     started = time.monotonic()
     with compare.state_dir("dcpcap-", say) as state:
-        model_dir = write_tiny_model(state / "tiny-model")
+        model_dir = write_model(state / "tiny-model")
         model = ModelConfig.from_pretrained(model_dir)
         budget_bytes = kv_budget_bytes(model, workload)
         prompts = workload.prompts(model.vocab_size)
@@ -218,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     headline = (f"**dcp=4 serves {ratio:.2f}x the output tokens/s of dcp=1** with the same per-rank KV memory: "
                 f"{results[1].capacity_tokens // results[0].capacity_tokens}x the KV tokens, so "
                 f"{results[1].peak_sequences} sequences in flight instead of {results[0].peak_sequences}.")
-    COMPARISON.report(rows, headline, started)
+    comparison.report(rows, headline, started)
     if args.write_docs:
-        COMPARISON.write_docs(argv, headline, rows, header_lines(workload, model, budget_bytes, results),
-                              lambda path: write_plot(results, workload, path), say)
+        # `rest`: the comparison's script already names --model
+        comparison.write_docs(rest, headline, rows, header_lines(workload, model, budget_bytes, results, model_label),
+                              lambda path: write_plot(results, workload, path, model), say)
     return 0
 
 
