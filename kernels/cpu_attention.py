@@ -9,9 +9,10 @@ num_kv_heads, head_dim], slots past a sequence's length zeroed (they may hold an
 op reads them before masking: 0 * NaN is NaN) and masked with an additive -inf mask. Prefill chunks are padded at
 the end to the longest chunk. The context part and the chunk's own causal part run as two fused calls and merge
 with the exact LSE rule (kernels/combine.py), as the DCP path does across ranks: the fused op's is_causal is
-top-left aligned, right only for the square chunk-over-itself part. For the context part the GQA group folds into the query rows, so each
-KV head is read once for all its query heads. A decode step's pages and masks depend only on the block table and
-the lengths: plan_decode_cpu checks and builds them once, and the engine's layers share that plan.
+top-left aligned, right only for the square chunk-over-itself part. For the context part the GQA group folds into
+the query rows, so each KV head is read once for all its query heads. A decode step's pages and masks depend only
+on the block table and the lengths: plan_decode_cpu checks and builds them once, and the engine's layers share that
+plan.
 
 Padding costs what the longest sequence costs, for every sequence: a 3-token chunk beside a 2,000-token one would
 do 2,000 tokens of work. So sequences go in pieces, one batched call per piece: the longest remaining sequence
