@@ -95,17 +95,30 @@ def test_capacity_is_what_vllm_sized(cluster: ServeCluster) -> None:
 
 
 def test_burst_past_the_kv_splits_exactly_and_vllm_never_preempts(cluster: ServeCluster) -> None:
-    """8 requests of 16 blocks each ((56 + 456) / 32) against 32 blocks: 2 run, 6 get a 429 at once."""
-    wait_quiet(cluster)
+    """8 requests of 16 blocks each ((56 + 456) / 32) against 32 blocks: 2 run, 6 get a 429 at once.
+
+    The split is exact only while the burst lands within one request's run (~0.5 s on vLLM here): a request that
+    reaches the ingress after one of the first two finished is rightly admitted. So a burst counts when its 6 other
+    answers all came back before the first 200 did; on a machine too busy for that (the suite runs beside other
+    tests) the burst is sent again, up to 3 times."""
     body = {"model": MODEL, "prompt": list(range(20, 76)), "max_tokens": 456, "temperature": 1.0,
             "ignore_eos": True}
 
-    async def burst() -> list[httpx.Response]:
+    async def burst() -> list[tuple[httpx.Response, float]]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
-            return list(await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": i})
-                                               for i in range(8))))
+            async def post(seed: int) -> tuple[httpx.Response, float]:
+                reply = await http.post("/v1/completions", json={**body, "seed": seed})
+                return reply, time.monotonic()
 
-    replies = asyncio.run(burst())
+            return list(await asyncio.gather(*(post(i) for i in range(8))))
+
+    for _ in range(3):
+        wait_quiet(cluster)
+        answers = asyncio.run(burst())
+        first_done = min((at for reply, at in answers if reply.status_code == 200), default=float("inf"))
+        if sum(at < first_done for _, at in answers) >= 6:
+            break  # the whole burst was decided while the first two ran
+    replies = [reply for reply, _ in answers]
     statuses = sorted(r.status_code for r in replies)
     assert statuses == [200] * 2 + [429] * 6, [(r.status_code, r.text[:200]) for r in replies]
     for reply in replies:
