@@ -16,14 +16,14 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.kv_cache import KvCacheSpec
 from engine.layers.attention import Attention
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.mlp import SwiGluMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
+from engine.models.causal_lm import CausalLM
 from engine.models.checkpoint import load_named_weights
 from engine.parallel import ParallelState
 
@@ -130,44 +130,16 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The decoder plus a vocabulary-parallel LM head; what the model runner drives."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
         if parallel.num_kv_heads != config.num_key_value_heads:
             raise ValueError(
                 f"ParallelState was built for {parallel.num_kv_heads} KV heads but the model has "
                 f"{config.num_key_value_heads}: pass config.num_key_value_heads to init_parallel_state"
             )
-        self.config = config
-        self.parallel = parallel
-        self.model = LlamaModel(config, parallel, dtype, device)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype, device)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def kv_cache_spec(self) -> KvCacheSpec:
-        """This rank's paged KV cache: K and V of the KV heads it holds."""
-        return self.config.kv_cache_spec(self.parallel.tp_size)
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions [T] int64 (decode rows first, then prefill chunks) -> final hidden [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, metadata)
-
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor, driver_only: bool = False) -> torch.Tensor | None:
-        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank (driver_only: on
-        TP rank 0 alone, None elsewhere)."""
-        return self.lm_head.compute_logits(hidden, driver_only)
+        super().__init__(config, parallel, LlamaModel(config, parallel, dtype, device), dtype, device)
 
     def checkpoint_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (q/k/v and gate/up unmerged; no lm_head when tied)."""

@@ -1,0 +1,49 @@
+"""What every model class the runner drives shares: a decoder (`self.model`) plus a vocabulary-parallel LM head
+(tied to the embedding when the config says so), the paged KV cache the config describes, forward and logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.kv_cache import KvCacheSpec
+from engine.layers.embedding import ParallelLMHead
+from engine.parallel import ParallelState
+
+
+class CausalLM(nn.Module):
+    """A decoder and its LM head; subclasses build the decoder (with an `embed_tokens`) and load checkpoints."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, decoder: nn.Module, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        self.model = decoder
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_cache_spec(self) -> KvCacheSpec:
+        """This rank's paged KV cache (K and V of the KV heads it holds; MLA: the one latent head, no V cache)."""
+        return self.config.kv_cache_spec(self.parallel.tp_size)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 (decode rows first, then prefill chunks) -> final hidden [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor, driver_only: bool = False) -> torch.Tensor | None:
+        """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank (driver_only: on
+        TP rank 0 alone, None elsewhere)."""
+        return self.lm_head.compute_logits(hidden, driver_only)
