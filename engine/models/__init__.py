@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from engine.models.causal_lm import CausalLM  # what the model runner drives
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
-
-# What the model runner drives: forward, compute_logits, kv_cache_spec, load_weights.
-CausalLM = LlamaForCausalLM | DeepseekV2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -219,3 +219,31 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dic
                              pad_token_id=0)
         expected[tuple(prompt)] = out[0, len(prompt):].tolist()
     return expected
+
+
+def dcp_capacity_and_concurrency(model_dir: Path, kv_cache_memory_bytes: int) -> tuple[dict[int, int], dict[int, int]]:
+    """KV capacity (tokens) and peak running sequences at tp=4 with dcp=1 and dcp=4 on the same per-rank memory: 16
+    requests of 100 + 28 tokens under admission "full" (the concurrency of sequences whose whole prompt +
+    max_tokens fits), checking every step that reservations stay within the pool."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    long_request = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    prompt = list(range(5, 105))  # 100 + 28 = 128 tokens per sequence
+    capacity: dict[int, int] = {}
+    concurrency: dict[int, int] = {}
+    for dcp in (1, 4):
+        with LLM(model_dir, tensor_parallel_size=4, decode_context_parallel_size=dcp,
+                 kv_cache_memory_bytes=kv_cache_memory_bytes, admission="full") as llm:
+            capacity[dcp] = llm.kv_capacity_tokens
+            engine = llm.engine
+            for _ in range(16):
+                engine.add_request(prompt_token_ids=prompt, sampling_params=long_request)
+            peak = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                stats = engine.stats()
+                assert stats.kv_blocks_reserved <= stats.kv_blocks_total
+                peak = max(peak, stats.num_running)
+            concurrency[dcp] = peak
+    return capacity, concurrency

@@ -13,6 +13,7 @@ from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_mla_model
+from tests.engine.model_harness import dcp_capacity_and_concurrency
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
 
@@ -59,23 +60,6 @@ def test_dcp_multiplies_latent_cache_capacity_and_concurrency(tiny_mla: Path, ra
     per_token = ModelConfig.from_pretrained(tiny_mla).kv_bytes_per_token_per_rank(4, torch.float32)
     assert per_token == 3 * (40 + 12) * 4  # 3 layers of one latent head, no V cache, the same at any tp
     budget = 512 * per_token  # per rank: 512 tokens at dcp=1
-    long_request = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    prompt = list(range(5, 105))  # 100 + 28 = 128 tokens per sequence
-    capacity = {}
-    concurrency = {}
-    for dcp in (1, 4):
-        with LLM(tiny_mla, tensor_parallel_size=4, decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
-                 admission="full") as llm:  # concurrency of sequences whose whole prompt + max_tokens fits
-            capacity[dcp] = llm.kv_capacity_tokens
-            engine = llm.engine
-            for _ in range(16):
-                engine.add_request(prompt_token_ids=prompt, sampling_params=long_request)
-            peak = 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                stats = engine.stats()
-                assert stats.kv_blocks_reserved <= stats.kv_blocks_total
-                peak = max(peak, stats.num_running)
-            concurrency[dcp] = peak
+    capacity, concurrency = dcp_capacity_and_concurrency(tiny_mla, budget)
     assert capacity[1] == 512 and capacity[4] == 4 * capacity[1]
     assert concurrency[1] == 4 and concurrency[4] == 16

@@ -10,7 +10,7 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
-from tests.engine.model_harness import hf_greedy
+from tests.engine.model_harness import dcp_capacity_and_concurrency, hf_greedy
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
 
@@ -69,23 +69,6 @@ def test_dcp_multiplies_capacity_and_concurrency(tiny: Path, ray_cluster) -> Non
     long sequences at once."""
     skip_without_gpus(ray_cluster, 4)
     budget = 256 << 10  # per rank: 2 layers * 1 KV head * 32 dims * 2 (K, V) * 4 bytes = 512 B/token -> 512 tokens
-    long_request = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    prompt = list(range(5, 105))  # 100 + 28 = 128 tokens per sequence
-    capacity = {}
-    concurrency = {}
-    for dcp in (1, 4):
-        with LLM(tiny, tensor_parallel_size=4, decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
-                 admission="full") as llm:  # concurrency of sequences whose whole prompt + max_tokens fits
-            capacity[dcp] = llm.kv_capacity_tokens
-            engine = llm.engine
-            for _ in range(16):
-                engine.add_request(prompt_token_ids=prompt, sampling_params=long_request)
-            peak = 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                stats = engine.stats()
-                assert stats.kv_blocks_reserved <= stats.kv_blocks_total
-                peak = max(peak, stats.num_running)
-            concurrency[dcp] = peak
+    capacity, concurrency = dcp_capacity_and_concurrency(tiny, budget)
     assert capacity[1] == 512 and capacity[4] == 4 * capacity[1]
     assert concurrency[1] == 4 and concurrency[4] == 16
