@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Protocol, TypeVar, Union, get_args, g
 import torch
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype
+from engine.prefix_cache import prefix_hash_seed
 
 BACKENDS = ("native", "vllm")
 
@@ -75,6 +76,11 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata={"help": (
         "split long prompts over several steps within the token budget, beside the running decodes"
     )})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": (
+        "keep the KV of full logical blocks (block_size * dcp tokens) after their requests finish, named by a hash "
+        "of the tokens from the start, and start a request from its longest cached prefix; the app routes a "
+        "request to the replica that caches most of its prefix"
+    )})
     seed: int = field(default=0, metadata={"help": (
         "engine seed: the sampling generator of requests without a seed of their own"
     )})
@@ -113,6 +119,8 @@ class EngineArgs:
             )
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.admission not in ("full", "usage"):
             raise ValueError(f"admission must be 'full' or 'usage', got {self.admission!r}")
         if not _is_number(self.kv_headroom) or not 0 <= self.kv_headroom < 1:
@@ -149,6 +157,14 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; use at most {limit}"
             )
+        tokens_per_block = self.block_size * self.decode_context_parallel_size
+        if self.enable_prefix_caching and tokens_per_block >= max_model_len:
+            raise ValueError(
+                f"enable_prefix_caching caches full logical blocks of block_size * dcp = {self.block_size} * "
+                f"{self.decode_context_parallel_size} = {tokens_per_block} tokens, but max_model_len={max_model_len} "
+                f"leaves no request a full block before its last token: lower block_size, or set "
+                f"enable_prefix_caching=false"
+            )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
@@ -160,6 +176,8 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_hash_seed=self.prefix_hash_seed(),
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len,
@@ -173,6 +191,11 @@ class EngineArgs:
             device=device,
             seed=self.seed,
         )
+
+    def prefix_hash_seed(self) -> bytes:
+        """The seed of this deployment's prefix block hashes (engine.prefix_cache.prefix_hash_seed): the model and
+        the dtype as written here, so the ingress and every replica, on any node, compute the same one."""
+        return prefix_hash_seed(self.model, self.dtype)
 
     # ---- keyword arguments and the command line ----------------------------------------------------------------
 

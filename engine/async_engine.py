@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.prefix_cache import PrefixReport
 from engine.protocol import EngineDeadError, EngineStats, KvLedger, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -94,11 +95,12 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, prompt_token_ids, params)
         if check_kv:
-            self.kv_ledger().require(self.admission_blocks(len(prompt_token_ids), params.max_tokens))
+            self.kv_ledger().require(self.engine.admission_need(request))
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending_adds.append((Request(request_id, prompt_token_ids, params), prompt))
+        self._pending_adds.append((request, prompt))
         self._ensure_loop()
         return self._stream(request_id, queue)
 
@@ -128,6 +130,13 @@ class AsyncEngine:
         """The blocks a request asks admission for under this engine's policy (block_manager.admission_blocks)."""
         return admission_blocks(self.config.scheduler.admission, num_prompt_tokens, max_tokens,
                                 self.engine.block_manager.tokens_per_block)
+
+    def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
+        """The blocks this request would add here now (admission_blocks less the cached prefix blocks held here)."""
+        return self.engine.admission_need(Request("", list(prompt_token_ids), SamplingParams(max_tokens=max_tokens)))
+
+    def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
+        return self.engine.prefix_report(reader_epoch, reader_version)
 
     def kv_ledger(self) -> KvLedger:
         """The replica's KV ledger now: the scheduler's requests, requests queued for it, minus queued aborts."""

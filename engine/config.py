@@ -237,6 +237,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # per rank; None: the gpu_memory_utilization budget on CUDA
     gpu_memory_utilization: float = 0.9  # of the device's total memory, weights + activations + KV
     cpu_default_kv_bytes: int = 128 << 20  # per rank on CPU when no byte budget is set
+    enable_prefix_caching: bool = False  # EngineArgs turns it on by default
+    prefix_hash_seed: bytes = b""  # engine.prefix_cache.prefix_hash_seed of the model and dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -7,6 +7,7 @@ and per-request detokenization with stop strings. LLM (batch) and AsyncEngine (s
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Collection, Iterable
 
@@ -16,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.executor import Executor, create_executor
 from engine.outputs import ModelRunnerOutput
+from engine.prefix_cache import PrefixReport
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.request import FinishReason, Request, resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
@@ -23,7 +25,9 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from kernels import dcp_local_seq_lens
 
-
+# Set (to anything but 0) to keep every cached block's token ids and compare them on each prefix cache hit: a hash
+# collision then fails loudly instead of serving another prefix's KV. The tests set it.
+VERIFY_PREFIX_HITS_ENV = "DCPSERVE_VERIFY_PREFIX_HITS"
 
 
 class LLMEngine:
@@ -37,7 +41,11 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.executor: Executor = create_executor(config)
-        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size, config.parallel.dcp)
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, config.cache.block_size, config.parallel.dcp,
+            enable_prefix_caching=config.cache.enable_prefix_caching, hash_seed=config.cache.prefix_hash_seed,
+            verify_hits=os.environ.get(VERIFY_PREFIX_HITS_ENV, "") not in ("", "0"),
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, frozenset(eos))
         self._text: dict[str, TextStream] = {}
         # Prompt logprobs gathered chunk by chunk until the request's first token delivers them.
@@ -85,6 +93,17 @@ class LLMEngine:
         self._text.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
+
+    def admission_need(self, request: Request) -> int:
+        """The blocks a new request would add to this replica's ledger now: its admission blocks under the policy,
+        less the cached blocks of its prefix that running requests hold (shared, not added)."""
+        return self.scheduler.committed_blocks(request)
+
+    def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
+        """The cached prefix blocks' changes since the reader's (epoch, version), or the whole state; None when
+        prefix caching is off."""
+        reporter = self.block_manager.reporter
+        return None if reporter is None else reporter.report(reader_epoch, reader_version)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -211,6 +230,11 @@ class LLMEngine:
             num_steps=self.num_steps,
             last_step_seconds=self.last_step_seconds,
             last_exchange_seconds=self.last_exchange_seconds,
+            prefix_caching=self.block_manager.enable_prefix_caching,
+            prefix_cache_queries=self.block_manager.num_queried_tokens,
+            prefix_cache_hits=self.block_manager.num_hit_tokens,
+            kv_blocks_cached=self.block_manager.num_cached_blocks,
+            prefix_cache_evictions=self.block_manager.num_evictions,
             per_rank=per_rank,
         )
 

@@ -151,6 +151,8 @@ class ModelRunner:
         if self.sampler is not None and self.batch.penalized:
             for entry in output.scheduled:
                 if entry.request_id in self.batch.penalized:
+                    if entry.prefix_token_ids is not None:  # it starts after a cached prefix
+                        self.sampler.record(entry.request_id, 0, entry.prefix_token_ids)
                     self.sampler.record(entry.request_id, entry.start_position, entry.token_ids)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         self._exchange_timer = timer

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
+    from engine.prefix_cache import PrefixReport
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
@@ -129,6 +130,13 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_exchange_seconds: float = 0.0  # of last_step_seconds, the DCP exchange (0 without DCP or unknown)
     healthy: bool = True
+    # Prefix caching: whether it is on, prompt tokens of new requests looked up and, of those, served from the cache
+    # (both since start), blocks holding a cached prefix block now (held or evictable), evictions since start.
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
+    prefix_cache_evictions: int = 0
     per_rank: tuple[RankKvStats, ...] = ()
 
     @property
@@ -191,6 +199,16 @@ class EngineClient(Protocol):
         """The logical blocks a new request asks admission for under this engine's policy."""
         ...
 
+    def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
+        """The blocks this request would add here now: admission_blocks less the cached blocks of its prefix that
+        requests here hold (shared, not added). What submit(check_kv=True) checks."""
+        ...
+
+    def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
+        """The prefix cache's changes since the reader's (epoch, version), or its whole state
+        (engine.prefix_cache); None when prefix caching is off."""
+        ...
+
     def kv_ledger(self) -> KvLedger: ...
 
     def stats(self) -> EngineStats: ...
@@ -213,6 +231,8 @@ class ModelLimits:
     tokens_per_block: int  # block_size * dcp
     admission: str
     eos_token_ids: tuple[int, ...]
+    prefix_caching: bool = False
+    prefix_hash_seed: bytes = b""  # engine.prefix_cache.prefix_hash_seed: the block hashes the replicas report
 
 
 def model_limits(args: EngineArgs) -> ModelLimits:
@@ -226,6 +246,7 @@ def model_limits(args: EngineArgs) -> ModelLimits:
             vocab_size=config.model_config.vocab_size,
             tokens_per_block=config.cache.block_size * config.parallel.dcp, admission=config.scheduler.admission,
             eos_token_ids=config.model_config.eos_token_ids,
+            prefix_caching=config.cache.enable_prefix_caching, prefix_hash_seed=config.cache.prefix_hash_seed,
         )
     from transformers import AutoConfig
 
@@ -242,7 +263,7 @@ def model_limits(args: EngineArgs) -> ModelLimits:
     return ModelLimits(
         model=str(args.model), max_model_len=max_model_len, vocab_size=int(text.vocab_size),
         tokens_per_block=args.block_size * args.decode_context_parallel_size, admission=args.admission,
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids, prefix_caching=args.enable_prefix_caching, prefix_hash_seed=args.prefix_hash_seed(),
     )
 
 

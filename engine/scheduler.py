@@ -51,6 +51,9 @@ class ScheduledRequest:
     next_token_id: int | None = None
     # Stop tokens (EOS, stop_token_ids) the sampler must not pick yet: the request has fewer than min_tokens outputs.
     blocked_token_ids: tuple[int, ...] = ()
+    # A new entry that starts after a cached prefix, of a request with penalties: the tokens before start_position
+    # (the sampler keeps the whole history of such a request).
+    prefix_token_ids: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -178,16 +181,17 @@ class Scheduler:
         # Admission: FIFO, head-of-line blocking (no starvation); none after a preemption this step.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
-            count = min(remaining, budget)
-            if count < remaining and not self.config.enable_chunked_prefill:
-                break
             full = self.config.admission == "full"
             reserve_tokens = request.max_total_tokens if full else request.num_tokens
-            if not self.block_manager.reserve(request, reserve_tokens, 0 if full else self.headroom_blocks()):
+            # Takes the longest cached run of the request's blocks: its computed tokens start after them.
+            if not self.block_manager.admit(request, reserve_tokens, 0 if full else self.headroom_blocks()):
                 break
-            if not self.block_manager.allocate(request, request.num_computed_tokens + count):
+            remaining = request.num_tokens - request.num_computed_tokens
+            count = min(remaining, budget)
+            if ((count < remaining and not self.config.enable_chunked_prefill)
+                    or not self.block_manager.allocate(request, request.num_computed_tokens + count)):
                 self.block_manager.free(request)
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -233,6 +237,7 @@ class Scheduler:
             sampling_params=params if is_new else None,
             next_token_id=None if sample else all_token_ids[start + count],
             blocked_token_ids=blocked,
+            prefix_token_ids=all_token_ids[:start] if is_new and start and params.has_penalties else None,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[TokenUpdate]:
@@ -243,6 +248,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its blocks are already free
             request.num_computed_tokens += len(entry.token_ids)
+            self.block_manager.cache_computed(request)
             if not entry.sample:
                 continue
             token = sampled[entry.request_id]
@@ -287,9 +293,13 @@ class Scheduler:
 
     def committed_blocks(self, request: Request) -> int:
         """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"
-        what it holds, or (waiting) what it needs to start: its prompt plus outputs so far."""
+        what it holds, or (waiting) what it needs to start: its prompt plus outputs so far. Less, with prefix
+        caching, the cached blocks it shares: a running request those charged to another holder, a waiting one those
+        of its cached prefix that running requests hold now (the blocks it would add, not the ones it would share)."""
+        manager = self.block_manager
+        running = request.status == RequestStatus.RUNNING
+        shared = manager.shared_blocks(request) if running else manager.pinned_hits(request)
         if self.config.admission == "full":
-            return self.block_manager.blocks_for(request.max_total_tokens)
+            return manager.blocks_for(request.max_total_tokens) - shared
         held = max(request.reserved_blocks, len(request.block_ids))
-        return held if request.status == RequestStatus.RUNNING else max(held, self.block_manager.blocks_for(
-            request.num_tokens))
+        return (held if running else max(held, manager.blocks_for(request.num_tokens))) - shared

@@ -33,6 +33,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_num_seqs": 8,
     "max_num_batched_tokens": 512,
     "enable_chunked_prefill": False,
+    "enable_prefix_caching": False,
     "seed": 7,
     "admission": "full",
     "kv_headroom": 0.2,
