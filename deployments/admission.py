@@ -20,6 +20,23 @@ preferring the most free KV, and counts the grant against that replica until the
   one a caller found unreachable until Serve has probed it again. A grant whose replica did not take the request
   comes back through refused() or unreachable() and the request waits at the head again.
 
+Prefix-aware routing. With prefix caching each replica also reports the prefix blocks it caches
+(engine.prefix_cache.PrefixReport: changes since the queue's copy, or the whole state), and a request carries the
+hashes of its prompt's blocks (`PrefixAsk`). For each replica the queue finds the longest cached run of them
+(`PrefixIndex.match`): blocks there that a running request holds (pinned) are shared, not added, so the request's
+need on that replica is its admission blocks less those; blocks the replica caches but nobody holds cost as much as
+free ones (they are counted free). Among the replicas that have room for the request's need there, it grants the
+one with the lowest cost
+
+    cost = prefix_routing_weight * (prompt tokens it would compute there) - (KV tokens free there after the grant)
+
+so a cached prefix of h tokens is worth h tokens of free KV (and a prefix held by running requests also leaves
+more KV free, since it is shared): a conversation goes back to the replica holding its
+history unless another replica has more free KV than the history is long, and a replica that has the prefix but no
+room for the request is never waited for. With no prefix anywhere (or weight 0) it is the replica with the most free
+KV, as without caching. Grants still in flight count as cached on their replica for routing (not for the KV need):
+a burst sharing a new prefix follows the first request to one replica instead of computing the prefix everywhere.
+
 AdmissionQueue is plain asyncio (tested without Ray); KvAdmission (below) serves it as a one-replica deployment.
 """
 
@@ -35,6 +52,7 @@ from typing import Any
 from ray import serve
 
 from deployments.metrics import AdmissionMetrics
+from engine.prefix_cache import PrefixIndex, PrefixMatch, PrefixReport
 
 
 class AdmissionError(Exception):
@@ -63,6 +81,17 @@ class NoReplica(AdmissionError):
     kind = "no_replica"  # 503
 
 
+@dataclass(frozen=True)
+class PrefixAsk:
+    """A request's prompt as the prefix cache names it: the hashes of the blocks it could find cached
+    (engine.prefix_cache.prompt_hashes, computed by the ingress with the app's block unit and seed)."""
+
+    hashes: tuple[int, ...]
+    tokens_per_block: int
+    seed: bytes
+    num_prompt_tokens: int
+
+
 @dataclass
 class ReplicaKv:
     """What the queue knows of one replica's KV, in logical blocks."""
@@ -79,6 +108,38 @@ class ReplicaKv:
     probes: int = 0  # how many controller probes the replica has seen (its reports carry the count)
     unreachable_at_probe: int | None = None  # a caller could not reach it when it had seen this many probes
     last_report: float = 0.0
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # the prefix blocks it reported cached
+    inflight: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ticket -> prompt hashes of its grant
+    _inflight_blocks: dict[int, int] = field(default_factory=dict)  # hash -> grants in flight whose prompt has it
+
+    def add_inflight(self, ticket: str, ask: PrefixAsk | None) -> None:
+        if ask is None or not ask.hashes:
+            return
+        self.inflight[ticket] = ask.hashes
+        for block in ask.hashes:
+            self._inflight_blocks[block] = self._inflight_blocks.get(block, 0) + 1
+
+    def drop_inflight(self, ticket: str) -> None:
+        for block in self.inflight.pop(ticket, ()):
+            count = self._inflight_blocks[block] - 1
+            if count:
+                self._inflight_blocks[block] = count
+            else:
+                del self._inflight_blocks[block]
+
+    def match(self, ask: PrefixAsk | None) -> tuple[PrefixMatch, int]:
+        """The reported cached run of the request's prompt blocks here, and the run its grants in flight here
+        share with it (blocks being computed now: a routing preference, not KV the request may count on)."""
+        if ask is None:
+            return PrefixMatch(), 0
+        reported = self.prefix.match(ask.hashes, ask.tokens_per_block, ask.seed)
+        inflight = 0
+        if self._inflight_blocks and ask.tokens_per_block == self.tokens_per_block:
+            for block in ask.hashes:
+                if block not in self._inflight_blocks:
+                    break
+                inflight += 1
+        return reported, inflight
 
     @property
     def grantable(self) -> bool:
@@ -102,6 +163,17 @@ class _Waiter:
     ticket: str
     need: int
     future: asyncio.Future[str]
+    ask: PrefixAsk | None = None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Where a ticket was granted: the replica, the blocks counted for it there (its admission blocks less the
+    cached blocks of its prefix that requests there hold) and how many of its prompt blocks the replica caches."""
+
+    replica_id: str
+    need: int
+    hit_blocks: int
 
 
 class AdmissionQueue:
@@ -114,17 +186,29 @@ class AdmissionQueue:
         leak_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[str, float | None], None] | None = None,
+        prefix_routing_weight: float = 1.0,
+        on_routed: Callable[[int, int], None] | None = None,
     ) -> None:
         """on_event(outcome, waited_s), when given, hears every decision (deployments/metrics.py
-        ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO."""
+        ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO.
+        on_routed(prompt_blocks, hit_blocks) hears every grant of a request that named its prompt blocks.
+        prefix_routing_weight: what a token of cached prefix is worth against a token of free KV (module doc)."""
+        if prefix_routing_weight < 0:
+            raise ValueError(f"prefix_routing_weight must be >= 0 (0: route by free KV alone), got "
+                             f"{prefix_routing_weight}")
         self.max_queued = max_queued
         self._on_event = on_event
+        self._on_routed = on_routed
+        self.prefix_routing_weight = prefix_routing_weight
         self.replica_ttl_s = replica_ttl_s  # a replica silent this long gets no more grants
         self.leak_grace_s = leak_grace_s  # a grant its replica never saw this long is dropped (caller died)
         self._clock = clock
         self.replicas: dict[str, ReplicaKv] = {}
         self._waiters: deque[_Waiter] = deque()
         self._ticket_replica: dict[str, str] = {}
+        self._grants: dict[str, Grant] = {}  # ticket -> its grant, until released or given back
+        self.num_prefix_query_blocks = 0  # prompt blocks of granted requests that could have been cached
+        self.num_prefix_hit_blocks = 0  # of those, blocks their granted replica reported cached
         self.num_granted = 0
         self.num_timeouts = 0
         self.num_rejected_full = 0
@@ -133,9 +217,11 @@ class AdmissionQueue:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False) -> str:
-        """Returns the replica id that holds `need` blocks for this ticket until release(ticket).
-        front=True (a replica refused it) puts it at the head of the line."""
+    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False,
+                      ask: PrefixAsk | None = None) -> str:
+        """Returns the replica id that holds `need` blocks for this ticket until release(ticket) (less, with `ask`,
+        the blocks of its prefix the replica holds cached for running requests: grant_of(ticket) says how many it
+        counts). front=True (a replica refused it) puts it at the head of the line."""
         if need < 1:
             raise ValueError(f"need must be >= 1 block, got {need}")
         if ticket in self._ticket_replica:
@@ -149,10 +235,10 @@ class AdmissionQueue:
             self._event("rejected_never_fits")
             raise
         if not self._waiters:
-            replica = self._pick(need)
-            if replica is not None:
+            choice = self._pick(need, ask)
+            if choice is not None:
                 self._event("admitted")
-                return self._grant(ticket, need, replica)
+                return self._grant(ticket, ask, *choice)
         if len(self._waiters) >= self.max_queued and not front:
             self.num_rejected_full += 1
             self._event("rejected_queue_full")
@@ -160,7 +246,7 @@ class AdmissionQueue:
                 f"the admission queue is full ({len(self._waiters)} requests wait for KV, max_queued_requests="
                 f"{self.max_queued}); retry later"
             )
-        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask)
         if front:
             self._waiters.appendleft(waiter)
         else:
@@ -202,14 +288,26 @@ class AdmissionQueue:
                 pass
             self._fulfill()
 
+    def grant_of(self, ticket: str) -> Grant | None:
+        """The ticket's grant while it holds one."""
+        return self._grants.get(ticket)
+
+    def _drop_grant(self, ticket: str) -> ReplicaKv | None:
+        """Forgets the ticket's grant; returns its replica (if still known)."""
+        replica_id = self._ticket_replica.pop(ticket, None)
+        self._grants.pop(ticket, None)
+        replica = self.replicas.get(replica_id) if replica_id is not None else None
+        if replica is not None:
+            replica.grants.pop(ticket, None)
+            replica.drop_inflight(ticket)
+        return replica
+
     def release(self, ticket: str) -> None:
         """Ends a grant (request finished, failed or was cancelled). Unknown tickets are ignored: idempotent."""
-        replica_id = self._ticket_replica.pop(ticket, None)
         for waiter in self._waiters:
             if waiter.ticket == ticket and not waiter.future.done():
                 waiter.future.cancel()
-        if replica_id is not None and replica_id in self.replicas:
-            self.replicas[replica_id].grants.pop(ticket, None)
+        self._drop_grant(ticket)
         self._fulfill()
 
     def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
@@ -217,10 +315,9 @@ class AdmissionQueue:
         believe the replica's number until its next report."""
         self.num_refusals += 1
         self._event("refused_by_replica")
-        self._ticket_replica.pop(ticket, None)
+        self._drop_grant(ticket)
         replica = self.replicas.get(replica_id)
         if replica is not None:
-            replica.grants.pop(ticket, None)
             replica.external = max(
                 replica.external, replica.capacity - replica.headroom - replica.granted - max(free_blocks, 0))
         self._fulfill()
@@ -231,10 +328,9 @@ class AdmissionQueue:
         it again (its next report with a higher probe count)."""
         self.num_unreachable += 1
         self._event("unreachable_replica")
-        self._ticket_replica.pop(ticket, None)
+        self._drop_grant(ticket)
         replica = self.replicas.get(replica_id)
         if replica is not None:
-            replica.grants.pop(ticket, None)
             replica.unreachable_at_probe = replica.probes
         self._fulfill()
 
@@ -250,9 +346,11 @@ class AdmissionQueue:
         routable: bool = True,
         probes: int = 0,
         headroom: int = 0,
+        prefix: PrefixReport | None = None,
     ) -> None:
         """A replica's truth: its capacity, the blocks its ledger counts per ticket, its health, whether Serve routes
-        to it (and how many controller probes it has seen), its admission headroom. Reconciles grants with it."""
+        to it (and how many controller probes it has seen), its admission headroom, the changes of its prefix cache.
+        Reconciles grants with it."""
         now = self._clock()
         replica = self.replicas.get(replica_id)
         if replica is None:
@@ -265,10 +363,11 @@ class AdmissionQueue:
         replica.headroom = headroom
         replica.held = dict(held)
         replica.last_report = now
+        if prefix is not None:
+            replica.prefix.apply(prefix)
         for ticket, (_, granted_at) in list(replica.grants.items()):
             if ticket not in held and now - granted_at > self.leak_grace_s:
-                del replica.grants[ticket]  # granted long ago, never arrived or never released: the caller died
-                self._ticket_replica.pop(ticket, None)
+                self._drop_grant(ticket)  # granted long ago, never arrived or never released: the caller died
         replica.external = sum(blocks for ticket, blocks in held.items() if ticket not in replica.grants)
         self._fulfill()
 
@@ -277,6 +376,12 @@ class AdmissionQueue:
         if replica is not None:
             for ticket in replica.grants:
                 self._ticket_replica.pop(ticket, None)
+                self._grants.pop(ticket, None)
+
+    def prefix_position(self, replica_id: str) -> tuple[str | None, int]:
+        """Where the queue's copy of the replica's prefix cache stands: (epoch, version), for its next report."""
+        replica = self.replicas.get(replica_id)
+        return (None, 0) if replica is None else (replica.prefix.epoch, replica.prefix.version)
 
     def expire(self) -> None:
         """Marks replicas that stopped reporting as unhealthy (no grants) and forgets long-dead ones."""
@@ -305,10 +410,12 @@ class AdmissionQueue:
             "num_rejected_full": self.num_rejected_full,
             "num_refusals": self.num_refusals,
             "num_unreachable": self.num_unreachable,
+            "prefix_query_blocks": self.num_prefix_query_blocks,
+            "prefix_hit_blocks": self.num_prefix_hit_blocks,
             "replicas": {
                 r.replica_id: {"capacity": r.capacity, "granted": r.granted, "external": r.external,
                                "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
-                               "num_grants": len(r.grants)}
+                               "num_grants": len(r.grants), "cached_prefix_blocks": len(r.prefix.blocks)}
                 for r in self.replicas.values()
             },
         }
@@ -345,17 +452,36 @@ class AdmissionQueue:
                 f"or lower max_tokens"
             )
 
-    def _pick(self, need: int) -> ReplicaKv | None:
-        best: ReplicaKv | None = None
+    def _pick(self, need: int, ask: PrefixAsk | None = None) -> tuple[int, ReplicaKv, int] | None:
+        """The grantable replica with room for the request and the lowest routing cost (module doc), as (need
+        there, replica, prompt blocks it caches); None if no replica has room now."""
+        best: tuple[float, int, ReplicaKv, int] | None = None
         for replica in self.replicas.values():
-            if replica.grantable and replica.free >= need and (best is None or replica.free > best.free):
-                best = replica
-        return best
+            if not replica.grantable:
+                continue
+            reported, inflight = replica.match(ask)
+            need_here = need - reported.pinned_blocks
+            if replica.free < need_here:
+                continue
+            cost = -(replica.free - need_here) * replica.tokens_per_block
+            if ask is not None:
+                cached_tokens = max(reported.hit_blocks, inflight) * ask.tokens_per_block
+                cost += self.prefix_routing_weight * (ask.num_prompt_tokens - cached_tokens)
+            if best is None or cost < best[0]:
+                best = (cost, need_here, replica, reported.hit_blocks)
+        return None if best is None else best[1:]
 
-    def _grant(self, ticket: str, need: int, replica: ReplicaKv) -> str:
+    def _grant(self, ticket: str, ask: PrefixAsk | None, need: int, replica: ReplicaKv, hit_blocks: int) -> str:
         replica.grants[ticket] = (need, self._clock())
+        replica.add_inflight(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
+        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks)
         self.num_granted += 1
+        if ask is not None and ask.hashes:
+            self.num_prefix_query_blocks += len(ask.hashes)
+            self.num_prefix_hit_blocks += hit_blocks
+            if self._on_routed is not None:
+                self._on_routed(len(ask.hashes), hit_blocks)
         return replica.replica_id
 
     def _fulfill(self) -> None:
@@ -365,11 +491,11 @@ class AdmissionQueue:
             if head.future.done():
                 self._waiters.popleft()
                 continue
-            replica = self._pick(head.need)
-            if replica is None:
+            choice = self._pick(head.need, head.ask)
+            if choice is None:
                 return
             self._waiters.popleft()
-            head.future.set_result(self._grant(head.ticket, head.need, replica))
+            head.future.set_result(self._grant(head.ticket, head.ask, *choice))
 
 
 @serve.deployment(max_ongoing_requests=100_000, num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -377,9 +503,10 @@ class KvAdmission:
     """The app's admission queue as a one-replica deployment: the ingress acquires and releases, engine replicas
     report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
 
-    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0) -> None:
+    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing_weight: float = 1.0) -> None:
         self.metrics = AdmissionMetrics()
-        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, on_event=self.metrics.on_event)
+        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, on_event=self.metrics.on_event,
+                                    prefix_routing_weight=prefix_routing_weight, on_routed=self.metrics.on_routed)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:
@@ -388,9 +515,14 @@ class KvAdmission:
             self.queue.expire()
             self.metrics.update(self.queue.num_queued, self.queue.queued_blocks)
 
-    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False) -> dict[str, Any]:
+    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False,
+                      ask: PrefixAsk | None = None) -> dict[str, Any]:
+        """{"replica_id", "need" (the blocks counted there), "hit_blocks"} or {"error", "message"}."""
         try:
-            return {"replica_id": await self.queue.acquire(ticket, need, timeout_s, front)}
+            replica_id = await self.queue.acquire(ticket, need, timeout_s, front, ask)
+            grant = self.queue.grant_of(ticket)
+            return {"replica_id": replica_id, "need": grant.need if grant else need,
+                    "hit_blocks": grant.hit_blocks if grant else 0}
         except AdmissionError as err:
             return {"error": err.kind, "message": err.message}
         finally:
@@ -406,11 +538,14 @@ class KvAdmission:
         self.queue.unreachable(ticket, replica_id)
 
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
-               healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0) -> dict[str, int]:
-        """Returns the queue length, which replicas pass on to the autoscaler."""
-        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom)
-        stats = self.queue.stats()
-        return {"num_queued": stats["num_queued"], "queued_blocks": stats["queued_blocks"]}
+               healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
+               prefix: PrefixReport | None = None) -> dict[str, Any]:
+        """Returns the queue length, which replicas pass on to the autoscaler, and where the queue's copy of the
+        replica's prefix cache stands (the replica's next report starts from there)."""
+        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix)
+        epoch, version = self.queue.prefix_position(replica_id)
+        return {"num_queued": self.queue.num_queued, "queued_blocks": self.queue.queued_blocks,
+                "prefix_epoch": epoch, "prefix_version": version}
 
     def remove_replica(self, replica_id: str) -> None:
         self.queue.remove_replica(replica_id)

@@ -79,7 +79,8 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     # Fails the deploy now, with the engine's message (bad model dir, TP x DCP layout, a vLLM that is missing or cannot
     # run this layout here), instead of a replica that fails to start again and again.
     validate_engine_args(args.engine_args(), args.device or _cluster_device())
-    admission = KvAdmission.options(name="KvAdmission").bind(args.max_queued_requests)
+    admission = KvAdmission.options(name="KvAdmission").bind(
+        args.max_queued_requests, prefix_routing_weight=args.prefix_routing_weight)
     engine = engine_deployment(args).bind(args, admission)
     ingress = serve.deployment(
         OpenAIIngress,

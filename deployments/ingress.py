@@ -31,11 +31,13 @@ from ray.serve import context as serve_context
 from deployments import openapi, protocol
 from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
 from deployments.choices import usage as choices_usage
+from deployments.admission import PrefixAsk
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
 from deployments.replica import EngineRequest
 from engine.block_manager import admission_blocks
+from engine.prefix_cache import prompt_hashes
 from engine.protocol import model_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -78,6 +80,8 @@ class OpenAIIngress:
         self.vocab_size = limits.vocab_size
         self.tokens_per_block = limits.tokens_per_block
         self.admission_policy = limits.admission
+        self.prefix_caching = limits.prefix_caching
+        self.prefix_hash_seed = limits.prefix_hash_seed
         self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
         self._api_keys = [key.encode() for key in args.resolved_api_keys()]  # never logged
         self._background: set[asyncio.Task[Any]] = set()
@@ -349,6 +353,7 @@ class OpenAIIngress:
         finished = False
         num_generated = 0
         last_token_at = arrived
+        ask = self._prefix_ask(token_ids, params)
         try:
             returned: list[str] = []  # what became of earlier grants, for an honest error
             late_chance_used = False
@@ -364,7 +369,7 @@ class OpenAIIngress:
                             code="queue_timeout", retry_after=self.args.retry_after_s)
                     late_chance_used = True
                     timeout = REQUEUE_MIN_WAIT_S
-                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned))
+                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned), ask)
                 if "error" in reply:
                     status = _STATUS_OF[reply["error"]]
                     message = reply["message"]
@@ -373,7 +378,7 @@ class OpenAIIngress:
                     raise ApiError(status, message, code=reply["error"],
                                    retry_after=self.args.retry_after_s if status in (429, 503) else None)
                 replica_id = reply["replica_id"]
-                request = EngineRequest(ticket, token_ids, params, need, target_replica=replica_id)
+                request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id)
                 stream, first, problem = await self._dispatch(request, replica_id)
                 if stream is not None:
                     break
@@ -423,6 +428,14 @@ class OpenAIIngress:
             if num_generated:
                 self.metrics.generation_tokens.inc(num_generated)
             self._release(ticket)
+
+    def _prefix_ask(self, token_ids: list[int], params: SamplingParams) -> PrefixAsk | None:
+        """The prompt's blocks as the replicas' prefix caches name them, for prefix-aware admission; None with
+        caching off, or for a request asking for prompt logprobs (it computes its whole prompt)."""
+        if not self.prefix_caching or params.prompt_logprobs is not None:
+            return None
+        hashes = prompt_hashes(token_ids, self.tokens_per_block, self.prefix_hash_seed)
+        return PrefixAsk(tuple(hashes), self.tokens_per_block, self.prefix_hash_seed, len(token_ids))
 
     async def _dispatch(self, request: EngineRequest, replica_id: str) -> tuple[Any, dict[str, Any] | None, str]:
         """Sends a granted request to its replica and waits (at most dispatch_timeout_s) for its first message.

@@ -40,7 +40,7 @@ class EngineRequest:
     ticket: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    kv_blocks: int  # admission blocks under the app's policy (engine.block_manager.admission_blocks)
+    kv_blocks: int  # blocks the queue counts for it on target_replica (admission_blocks less shared cached prefix)
     target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
 
 
@@ -88,6 +88,8 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admission = admission
         self.admission_queued = 0
+        # Where the admission queue's copy of this replica's prefix cache stands (its last reply says).
+        self._prefix_position: tuple[str | None, int] = (None, 0)
         # Controller probes (routing stats, health checks) seen, and when the last one came (time.monotonic()).
         self.probes = 0
         self._last_probe_at: float | None = None
@@ -109,10 +111,12 @@ class EngineReplica:
         (it can never run here), then one dict per RequestDelta."""
         from engine.protocol import KvFull
 
-        need = self.engine.admission_blocks(len(request.prompt_token_ids), request.sampling_params.max_tokens)
+        need = self.engine.admission_need(request.prompt_token_ids, request.sampling_params.max_tokens)
         if need != request.kv_blocks:
-            logger.warning("ticket %s: ingress counted %d blocks, replica counts %d", request.ticket,
-                           request.kv_blocks, need)
+            # Normal with prefix caching when the queue's copy of the cache is a report behind: the replica's count
+            # decides (it refuses what does not fit, and its next report corrects the queue).
+            logger.debug("ticket %s: the queue counted %d blocks, the replica counts %d", request.ticket,
+                         request.kv_blocks, need)
         if self.engine.has_request(request.ticket):  # an earlier dispatch of this ticket is still here
             yield {"refused": True, "free_blocks": self.engine.kv_ledger().free_blocks, "replica_id": self.replica_id}
             return
@@ -209,11 +213,13 @@ class EngineReplica:
         while True:
             try:
                 ledger = self.engine.kv_ledger()
+                prefix = self.engine.prefix_report(*self._prefix_position)
                 reply = await self.admission.report.remote(
                     self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                    self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks,
+                    self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
                 )
                 self.admission_queued = int(reply.get("num_queued", 0))
+                self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))
             except Exception as err:  # noqa: BLE001 - the queue restarts; keep reporting
                 logger.warning("KV report to the admission queue failed: %r", err)
             await asyncio.sleep(self.args.kv_report_period_s)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import uuid
 from array import array
 from collections.abc import Iterable, Sequence
@@ -113,24 +114,27 @@ class PrefixReporter:
         self.version = 0
         self.state: dict[int, int] = {}  # hash -> PINNED | CACHED
         self._changes: dict[int, int] = {}
+        self._lock = threading.Lock()  # the engine's step thread sets, the replica's event loop reports
 
     def set(self, block: int, state: int) -> None:
-        if state == EVICTED:
-            self.state.pop(block, None)
-        else:
-            self.state[block] = state
-        self._changes[block] = state
+        with self._lock:
+            if state == EVICTED:
+                self.state.pop(block, None)
+            else:
+                self.state[block] = state
+            self._changes[block] = state
 
     def report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport:
         """The changes since the reader's (epoch, version) when that is where this reporter's last report left
         off, else the whole state. Either way the reader ends at the returned version."""
-        changes, self._changes = self._changes, {}
-        base = self.version
-        if changes:
-            self.version += 1
-        if reader_epoch == self.epoch and reader_version == base:
-            return PrefixReport(self.epoch, self.version, base, False, changes, self.tokens_per_block, self.seed)
-        return PrefixReport(self.epoch, self.version, 0, True, dict(self.state), self.tokens_per_block, self.seed)
+        with self._lock:
+            changes, self._changes = self._changes, {}
+            base = self.version
+            if changes:
+                self.version += 1
+            if reader_epoch == self.epoch and reader_version == base:
+                return PrefixReport(self.epoch, self.version, base, False, changes, self.tokens_per_block, self.seed)
+            return PrefixReport(self.epoch, self.version, 0, True, dict(self.state), self.tokens_per_block, self.seed)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from deployments.admission import AdmissionQueue, NeverFits, NoReplica, QueueFull, QueueTimeout
+from deployments.admission import AdmissionQueue, NeverFits, NoReplica, PrefixAsk, QueueFull, QueueTimeout
+from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, PrefixReport, PrefixReporter, prompt_hashes
 
 
 def make_queue(capacities: dict[str, int], max_queued: int = 8) -> AdmissionQueue:
@@ -180,5 +181,128 @@ def test_timeout_without_a_grantable_replica_says_so() -> None:
         await queue.acquire("big", 4, 1.0)
         with pytest.raises(QueueTimeout, match=r"waited 0\.\ds in the admission queue and no replica had 2 free"):
             await queue.acquire("t", 2, 0.2)
+
+    asyncio.run(run())
+
+
+# ---- prefix-aware routing ----------------------------------------------------------------------------------------
+
+SEED = b"seed"
+
+
+def ask_for(tokens: list[int]) -> PrefixAsk:
+    return PrefixAsk(tuple(prompt_hashes(tokens, 32, SEED)), 32, SEED, len(tokens))
+
+
+def cache_report(reporter: PrefixReporter, queue: AdmissionQueue, replica_id: str, capacity: int,
+                 held: dict[str, int] | None = None) -> None:
+    """The replica's periodic report, with its prefix changes since the queue's copy."""
+    epoch, version = queue.prefix_position(replica_id)
+    queue.report(replica_id, capacity, 32, held or {}, prefix=reporter.report(epoch, version))
+
+
+def test_prefix_report_changes_apply_in_order_and_a_lost_report_brings_the_whole_state() -> None:
+    writer, index = PrefixReporter(32, SEED), PrefixIndex()
+    writer.set(1, PINNED)
+    writer.set(2, PINNED)
+    first = writer.report(index.epoch, index.version)
+    assert first.full  # a new reader gets the whole state
+    index.apply(first)
+    writer.set(2, CACHED)
+    writer.set(3, PINNED)
+    delta = writer.report(index.epoch, index.version)
+    assert not delta.full and delta.changes == {2: CACHED, 3: PINNED}
+    index.apply(delta)
+    assert index.blocks == {1: PINNED, 2: CACHED, 3: PINNED}
+    writer.set(1, EVICTED)
+    writer.report(index.epoch, index.version)  # lost on the way: the reader stays where it was
+    writer.set(4, CACHED)
+    again = writer.report(index.epoch, index.version)
+    assert again.full and again.changes == {2: CACHED, 3: PINNED, 4: CACHED}
+    index.apply(again)
+    assert index.blocks == writer.state
+    stale = PrefixReport(index.epoch, index.version + 5, index.version + 4, False, {9: PINNED}, 32, SEED)
+    index.apply(stale)  # changes from a state the reader never had are ignored
+    assert 9 not in index.blocks
+
+
+def test_routes_to_the_replica_caching_the_prefix_and_counts_only_the_blocks_it_adds() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 20, "b": 20})
+        prompt = list(range(100))  # 3 full blocks of 32 before the last token
+        writer = PrefixReporter(32, SEED)
+        for block in prompt_hashes(prompt, 32, SEED):
+            writer.set(block, CACHED)  # cached but held by nobody: saves compute, not KV
+        cache_report(writer, queue, "b", 20)
+        queue.report("a", 20, 32, {})
+        assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [7, 8])) == "b"
+        assert queue.grant_of("t1").need == 5 and queue.grant_of("t1").hit_blocks == 3
+        for block in prompt_hashes(prompt, 32, SEED):
+            writer.set(block, PINNED)  # t1 runs and holds them
+        cache_report(writer, queue, "b", 20, {"t1": 5})
+        assert await queue.acquire("t2", 5, 1.0, ask=ask_for(prompt + [9])) == "b"
+        assert queue.grant_of("t2").need == 2  # its 3 shared blocks are t1's
+        assert queue.replicas["b"].free == 20 - 5 - 2
+        assert queue.stats()["prefix_hit_blocks"] == 6 and queue.stats()["prefix_query_blocks"] == 6
+
+    asyncio.run(run())
+
+
+def test_a_replica_with_the_prefix_but_no_room_does_not_hold_the_request_back() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 20, "b": 20})
+        prompt = list(range(100))
+        writer = PrefixReporter(32, SEED)
+        for block in prompt_hashes(prompt, 32, SEED):
+            writer.set(block, CACHED)
+        cache_report(writer, queue, "b", 20, {"other": 18})  # b has 2 blocks free
+        assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == "a"
+        assert queue.grant_of("t").hit_blocks == 0
+
+    asyncio.run(run())
+
+
+def test_prefix_affinity_is_weighed_against_free_kv() -> None:
+    async def run() -> None:
+        prompt = list(range(100))  # 96 cached tokens on b
+        for b_held, weight, expected in [(2, 1.0, "b"),  # 64 tokens less free on b < 96 cached: b
+                                         (4, 1.0, "a"),  # 128 tokens less free > 96 cached: a
+                                         (4, 2.0, "b"),  # worth twice as much: 192 > 128: b
+                                         (1, 0.0, "a")]:  # weight 0: most free KV
+            queue = AdmissionQueue(max_queued=4, prefix_routing_weight=weight)
+            writer = PrefixReporter(32, SEED)
+            for block in prompt_hashes(prompt, 32, SEED):
+                writer.set(block, CACHED)
+            queue.report("a", 20, 32, {})
+            cache_report(writer, queue, "b", 20, {"other": b_held})
+            assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == expected, (b_held, weight)
+        with pytest.raises(ValueError, match="prefix_routing_weight"):
+            AdmissionQueue(max_queued=4, prefix_routing_weight=-1)
+
+    asyncio.run(run())
+
+
+def test_a_burst_sharing_a_new_prefix_follows_the_first_grant_and_other_layouts_never_match() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 20, "b": 18})
+        prompt = list(range(100))
+        assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [1])) == "a"  # most free
+        assert queue.grant_of("t1").hit_blocks == 0
+        queue.release("t1")
+        long_prompt = list(range(300))  # 9 blocks = 288 tokens
+        assert await queue.acquire("t2", 10, 1.0, ask=ask_for(long_prompt + [1])) == "a"
+        # Nothing reported yet, but t2 computes the prefix on a: t3 follows it (after the grant a would have no
+        # block free and b 8 = 256 tokens, but the 288 tokens of prefix in flight on a weigh more).
+        assert await queue.acquire("t3", 10, 1.0, ask=ask_for(long_prompt + [2])) == "a"
+        assert queue.grant_of("t3").need == 10  # in flight is a preference, never a KV discount
+        queue.release("t2")
+        queue.release("t3")
+        other = PrefixAsk(tuple(prompt_hashes(long_prompt, 64, SEED)), 64, SEED, len(long_prompt))
+        writer = PrefixReporter(32, SEED)
+        for block in prompt_hashes(long_prompt, 32, SEED):
+            writer.set(block, PINNED)
+        cache_report(writer, queue, "b", 18, {})
+        assert queue.replicas["b"].match(other)[0].hit_blocks == 0  # hashed with another block size
+        assert queue.replicas["b"].match(ask_for(long_prompt))[0].pinned_blocks == 9
 
     asyncio.run(run())
