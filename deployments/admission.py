@@ -30,8 +30,10 @@ one with the lowest cost
 
     cost = prefix_routing_weight * (prompt tokens it would compute there) - (KV tokens free there after the grant)
 
-so a cached prefix of h tokens is worth h tokens of free KV (and a prefix held by running requests also leaves
-more KV free, since it is shared): a conversation goes back to the replica holding its
+among the replicas in balance (running at most max(least + 2, 1.5 * least) sequences, least being the least busy
+one's count: prefix affinity never piles requests onto one replica while another idles). So a cached prefix of h
+tokens is worth h tokens of free KV (and a prefix held by running requests also leaves more KV free, since it is
+shared): a conversation goes back to the replica holding its
 history unless another replica has more free KV than the history is long, and a replica that has the prefix but no
 room for the request is never waited for. With no prefix anywhere (or weight 0) it is the replica with the most free
 KV, as without caching. Grants still in flight count as cached on their replica for routing (not for the KV need):
@@ -81,6 +83,12 @@ class NoReplica(AdmissionError):
     kind = "no_replica"  # 503
 
 
+# A replica is in balance while it runs at most max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
+# sequences, least being the count of the least busy replica with room; only replicas in balance compete on cost.
+BALANCE_SLACK_SEQUENCES = 2
+BALANCE_RATIO = 1.5
+
+
 @dataclass(frozen=True)
 class PrefixAsk:
     """A request's prompt as the prefix cache names it: the hashes of the blocks it could find cached
@@ -111,6 +119,22 @@ class ReplicaKv:
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # the prefix blocks it reported cached
     inflight: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ticket -> prompt hashes of its grant
     _inflight_blocks: dict[int, int] = field(default_factory=dict)  # hash -> grants in flight whose prompt has it
+    num_reports: int = 0
+    _released: dict[str, int] = field(default_factory=dict)  # ticket -> num_reports when its request finished
+
+    def retire_inflight(self, ticket: str) -> None:
+        """The ticket's request finished here: its prompt stays a routing preference until a report made after the
+        finish says what the replica caches (the second report from now: the first may have left before it). A
+        conversation's next turn, sent the moment the answer ends, then still finds its way back."""
+        if ticket in self.inflight:
+            self._released[ticket] = self.num_reports
+
+    def on_report(self) -> None:
+        self.num_reports += 1
+        for ticket, at in list(self._released.items()):
+            if self.num_reports >= at + 2:
+                del self._released[ticket]
+                self.drop_inflight(ticket)
 
     def add_inflight(self, ticket: str, ask: PrefixAsk | None) -> None:
         if ask is None or not ask.hashes:
@@ -140,6 +164,11 @@ class ReplicaKv:
                     break
                 inflight += 1
         return reported, inflight
+
+    @property
+    def num_sequences(self) -> int:
+        """Requests it runs or was granted: the granted tickets and the ones it reports holding."""
+        return len(self.grants) + sum(1 for ticket in self.held if ticket not in self.grants)
 
     @property
     def grantable(self) -> bool:
@@ -292,14 +321,18 @@ class AdmissionQueue:
         """The ticket's grant while it holds one."""
         return self._grants.get(ticket)
 
-    def _drop_grant(self, ticket: str) -> ReplicaKv | None:
-        """Forgets the ticket's grant; returns its replica (if still known)."""
+    def _drop_grant(self, ticket: str, finished: bool = False) -> ReplicaKv | None:
+        """Forgets the ticket's grant; returns its replica (if still known). A finished request's prompt stays a
+        routing preference there until the replica reports its cache again."""
         replica_id = self._ticket_replica.pop(ticket, None)
         self._grants.pop(ticket, None)
         replica = self.replicas.get(replica_id) if replica_id is not None else None
         if replica is not None:
             replica.grants.pop(ticket, None)
-            replica.drop_inflight(ticket)
+            if finished:
+                replica.retire_inflight(ticket)
+            else:
+                replica.drop_inflight(ticket)
         return replica
 
     def release(self, ticket: str) -> None:
@@ -307,7 +340,7 @@ class AdmissionQueue:
         for waiter in self._waiters:
             if waiter.ticket == ticket and not waiter.future.done():
                 waiter.future.cancel()
-        self._drop_grant(ticket)
+        self._drop_grant(ticket, finished=True)
         self._fulfill()
 
     def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
@@ -365,6 +398,7 @@ class AdmissionQueue:
         replica.last_report = now
         if prefix is not None:
             replica.prefix.apply(prefix)
+        replica.on_report()
         for ticket, (_, granted_at) in list(replica.grants.items()):
             if ticket not in held and now - granted_at > self.leak_grace_s:
                 self._drop_grant(ticket)  # granted long ago, never arrived or never released: the caller died
@@ -455,13 +489,23 @@ class AdmissionQueue:
     def _pick(self, need: int, ask: PrefixAsk | None = None) -> tuple[int, ReplicaKv, int] | None:
         """The grantable replica with room for the request and the lowest routing cost (module doc), as (need
         there, replica, prompt blocks it caches); None if no replica has room now."""
-        best: tuple[float, int, ReplicaKv, int] | None = None
+        roomy = []
         for replica in self.replicas.values():
             if not replica.grantable:
                 continue
             reported, inflight = replica.match(ask)
             need_here = need - reported.pinned_blocks
-            if replica.free < need_here:
+            if replica.free >= need_here:
+                roomy.append((replica, reported, inflight, need_here))
+        if not roomy:
+            return None
+        # Load balance first: a replica running many more sequences than the least busy one is passed over, however
+        # much of the prefix it holds (otherwise every request sharing a system prompt would pile onto one replica).
+        least = min(replica.num_sequences for replica, *_ in roomy)
+        limit = max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
+        best: tuple[float, int, ReplicaKv, int] | None = None
+        for replica, reported, inflight, need_here in roomy:
+            if replica.num_sequences > limit:
                 continue
             cost = -(replica.free - need_here) * replica.tokens_per_block
             if ask is not None:

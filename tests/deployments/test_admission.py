@@ -306,3 +306,37 @@ def test_a_burst_sharing_a_new_prefix_follows_the_first_grant_and_other_layouts_
         assert queue.replicas["b"].match(ask_for(long_prompt))[0].pinned_blocks == 9
 
     asyncio.run(run())
+
+
+def test_a_finished_turn_keeps_steering_its_conversation_until_the_replica_reports_its_cache() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 20, "b": 18})
+        history = list(range(300))
+        assert await queue.acquire("turn1", 10, 1.0, ask=ask_for(history)) == "a"
+        queue.release("turn1")  # the answer ended; the next turn comes at once, before a's next report
+        queue.report("b", 21, 32, {})  # b now has more free KV
+        assert await queue.acquire("turn2", 10, 1.0, ask=ask_for(history + [1, 2])) == "a"
+        queue.release("turn2")
+        for _ in range(2):  # two reports from a (neither names the prefix): the preference is gone
+            queue.report("a", 20, 32, {}, prefix=PrefixReporter(32, SEED).report(None, 0))
+        assert await queue.acquire("turn3", 10, 1.0, ask=ask_for(history + [1, 2, 3])) == "b"
+
+    asyncio.run(run())
+
+
+def test_prefix_affinity_never_piles_requests_onto_one_replica_while_another_idles() -> None:
+    async def run() -> None:
+        queue = make_queue({"a": 100, "b": 100})
+        system = list(range(640))  # a long shared system prompt: 20 blocks
+        assert await queue.acquire("t0", 21, 1.0, ask=ask_for(system + [0])) == "a"
+        writer = PrefixReporter(32, SEED)
+        for block in prompt_hashes(system, 32, SEED):
+            writer.set(block, PINNED)  # t0 runs on a and holds the system prompt (19 whole blocks before its last token)
+        cache_report(writer, queue, "a", 100, {"t0": 21})
+        granted = [await queue.acquire(f"t{i}", 21, 1.0, ask=ask_for(system + [i])) for i in range(1, 5)]
+        # a wins on cost every time, but with 3 sequences against none (past least + 2) b takes the next one; then
+        # 3 against 1 is in balance again.
+        assert granted == ["a", "a", "b", "a"], granted
+        assert queue.grant_of("t1").need == 2 and queue.grant_of("t3").need == 21  # 19 of its 21 blocks shared on a
+
+    asyncio.run(run())
