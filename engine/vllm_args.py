@@ -21,6 +21,8 @@ VLLM_VERSION = "0.32.0"
 CPU_BLOCK_MULTIPLE = 32
 # KV per rank on CPU when no kv_cache_memory_bytes is given (the native engine's CacheConfig default).
 CPU_DEFAULT_KV_BYTES = 128 << 20
+# Where vLLM's engine core publishes its KV cache events (engine.vllm_engine subscribes): a loopback address only.
+KV_EVENTS_HOST = "127.0.0.1"
 
 
 def vllm_installed() -> bool:
@@ -68,6 +70,18 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
             f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
             f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
         )
+
+
+def kv_events_config(endpoint: str, topic: str) -> Any:
+    """vLLM's KVEventsConfig publishing the engine core's KV cache events (BlockStored / BlockRemoved /
+    AllBlocksCleared) over ZeroMQ to `endpoint`. A tcp://127.0.0.1:port endpoint is one vLLM's publisher connects
+    to (it binds only wildcard, ipc and inproc endpoints), so the subscriber binds it first on a port the kernel
+    picked: nothing listens beyond loopback, and no port is fixed."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    if not endpoint.startswith(f"tcp://{KV_EVENTS_HOST}:"):
+        raise ValueError(f"KV events go to a loopback address, got {endpoint!r}")
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=topic)
 
 
 def _check_pool_holds_one_request(args: EngineArgs, device: str) -> None:
@@ -122,8 +136,10 @@ def set_cpu_threads_bind(tp: int) -> None:
         _bind_set_here.append(value)
 
 
-def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
-    """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py)."""
+def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | None = None,
+                       kv_events_topic: str = "") -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py). kv_events_endpoint: where
+    the engine core publishes its KV cache events (with prefix caching; see kv_events_config)."""
     tp = args.tensor_parallel_size
     kwargs: dict[str, Any] = {
         "model": args.model,
@@ -138,11 +154,13 @@ def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
         "seed": args.seed,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "gpu_memory_utilization": args.gpu_memory_utilization,
-        # Prefix caching is the subject of its own work item; until the ledger counts cached blocks it stays off,
-        # so vLLM's pool holds exactly what this adapter's ledger counts.
-        "enable_prefix_caching": False,
+        # vLLM's own prefix cache (blocks of block_size * dcp tokens, as ours); engine.vllm_engine learns which blocks
+        # it holds from its KV cache events and counts shared blocks once in the ledger.
+        "enable_prefix_caching": args.enable_prefix_caching,
         "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)
     }
+    if args.enable_prefix_caching and kv_events_endpoint is not None:
+        kwargs["kv_events_config"] = kv_events_config(kv_events_endpoint, kv_events_topic)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens is not None:
