@@ -59,9 +59,12 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
         _check_pool_holds_one_request(args, device)
 
     try:
-        architectures = json.loads((Path(args.model) / "config.json").read_text()).get("architectures") or []
+        config = json.loads((Path(args.model) / "config.json").read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"model={args.model!r}: its config.json cannot be read ({err})") from None
+    architectures = config.get("architectures") or []
+    if args.enable_prefix_caching:
+        _check_prefix_caching(args, device, config)
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())
@@ -69,6 +72,50 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
         raise ValueError(
             f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
             f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
+        )
+
+
+def cpu_has_amx() -> bool:
+    """Whether this x86 CPU has AMX tiles (vLLM 0.32 runs MLA on CPU with its AMX kernels then, prefix caching
+    included; without them its reference CPU MLA turns prefix caching off)."""
+    import platform
+
+    import torch
+
+    return platform.machine().lower() in ("x86_64", "amd64") and bool(torch.cpu._is_amx_tile_supported())
+
+
+def _check_prefix_caching(args: EngineArgs, device: str, config: dict[str, Any]) -> None:
+    """What vLLM 0.32 does not do with prefix caching in our configurations. Where vLLM would quietly turn it off
+    (the replica would then serve without the cache the app routes by) or could never hit a block, say so now.
+
+    DCP itself is no obstacle: for the one full-attention KV group of our models vLLM hashes and caches blocks of
+    cache block_size * dcp tokens (vllm/v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes: a DCP-sharded
+    attention group's block spans dcp pages), which is exactly our logical block, so its cached blocks are ours."""
+    import platform
+
+    tokens_per_block = args.block_size * args.decode_context_parallel_size
+    longest = args.max_model_len or _max_position_embeddings(args.model)
+    if tokens_per_block >= longest:
+        raise ValueError(
+            f"enable_prefix_caching caches full logical blocks of block_size * dcp = {args.block_size} * "
+            f"{args.decode_context_parallel_size} = {tokens_per_block} tokens, but max_model_len={longest} leaves no "
+            f"request a full block before its last token: lower block_size, or set enable_prefix_caching=false"
+        )
+    if device != "cpu":
+        return
+    if platform.machine().lower().startswith("riscv"):
+        raise ValueError(
+            f"enable_prefix_caching=true with backend='vllm' on a {platform.machine()} CPU: vLLM {VLLM_VERSION} turns "
+            f"prefix caching off on RISC-V; set enable_prefix_caching=false, or use backend='native'"
+        )
+    text = config.get("text_config", config)
+    if text.get("kv_lora_rank") is not None and not cpu_has_amx():
+        raise ValueError(
+            f"enable_prefix_caching=true with backend='vllm' on CPU for an MLA model (kv_lora_rank="
+            f"{text['kv_lora_rank']}): without AMX this CPU runs vLLM {VLLM_VERSION}'s reference CPU MLA, which turns "
+            f"prefix caching off (and pages 16 tokens); set enable_prefix_caching=false, serve it on GPUs or AMX CPUs, "
+            f"or use backend='native'"
         )
 
 

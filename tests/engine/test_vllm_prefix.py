@@ -4,8 +4,8 @@ The first part drives engine.vllm_engine.VllmPrefixCache with vLLM's events by h
 vLLM's blocks, copies, removals, lost events, PINNED / CACHED by the requests held, each shared block charged once.
 The `vllm` part runs vLLM's AsyncLLM (the CPU wheel, `make test-vllm`): a repeated prompt is served from vLLM's
 cache and reported under exactly the hashes the app computes (engine.prefix_cache.prompt_hashes), a concurrent
-request sharing a prefix sees it PINNED and the ledger counts the shared blocks once, evictions are reported, and greedy
-tokens are the same with the cache off.
+request sharing a prefix sees it PINNED and the ledger counts the shared blocks once, evictions are reported, greedy
+tokens are the same with the cache off, and the configurations vLLM would quietly run uncached are refused at deploy.
 """
 
 from __future__ import annotations
@@ -324,3 +324,28 @@ def test_evictions_are_reported(cached, tiny: Path) -> None:
         assert not set(first) <= set(index.blocks)  # the least recently used went first
 
     loop.run_until_complete(run())
+
+
+@pytest.mark.vllm
+def test_configurations_vllm_would_run_uncached_are_refused_at_deploy(tiny: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.vllm_args as vllm_args
+    from engine.tiny_model import write_tiny_mla_model
+
+    with pytest.raises(ValueError, match=r"enable_prefix_caching caches full logical blocks of block_size \* dcp = "
+                                         r"32 \* 1 = 32 tokens, but max_model_len=32 .* enable_prefix_caching=false"):
+        vllm_args.validate_vllm_args(_args(tiny, max_model_len=32, kv_cache_memory_bytes=None), "cpu")
+    vllm_args.validate_vllm_args(_args(tiny, max_model_len=32, kv_cache_memory_bytes=None,
+                                       enable_prefix_caching=False), "cpu")
+    mla = write_tiny_mla_model(tmp_path / "mla")
+    monkeypatch.setattr(vllm_args, "cpu_has_amx", lambda: False)
+    with pytest.raises(ValueError, match=r"enable_prefix_caching=true with backend='vllm' on CPU for an MLA model "
+                                         r"\(kv_lora_rank=40\): without AMX .* turns prefix caching off .* set "
+                                         r"enable_prefix_caching=false"):
+        vllm_args.validate_vllm_args(_args(mla, kv_cache_memory_bytes=None), "cpu")
+    vllm_args.validate_vllm_args(_args(mla, kv_cache_memory_bytes=None, enable_prefix_caching=False), "cpu")
+    monkeypatch.setattr(vllm_args, "cpu_has_amx", lambda: True)  # vLLM's AMX MLA keeps prefix caching
+    vllm_args.validate_vllm_args(_args(mla, kv_cache_memory_bytes=None), "cpu")
+    # The engine's events reach it on loopback only.
+    with pytest.raises(ValueError, match="loopback"):
+        vllm_args.kv_events_config("tcp://*:5557", "t")
