@@ -21,6 +21,8 @@ VLLM_VERSION = "0.32.0"
 CPU_BLOCK_MULTIPLE = 32
 # KV per rank on CPU when no kv_cache_memory_bytes is given (the native engine's CacheConfig default).
 CPU_DEFAULT_KV_BYTES = 128 << 20
+# Where vLLM's engine core publishes its KV cache events (engine.vllm_engine subscribes): a loopback address only.
+KV_EVENTS_HOST = "127.0.0.1"
 
 
 def vllm_installed() -> bool:
@@ -57,9 +59,12 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
         _check_pool_holds_one_request(args, device)
 
     try:
-        architectures = json.loads((Path(args.model) / "config.json").read_text()).get("architectures") or []
+        config = json.loads((Path(args.model) / "config.json").read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"model={args.model!r}: its config.json cannot be read ({err})") from None
+    architectures = config.get("architectures") or []
+    if args.enable_prefix_caching:
+        _check_prefix_caching(args, device, config)
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())
@@ -68,6 +73,62 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
             f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
             f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
         )
+
+
+def cpu_has_amx() -> bool:
+    """Whether this x86 CPU has AMX tiles (vLLM 0.32 runs MLA on CPU with its AMX kernels then, prefix caching
+    included; without them its reference CPU MLA turns prefix caching off)."""
+    import platform
+
+    import torch
+
+    return platform.machine().lower() in ("x86_64", "amd64") and bool(torch.cpu._is_amx_tile_supported())
+
+
+def _check_prefix_caching(args: EngineArgs, device: str, config: dict[str, Any]) -> None:
+    """What vLLM 0.32 does not do with prefix caching in our configurations. Where vLLM would quietly turn it off
+    (the replica would then serve without the cache the app routes by) or could never hit a block, say so now.
+
+    DCP itself is no obstacle: for the one full-attention KV group of our models vLLM hashes and caches blocks of
+    cache block_size * dcp tokens (vllm/v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes: a DCP-sharded
+    attention group's block spans dcp pages), which is exactly our logical block, so its cached blocks are ours."""
+    import platform
+
+    tokens_per_block = args.block_size * args.decode_context_parallel_size
+    longest = args.max_model_len or _max_position_embeddings(args.model)
+    if tokens_per_block >= longest:
+        raise ValueError(
+            f"enable_prefix_caching caches full logical blocks of block_size * dcp = {args.block_size} * "
+            f"{args.decode_context_parallel_size} = {tokens_per_block} tokens, but max_model_len={longest} leaves no "
+            f"request a full block before its last token: lower block_size, or set enable_prefix_caching=false"
+        )
+    if device != "cpu":
+        return
+    if platform.machine().lower().startswith("riscv"):
+        raise ValueError(
+            f"enable_prefix_caching=true with backend='vllm' on a {platform.machine()} CPU: vLLM {VLLM_VERSION} turns "
+            f"prefix caching off on RISC-V; set enable_prefix_caching=false, or use backend='native'"
+        )
+    text = config.get("text_config", config)
+    if text.get("kv_lora_rank") is not None and not cpu_has_amx():
+        raise ValueError(
+            f"enable_prefix_caching=true with backend='vllm' on CPU for an MLA model (kv_lora_rank="
+            f"{text['kv_lora_rank']}): without AMX this CPU runs vLLM {VLLM_VERSION}'s reference CPU MLA, which turns "
+            f"prefix caching off (and pages 16 tokens); set enable_prefix_caching=false, serve it on GPUs or AMX CPUs, "
+            f"or use backend='native'"
+        )
+
+
+def kv_events_config(endpoint: str, topic: str) -> Any:
+    """vLLM's KVEventsConfig publishing the engine core's KV cache events (BlockStored / BlockRemoved /
+    AllBlocksCleared) over ZeroMQ to `endpoint`. A tcp://127.0.0.1:port endpoint is one vLLM's publisher connects
+    to (it binds only wildcard, ipc and inproc endpoints), so the subscriber binds it first on a port the kernel
+    picked: nothing listens beyond loopback, and no port is fixed."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    if not endpoint.startswith(f"tcp://{KV_EVENTS_HOST}:"):
+        raise ValueError(f"KV events go to a loopback address, got {endpoint!r}")
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=topic)
 
 
 def _check_pool_holds_one_request(args: EngineArgs, device: str) -> None:
@@ -122,8 +183,10 @@ def set_cpu_threads_bind(tp: int) -> None:
         _bind_set_here.append(value)
 
 
-def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
-    """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py)."""
+def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | None = None,
+                       kv_events_topic: str = "") -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py). kv_events_endpoint: where
+    the engine core publishes its KV cache events (with prefix caching; see kv_events_config)."""
     tp = args.tensor_parallel_size
     kwargs: dict[str, Any] = {
         "model": args.model,
@@ -138,11 +201,13 @@ def vllm_engine_kwargs(args: EngineArgs, device: str) -> dict[str, Any]:
         "seed": args.seed,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "gpu_memory_utilization": args.gpu_memory_utilization,
-        # Prefix caching is the subject of its own work item; until the ledger counts cached blocks it stays off,
-        # so vLLM's pool holds exactly what this adapter's ledger counts.
-        "enable_prefix_caching": False,
+        # vLLM's own prefix cache (blocks of block_size * dcp tokens, as ours); engine.vllm_engine learns which blocks
+        # it holds from its KV cache events and counts shared blocks once in the ledger.
+        "enable_prefix_caching": args.enable_prefix_caching,
         "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)
     }
+    if args.enable_prefix_caching and kv_events_endpoint is not None:
+        kwargs["kv_events_config"] = kv_events_config(kv_events_endpoint, kv_events_topic)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens is not None:
