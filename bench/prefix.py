@@ -68,8 +68,8 @@ class Workload:
 
 
 WORKLOADS = {
-    False: Workload(system_tokens=2000, user_tokens=48, system_requests=24, system_concurrency=4, conversations=6,
-                    turns=6, context_tokens=1500, answer_tokens=24),
+    False: Workload(system_tokens=4000, user_tokens=64, system_requests=24, system_concurrency=4, conversations=6,
+                    turns=6, context_tokens=2500, answer_tokens=24),
     True: Workload(system_tokens=1000, user_tokens=32, system_requests=8, system_concurrency=4, conversations=4,
                    turns=3, context_tokens=600, answer_tokens=12),
 }
@@ -148,7 +148,7 @@ def engine_counters(head: compare.ServeHead) -> tuple[int, int]:
             sum(s["prefix_cache_hits"] for s in by_replica.values()))
 
 
-async def completion(client: Any, prompt: list[int], max_tokens: int, timing: Timing, start: float) -> list[int]:
+async def completion(client: Any, prompt: list[int], max_tokens: int, timing: Timing) -> list[int]:
     """One streamed greedy completion; returns its token ids (the next turn resends them)."""
     sent = time.perf_counter()
     first = None
@@ -170,6 +170,20 @@ async def completion(client: Any, prompt: list[int], max_tokens: int, timing: Ti
     return tokens
 
 
+async def warm_up(base_url: str, vocab: int) -> None:
+    """A few short requests of their own first, so no configuration pays the replicas' first steps in its numbers."""
+    import openai
+
+    rng = random.Random(0)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900)
+    try:
+        for _ in range(2):
+            await asyncio.gather(*(completion(client, [rng.randrange(vocab) for _ in range(64)], 4, Timing())
+                                   for _ in range(2 * REPLICAS)))
+    finally:
+        await client.close()
+
+
 async def system_prompt_set(base_url: str, workload: Workload, vocab: int, seed: int) -> Timing:
     import openai
 
@@ -184,7 +198,7 @@ async def system_prompt_set(base_url: str, workload: Workload, vocab: int, seed:
 
     async def one(prompt: list[int]) -> None:
         async with gate:
-            await completion(client, prompt, workload.answer_tokens, timing, start)
+            await completion(client, prompt, workload.answer_tokens, timing)
 
     try:
         await asyncio.gather(*(one(p) for p in prompts))
@@ -206,7 +220,7 @@ async def multi_turn_set(base_url: str, workload: Workload, vocab: int, seed: in
         history = [rng.randrange(vocab) for _ in range(workload.context_tokens)]
         for _ in range(workload.turns):
             history += [rng.randrange(vocab) for _ in range(workload.user_tokens)]
-            history += await completion(client, history, workload.answer_tokens, timing, start)
+            history += await completion(client, history, workload.answer_tokens, timing)
 
     try:
         await asyncio.gather(*(conversation() for _ in range(workload.conversations)))
@@ -222,6 +236,7 @@ def measure(label: str, head: compare.ServeHead, model_dir: Path, workload: Work
     say(f"{label}: deploying {REPLICAS} replicas (tp=1), enable_prefix_caching={caching}, "
         f"prefix_routing_weight={weight}")
     head.deploy(model_dir, app_config(caching, weight, max_model_len), label.replace(" ", "_").replace(",", ""))
+    asyncio.run(warm_up(head.base_url, vocab))
     say(f"{label}: shared system prompt set")
     system = asyncio.run(system_prompt_set(head.base_url, workload, vocab, seed=1))
     queried0, hit0 = engine_counters(head)
