@@ -13,6 +13,7 @@ latencies as the client sees them; OpenAIIngress). Units are in the names (secon
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 from ray.serve import metrics
 
@@ -60,6 +61,25 @@ def _start_at_zero(counter: metrics.Counter, tags: dict[str, str] | None = None)
     counter._record(0.0, tags=tags)
 
 
+class _EngineCount:
+    """Feeds a counter from one of EngineStats' cumulative counts (counted since the engine started): each update
+    adds what the count grew by since the last one. A count below the last one seen means the engine started over
+    from 0, so all of it is new (Prometheus' own counter-reset rule); the exported counter never goes back."""
+
+    def __init__(self, counter: metrics.Counter, count: Callable[[EngineStats], int]) -> None:
+        self.counter = counter
+        self.count = count
+        self.seen = 0
+        _start_at_zero(counter)
+
+    def advance(self, stats: EngineStats) -> None:
+        count = self.count(stats)
+        new = count - self.seen if count >= self.seen else count
+        if new > 0:
+            self.counter.inc(new)
+        self.seen = count
+
+
 def _histogram(name: str, description: str, boundaries: list[float],
                tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
     return metrics.Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
@@ -98,10 +118,10 @@ class ReplicaMetrics:
         self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",
                                    "time of one step in the DCP exchange (max over ranks; 0 without DCP)",
                                    STEP_BUCKETS_S)
-        self._preemptions_seen = 0
-        self._recomputed_seen = 0
-        _start_at_zero(self.preemptions)
-        _start_at_zero(self.recomputed)
+        self._engine_counts = (
+            _EngineCount(self.preemptions, lambda stats: stats.num_preemptions),
+            _EngineCount(self.recomputed, lambda stats: stats.num_recomputed_tokens),
+        )
         _start_at_zero(self.accepted, {"admission": admission})
         copies = tp // num_kv_heads if tp > num_kv_heads else 1  # ranks holding one KV head
         self._layout_tags = {"tp": str(tp), "dcp": str(dcp), "kv_heads": str(num_kv_heads),
@@ -133,14 +153,8 @@ class ReplicaMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting + stats.num_pending)
         self.healthy.set(1 if stats.healthy else 0)
-        new = stats.num_preemptions - self._preemptions_seen
-        if new > 0:
-            self.preemptions.inc(new)
-        self._preemptions_seen = stats.num_preemptions
-        recomputed = stats.num_recomputed_tokens - self._recomputed_seen
-        if recomputed > 0:
-            self.recomputed.inc(recomputed)
-        self._recomputed_seen = stats.num_recomputed_tokens
+        for count in self._engine_counts:
+            count.advance(stats)
 
 
 class AdmissionMetrics:
