@@ -6,9 +6,10 @@ service-discovery file Ray writes (<temp dir>/prom_metrics_service_discovery.jso
 Ray prefixes every name with `ray_` and exports a counter `x` as `ray_x_total`: the names below are the ones
 given to Ray (no `ray_`, no `_total`); METRIC_NAMES holds the names Prometheus shows.
 
-Three recorders, one per deployment: ReplicaMetrics (engine KV, sequences, layout, steps; EngineReplica),
-AdmissionMetrics (outcomes, queue length and wait; KvAdmission), IngressMetrics (HTTP statuses, tokens and
-latencies as the client sees them; OpenAIIngress). Units are in the names (seconds, tokens, ratio).
+Three recorders, one per deployment: ReplicaMetrics (engine KV, prefix cache, sequences, layout, steps;
+EngineReplica), AdmissionMetrics (outcomes, queue length and wait, prefix routing; KvAdmission), IngressMetrics (HTTP
+statuses, tokens and latencies as the client sees them; OpenAIIngress). Units are in the names (seconds, tokens,
+blocks, ratio).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _histogram(name: str, description: str, boundaries: list[float],
 
 
 class ReplicaMetrics:
-    """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, step timings."""
+    """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, prefix cache, step
+    timings."""
 
     def __init__(self, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
                  admission: str = "usage") -> None:
@@ -112,6 +114,16 @@ class ReplicaMetrics:
         self.healthy = _gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")
         self.preemptions = _counter("dcpserve_preemptions", "requests preempted for KV (admission 'usage')")
         self.recomputed = _counter("dcpserve_recomputed_tokens", "computed tokens preemption threw away (recomputed)")
+        # Prefix caching: prompt tokens looked up and served from the cache, evictions, cached blocks (all but the
+        # looked-up tokens stay 0 while it is off).
+        self.prefix_queries = _counter("dcpserve_prefix_cache_query_tokens",
+                                       "prompt tokens of new requests looked up in the prefix cache")
+        self.prefix_hits = _counter("dcpserve_prefix_cache_hit_tokens",
+                                    "prompt tokens of new requests served from the prefix cache (not computed)")
+        self.prefix_evictions = _counter("dcpserve_prefix_cache_evictions",
+                                         "cached prefix blocks evicted to hold other KV")
+        self.kv_cached = _gauge("dcpserve_kv_cached_blocks",
+                                "logical KV blocks holding a cached prefix block (in use or evictable)")
         self.accepted = _counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
                                  ("admission",))
         self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
@@ -121,6 +133,9 @@ class ReplicaMetrics:
         self._engine_counts = (
             _EngineCount(self.preemptions, lambda stats: stats.num_preemptions),
             _EngineCount(self.recomputed, lambda stats: stats.num_recomputed_tokens),
+            _EngineCount(self.prefix_queries, lambda stats: stats.prefix_cache_queries),
+            _EngineCount(self.prefix_hits, lambda stats: stats.prefix_cache_hits),
+            _EngineCount(self.prefix_evictions, lambda stats: stats.prefix_cache_evictions),
         )
         _start_at_zero(self.accepted, {"admission": admission})
         copies = tp // num_kv_heads if tp > num_kv_heads else 1  # ranks holding one KV head
@@ -145,6 +160,7 @@ class ReplicaMetrics:
         self.kv_held.set(ledger.committed_blocks * ledger.tokens_per_block)
         self.kv_headroom.set(ledger.headroom_blocks * ledger.tokens_per_block)
         self.kv_block.set(stats.kv_block_size_tokens)
+        self.kv_cached.set(stats.kv_blocks_cached)
         for rank in stats.per_rank:
             tags = {"rank": str(rank.rank), "dcp_rank": str(rank.dcp_rank)}
             self.rank_capacity.set(rank.tokens_capacity, tags=tags)
@@ -217,11 +233,12 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_kv_rank_capacity_tokens", "dcpserve_kv_rank_used_tokens", "dcpserve_kv_rank_usage_ratio",
         "dcpserve_layout_info", "dcpserve_sequences_running", "dcpserve_sequences_waiting",
         "dcpserve_autoscaling_target_sequences_per_replica", "dcpserve_engine_healthy",
-        "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks",
+        "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks", "dcpserve_kv_cached_blocks",
     )},
     **{f"ray_{n}_total": "counter" for n in (
         "dcpserve_preemptions", "dcpserve_admission_requests", "dcpserve_admission_replica_refusals",
         "dcpserve_http_responses", "dcpserve_prompt_tokens", "dcpserve_generation_tokens",
+        "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

@@ -5,11 +5,11 @@ test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s q
 module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), and Prometheus started the way
 `make observe` starts it (deployments/observe.py), with the project's scrape config pointed at this cluster's
 service-discovery file. A bounded load makes every metric move: a normal stream, a never-fits 400, a long
-request that fills the KV, a queued request that times out (429), one refused by a full queue (429), and one that
-waits and is admitted when the long request's client goes away. Then: every panel's every query parses and returns
-data, promtool accepts the config and the rules, every metric in docs/metrics.md exists (with its documented type in
-what Ray exports), every metric the dashboard uses is documented or Ray's own, and the KV numbers Prometheus reports
-equal the engine's stats() at a quiet moment.
+request that fills the KV, a queued request that times out (429), one refused by a full queue (429), one that
+waits and is admitted when the long request's client goes away, and then one prompt twice (a prefix cache hit).
+Then: every panel's every query parses and returns data, promtool accepts the config and the rules, every metric in
+docs/metrics.md exists (with its documented type in what Ray exports), every metric the dashboard uses is documented
+or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's stats() at a quiet moment.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ class Stack:
 
 def prompt_tokens(count: int) -> list[int]:
     return [(7 * i) % 250 + 5 for i in range(count)]
+
+
+# The prompt sent twice for the prefix cache: its own tokens (no block in common with prompt_tokens), 11 full blocks of
+# 32 tokens before its last token, so the second request is served 352 of its 360 prompt tokens from the cache.
+REPEATED_PROMPT = [(11 * i) % 240 + 7 for i in range(360)]
 
 
 @pytest.fixture(scope="module", params=[pytest.param(NATIVE, id="native"),
@@ -203,11 +208,25 @@ def drive_load(stack: Stack) -> dict[str, int]:
                 statuses["queued_then_admitted_body"] = admitted.text
 
     asyncio.run(contention())
+
+    # Prefix caching: the same prompt twice, one after the other. The pause lets the replica's KV reports (every
+    # kv_report_period_s, 0.25 s) tell the admission queue what it caches before the second request is routed.
+    with httpx.Client(base_url=stack.http, timeout=120) as http:
+        repeated = {"model": MODEL, "prompt": REPEATED_PROMPT, "max_tokens": 4}
+        statuses["prefix_first"] = http.post("/v1/completions", json=repeated).status_code
+        time.sleep(1.0)
+        statuses["prefix_repeated"] = http.post("/v1/completions", json=repeated).status_code
     return statuses
 
 
 def engine_stats(stack: Stack) -> dict:
     return replica_stats(stack.ray_address, stack.ray_env, APP)
+
+
+def prefix_caching(stack: Stack) -> bool:
+    """Whether the replica's engine caches prefixes (EngineStats.prefix_caching); its prefix counters stay at 0 if
+    not."""
+    return bool(engine_stats(stack)["prefix_caching"])
 
 
 def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
@@ -225,12 +244,15 @@ def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
 def loaded(stack: Stack) -> Stack:
     statuses = drive_load(stack)
     assert statuses == {"stream": 200, "chat": 200, "never_fits": 400, "long": 200, "queue_full": 429,
-                        "timeout": 429, "queued_then_admitted": 200}, statuses
+                        "timeout": 429, "queued_then_admitted": 200, "prefix_first": 200,
+                        "prefix_repeated": 200}, statuses
     # Samples of everything, and the counters' latest values (Ray exports every second, Prometheus scrapes every 5).
     expected = [f'ray_dcpserve_admission_requests_total{{outcome="{o}"}} > 0'
                 for o in stack.backend.outcomes]
     expected += [f"{name}_count > 0" if kind == "histogram" else name for name, kind in documented_metrics().items()]
     expected += ['ray_dcpserve_http_responses_total{status_code="429"} >= 2']
+    if prefix_caching(stack):
+        expected += ["ray_dcpserve_prefix_cache_hit_tokens_total >= 352"]  # the repeated prompt's 11 blocks
     missing = wait_for(stack, expected, timeout_s=60)
     assert not missing, f"no data in Prometheus for: {missing}"
     return stack
@@ -254,11 +276,16 @@ def test_every_documented_metric_moves_and_has_its_type(loaded: Stack) -> None:
                 # prometheus_client names a counter family without its _total suffix.
                 exported[family.name + ("_total" if family.type == "counter" else "")] = family.type
     assert exported == documented
+    # Every counter and histogram moved, except those that exist at 0: preemptions and recomputed tokens (this app
+    # reserves KV in full), returned grants (only when a grant races a replica's report), and the prefix cache's
+    # where the engine does not cache prefixes.
+    at_zero = {"ray_dcpserve_preemptions_total", "ray_dcpserve_recomputed_tokens_total",
+               "ray_dcpserve_admission_replica_refusals_total"}
+    if not prefix_caching(loaded):
+        at_zero |= {"ray_dcpserve_prefix_cache_query_tokens_total", "ray_dcpserve_prefix_cache_hit_tokens_total",
+                    "ray_dcpserve_prefix_cache_evictions_total"}
     for name, kind in documented.items():
-        # Every counter and histogram moved, except three that exist at 0: preemptions and recomputed tokens (this
-        # app reserves KV in full) and returned grants (only when a grant races a replica's report).
-        if kind != "gauge" and name not in ("ray_dcpserve_preemptions_total", "ray_dcpserve_recomputed_tokens_total",
-                                             "ray_dcpserve_admission_replica_refusals_total"):
+        if kind != "gauge" and name not in at_zero:
             series = f"{name}_count" if kind == "histogram" else name
             value = sum(float(s["value"][1]) for s in query(loaded, series)["result"])
             assert value > 0, (name, value)
@@ -334,6 +361,11 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
         "ray_dcpserve_kv_usage_ratio": stats["kv_usage"],
         "ray_dcpserve_kv_block_size_tokens": stats["kv_block_size_tokens"],
         "ray_dcpserve_sequences_running": stats["num_running"],
+        # The prefix cache: the gauge, and the counters the replica fed from the engine's counts since it started.
+        "ray_dcpserve_kv_cached_blocks": stats["kv_blocks_cached"],
+        "ray_dcpserve_prefix_cache_query_tokens_total": stats["prefix_cache_queries"],
+        "ray_dcpserve_prefix_cache_hit_tokens_total": stats["prefix_cache_hits"],
+        "ray_dcpserve_prefix_cache_evictions_total": stats["prefix_cache_evictions"],
     }
     # A gauge reaches Prometheus within a gauge period + Ray's export + a scrape: poll until they agree.
     deadline = time.monotonic() + 30

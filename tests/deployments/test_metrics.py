@@ -74,3 +74,28 @@ def test_an_engine_restart_counts_what_the_new_engine_did_and_never_goes_back(re
     metrics.update(replace(STATS, num_preemptions=1), LEDGER)
     assert recorded.increments("dcpserve_preemptions") == [0.0, 5.0, 2.0, 2.0, 1.0]
     assert recorded.counter("dcpserve_preemptions") == 10
+
+
+def test_prefix_cache_counters_and_cached_blocks(recorded: Recorded) -> None:
+    metrics = replica_metrics()
+    for name in ("dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens",
+                 "dcpserve_prefix_cache_evictions"):
+        assert recorded.increments(name) == [0.0], name  # exported before the first request
+    updates = [  # (queries, hits, evictions, cached blocks) as the engine counts them
+        (0, 0, 0, 0),
+        (380, 0, 0, 12),  # a new prompt: looked up, nothing cached yet
+        (760, 352, 0, 12),  # the same prompt again: its 11 full blocks before the last token come from the cache
+        (760, 352, 3, 9),  # quiet: 3 blocks evicted for other KV
+        (200, 64, 0, 2),  # the engine started over: its counts since the restart are new
+        (300, 64, 1, 2),
+    ]
+    for queries, hits, evictions, cached in updates:
+        metrics.update(replace(STATS, prefix_caching=True, prefix_cache_queries=queries, prefix_cache_hits=hits,
+                               prefix_cache_evictions=evictions, kv_blocks_cached=cached), LEDGER)
+    assert recorded.increments("dcpserve_prefix_cache_query_tokens") == [0.0, 380.0, 380.0, 200.0, 100.0]
+    assert recorded.counter("dcpserve_prefix_cache_query_tokens") == 1060
+    assert recorded.increments("dcpserve_prefix_cache_hit_tokens") == [0.0, 352.0, 64.0]
+    assert recorded.counter("dcpserve_prefix_cache_hit_tokens") == 416
+    assert recorded.increments("dcpserve_prefix_cache_evictions") == [0.0, 3.0, 1.0]
+    assert recorded.gauge("dcpserve_kv_cached_blocks") == 2
+    assert [v for v, _ in recorded.values["dcpserve_kv_cached_blocks"]] == [0, 12, 12, 9, 2, 2]  # every update
