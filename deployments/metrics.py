@@ -174,7 +174,7 @@ class ReplicaMetrics:
 
 
 class AdmissionMetrics:
-    """The admission queue's metrics: outcomes, queue length, wait time."""
+    """The admission queue's metrics: outcomes, queue length, wait time, prefix routing."""
 
     def __init__(self) -> None:
         self.requests = _counter("dcpserve_admission_requests", "admission decisions by outcome", ("outcome",))
@@ -185,8 +185,19 @@ class AdmissionMetrics:
         self.refusals = _counter("dcpserve_admission_replica_refusals",
                                  "grants that came back: the replica refused (no_kv) or was unreachable",
                                  ("reason",))
+        self.prefix_query_blocks = _counter("dcpserve_admission_prefix_query_blocks",
+                                            "prompt blocks of granted requests that a replica could have cached")
+        self.prefix_hit_blocks = _counter("dcpserve_admission_prefix_hit_blocks",
+                                          "of those, blocks the granted replica reported cached")
+        self.prefix_routed = _counter("dcpserve_admission_prefix_routed_requests",
+                                      "granted requests with prompt blocks, by whether the granted replica reported "
+                                      "any of them cached", ("prefix_hit",))
         for outcome in ADMISSION_OUTCOMES:
             _start_at_zero(self.requests, {"outcome": outcome})
+        _start_at_zero(self.prefix_query_blocks)
+        _start_at_zero(self.prefix_hit_blocks)
+        for hit in ("true", "false"):
+            _start_at_zero(self.prefix_routed, {"prefix_hit": hit})
         for reason in GRANT_RETURN_REASONS.values():
             _start_at_zero(self.refusals, {"reason": reason})
 
@@ -198,6 +209,18 @@ class AdmissionMetrics:
         self.requests.inc(tags={"outcome": outcome})
         if waited_s is not None:
             self.wait.observe(waited_s)
+
+    def on_routed(self, prompt_blocks: int, hit_blocks: int) -> None:
+        """AdmissionQueue's observer of prefix routing: one call per grant of a request, with the blocks of its prompt
+        that could have been cached (full blocks before its last token) and how many of those the granted replica
+        reported cached. A request with no such block is not counted (the queue does not report it either): none
+        of its prompt can come from a cache, so it says nothing about routing."""
+        if prompt_blocks <= 0:
+            return
+        self.prefix_query_blocks.inc(prompt_blocks)
+        if hit_blocks > 0:
+            self.prefix_hit_blocks.inc(hit_blocks)
+        self.prefix_routed.inc(tags={"prefix_hit": "true" if hit_blocks > 0 else "false"})
 
     def update(self, num_queued: int, queued_blocks: int) -> None:
         self.queued.set(num_queued)
@@ -239,6 +262,8 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_preemptions", "dcpserve_admission_requests", "dcpserve_admission_replica_refusals",
         "dcpserve_http_responses", "dcpserve_prompt_tokens", "dcpserve_generation_tokens",
         "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
+        "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",
+        "dcpserve_admission_prefix_routed_requests",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

@@ -9,7 +9,8 @@ request that fills the KV, a queued request that times out (429), one refused by
 waits and is admitted when the long request's client goes away, and then one prompt twice (a prefix cache hit).
 Then: every panel's every query parses and returns data, promtool accepts the config and the rules, every metric in
 docs/metrics.md exists (with its documented type in what Ray exports), every metric the dashboard uses is documented
-or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's stats() at a quiet moment.
+or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's stats() (the prefix routing
+counts, the admission queue's) at a quiet moment.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -214,13 +217,28 @@ def drive_load(stack: Stack) -> dict[str, int]:
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         repeated = {"model": MODEL, "prompt": REPEATED_PROMPT, "max_tokens": 4}
         statuses["prefix_first"] = http.post("/v1/completions", json=repeated).status_code
-        time.sleep(1.0)
+        time.sleep(2.0)
         statuses["prefix_repeated"] = http.post("/v1/completions", json=repeated).status_code
     return statuses
 
 
 def engine_stats(stack: Stack) -> dict:
     return replica_stats(stack.ray_address, stack.ray_env, APP)
+
+
+def admission_stats(stack: Stack) -> dict:
+    """KvAdmission.stats() (the queue's own counts) through a Serve handle, from a separate driver process."""
+    script = (
+        "import json, ray; from ray import serve; "
+        f"ray.init(address={stack.ray_address!r}, log_to_driver=False); "
+        f"h = serve.get_deployment_handle('KvAdmission', app_name={APP!r}); "
+        "print('STATS' + json.dumps(h.stats.remote().result(timeout_s=60)))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], env=stack.ray_env, capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
+    assert line is not None, result.stderr[-2000:]
+    return json.loads(line[len("STATS"):])
 
 
 def prefix_caching(stack: Stack) -> bool:
@@ -252,7 +270,11 @@ def loaded(stack: Stack) -> Stack:
     expected += [f"{name}_count > 0" if kind == "histogram" else name for name, kind in documented_metrics().items()]
     expected += ['ray_dcpserve_http_responses_total{status_code="429"} >= 2']
     if prefix_caching(stack):
-        expected += ["ray_dcpserve_prefix_cache_hit_tokens_total >= 352"]  # the repeated prompt's 11 blocks
+        # The repeated prompt's 11 blocks: served from the replica's cache, and routed to the replica caching them.
+        expected += ["ray_dcpserve_prefix_cache_hit_tokens_total >= 352",
+                     "ray_dcpserve_admission_prefix_hit_blocks_total >= 11",
+                     'ray_dcpserve_admission_prefix_routed_requests_total{prefix_hit="true"} >= 1',
+                     'ray_dcpserve_admission_prefix_routed_requests_total{prefix_hit="false"} >= 1']
     missing = wait_for(stack, expected, timeout_s=60)
     assert not missing, f"no data in Prometheus for: {missing}"
     return stack
@@ -277,13 +299,15 @@ def test_every_documented_metric_moves_and_has_its_type(loaded: Stack) -> None:
                 exported[family.name + ("_total" if family.type == "counter" else "")] = family.type
     assert exported == documented
     # Every counter and histogram moved, except those that exist at 0: preemptions and recomputed tokens (this app
-    # reserves KV in full), returned grants (only when a grant races a replica's report), and the prefix cache's
-    # where the engine does not cache prefixes.
+    # reserves KV in full), returned grants (only when a grant races a replica's report), and the prefix cache's and
+    # prefix routing's where the engine does not cache prefixes.
     at_zero = {"ray_dcpserve_preemptions_total", "ray_dcpserve_recomputed_tokens_total",
                "ray_dcpserve_admission_replica_refusals_total"}
     if not prefix_caching(loaded):
         at_zero |= {"ray_dcpserve_prefix_cache_query_tokens_total", "ray_dcpserve_prefix_cache_hit_tokens_total",
-                    "ray_dcpserve_prefix_cache_evictions_total"}
+                    "ray_dcpserve_prefix_cache_evictions_total", "ray_dcpserve_admission_prefix_query_blocks_total",
+                    "ray_dcpserve_admission_prefix_hit_blocks_total",
+                    "ray_dcpserve_admission_prefix_routed_requests_total"}
     for name, kind in documented.items():
         if kind != "gauge" and name not in at_zero:
             series = f"{name}_count" if kind == "histogram" else name
@@ -379,6 +403,17 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
             break
         time.sleep(2)
     assert seen == {k: float(v) for k, v in expected.items()}
+    # Prefix routing: the admission queue's counters equal its own counts.
+    queue = admission_stats(loaded)
+    routing = {"ray_dcpserve_admission_prefix_query_blocks_total": float(queue["prefix_query_blocks"]),
+               "ray_dcpserve_admission_prefix_hit_blocks_total": float(queue["prefix_hit_blocks"])}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen = {name: sum(float(r["value"][1]) for r in query(loaded, name)["result"]) for name in routing}
+        if seen == routing:
+            break
+        time.sleep(2)
+    assert seen == routing
     ranks = query(loaded, f'ray_dcpserve_kv_rank_capacity_tokens{{replica="{replica}"}}')["result"]
     assert sorted((r["metric"]["rank"], float(r["value"][1])) for r in ranks) == sorted(
         (str(r["rank"]), float(r["tokens_capacity"])) for r in stats["per_rank"])

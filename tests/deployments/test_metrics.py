@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from ray.util import metrics as ray_metrics
 
-from deployments.metrics import ReplicaMetrics
+from deployments.metrics import AdmissionMetrics, ReplicaMetrics
 from engine.protocol import EngineStats, KvLedger
 
 
@@ -99,3 +99,61 @@ def test_prefix_cache_counters_and_cached_blocks(recorded: Recorded) -> None:
     assert recorded.increments("dcpserve_prefix_cache_evictions") == [0.0, 3.0, 1.0]
     assert recorded.gauge("dcpserve_kv_cached_blocks") == 2
     assert [v for v, _ in recorded.values["dcpserve_kv_cached_blocks"]] == [0, 12, 12, 9, 2, 2]  # every update
+
+
+def test_prefix_routing_counts_blocks_and_requests_by_hit(recorded: Recorded) -> None:
+    metrics = AdmissionMetrics()
+    routed = "dcpserve_admission_prefix_routed_requests"
+    for name in ("dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks"):
+        assert recorded.increments(name) == [0.0], name
+    assert recorded.values[routed] == [(0.0, {"prefix_hit": "true"}), (0.0, {"prefix_hit": "false"})]
+    metrics.on_routed(11, 0)  # a new prompt: the replica caches none of it
+    metrics.on_routed(11, 11)  # the same prompt again
+    metrics.on_routed(12, 4)  # a prompt sharing 4 blocks with a cached one
+    metrics.on_routed(0, 0)  # nothing of it could be cached: not counted
+    assert recorded.counter("dcpserve_admission_prefix_query_blocks") == 34
+    assert recorded.counter("dcpserve_admission_prefix_hit_blocks") == 15
+    assert recorded.counter(routed, prefix_hit="true") == 2
+    assert recorded.counter(routed, prefix_hit="false") == 1
+    assert {tuple(tags.items()) for _, tags in recorded.values[routed]} == {(("prefix_hit", "true"),),
+                                                                             (("prefix_hit", "false"),)}
+
+
+def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded) -> None:
+    """The queue's side of the contract: on_routed(prompt blocks, hit blocks) once per grant of a request that named
+    its prompt blocks; the counters then equal the queue's own counts."""
+    import asyncio
+
+    from deployments.admission import AdmissionQueue, PrefixAsk
+    from engine.prefix_cache import CACHED, PrefixReporter, prompt_hashes
+
+    metrics = AdmissionMetrics()
+    calls: list[tuple[int, int]] = []
+
+    def on_routed(prompt_blocks: int, hit_blocks: int) -> None:
+        calls.append((prompt_blocks, hit_blocks))
+        metrics.on_routed(prompt_blocks, hit_blocks)
+
+    seed, cached, new = b"seed", list(range(100)), list(range(200, 300))  # 3 full blocks before the last token
+    queue = AdmissionQueue(max_queued=4, on_routed=on_routed)
+    reporter = PrefixReporter(32, seed)
+    for block in prompt_hashes(cached, 32, seed):
+        reporter.set(block, CACHED)
+    queue.report("a", 32, 32, {}, prefix=reporter.report(*queue.prefix_position("a")))
+
+    def ask(tokens: list[int]) -> PrefixAsk:
+        return PrefixAsk(tuple(prompt_hashes(tokens, 32, seed)), 32, seed, len(tokens))
+
+    async def run() -> None:
+        await queue.acquire("t1", 4, 1.0, ask=ask(cached + [1]))
+        await queue.acquire("t2", 4, 1.0, ask=ask(new))
+        await queue.acquire("t3", 1, 1.0, ask=ask([1, 2, 3]))  # no full block: nothing to report
+        await queue.acquire("t4", 1, 1.0)  # named no blocks (prefix caching off)
+
+    asyncio.run(run())
+    assert calls == [(3, 3), (3, 0)]
+    stats = queue.stats()
+    assert stats["prefix_query_blocks"] == recorded.counter("dcpserve_admission_prefix_query_blocks") == 6
+    assert stats["prefix_hit_blocks"] == recorded.counter("dcpserve_admission_prefix_hit_blocks") == 3
+    routed = "dcpserve_admission_prefix_routed_requests"
+    assert recorded.counter(routed, prefix_hit="true") == recorded.counter(routed, prefix_hit="false") == 1
