@@ -252,14 +252,16 @@ class IngressMetrics:
 METRIC_NAMES: dict[str, str] = {
     **{f"ray_{n}": "gauge" for n in (
         "dcpserve_kv_capacity_tokens", "dcpserve_kv_used_tokens", "dcpserve_kv_reserved_tokens",
-        "dcpserve_kv_usage_ratio", "dcpserve_kv_held_tokens", "dcpserve_kv_block_size_tokens",
+        "dcpserve_kv_usage_ratio", "dcpserve_kv_held_tokens", "dcpserve_kv_headroom_tokens",
+        "dcpserve_kv_block_size_tokens",
         "dcpserve_kv_rank_capacity_tokens", "dcpserve_kv_rank_used_tokens", "dcpserve_kv_rank_usage_ratio",
         "dcpserve_layout_info", "dcpserve_sequences_running", "dcpserve_sequences_waiting",
         "dcpserve_autoscaling_target_sequences_per_replica", "dcpserve_engine_healthy",
         "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks", "dcpserve_kv_cached_blocks",
     )},
     **{f"ray_{n}_total": "counter" for n in (
-        "dcpserve_preemptions", "dcpserve_admission_requests", "dcpserve_admission_replica_refusals",
+        "dcpserve_preemptions", "dcpserve_recomputed_tokens", "dcpserve_requests_accepted",
+        "dcpserve_admission_requests", "dcpserve_admission_replica_refusals",
         "dcpserve_http_responses", "dcpserve_prompt_tokens", "dcpserve_generation_tokens",
         "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
         "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",

@@ -157,3 +157,26 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
     assert stats["prefix_hit_blocks"] == recorded.counter("dcpserve_admission_prefix_hit_blocks") == 3
     routed = "dcpserve_admission_prefix_routed_requests"
     assert recorded.counter(routed, prefix_hit="true") == recorded.counter(routed, prefix_hit="false") == 1
+
+
+def test_metric_names_are_the_ones_docs_metrics_md_documents(recorded: Recorded) -> None:
+    """METRIC_NAMES (what Prometheus shows) = the tables of docs/metrics.md = what the recorders create. The
+    dashboard test proves the same against what Ray really exports, with a cluster; this one needs none."""
+    import re
+    from pathlib import Path
+
+    from deployments.metrics import METRIC_NAMES, IngressMetrics
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    documented = dict(re.findall(r"^\| `(ray_[a-z0-9_]+)` \| (gauge|counter|histogram) \|", doc, re.M))
+    assert METRIC_NAMES == documented
+    created: dict[str, str] = {}
+    for recorder in (replica_metrics(), AdmissionMetrics(), IngressMetrics()):
+        for metric in vars(recorder).values():
+            if isinstance(metric, ray_metrics.Counter):
+                created[f"ray_{metric._name}_total"] = "counter"
+            elif isinstance(metric, ray_metrics.Histogram):
+                created[f"ray_{metric._name}"] = "histogram"
+            elif isinstance(metric, ray_metrics.Gauge):
+                created[f"ray_{metric._name}"] = "gauge"
+    assert created == METRIC_NAMES
