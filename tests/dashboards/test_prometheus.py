@@ -6,11 +6,11 @@ module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), 
 `make observe` starts it (deployments/observe.py), with the project's scrape config pointed at this cluster's
 service-discovery file. A bounded load makes every metric move: a normal stream, a never-fits 400, a long
 request that fills the KV, a queued request that times out (429), one refused by a full queue (429), one that
-waits and is admitted when the long request's client goes away, and then one prompt twice (a prefix cache hit).
-Then: every panel's every query parses and returns data, promtool accepts the config and the rules, every metric in
-docs/metrics.md exists (with its documented type in what Ray exports), every metric the dashboard uses is documented
-or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's stats() (the prefix routing
-counts, the admission queue's) at a quiet moment.
+waits and is admitted when the long request's client goes away, then one prompt twice (a prefix cache hit) and one
+as large as the KV (evictions). Then: every panel's every query parses and returns data, promtool accepts the config
+and the rules, every metric in docs/metrics.md exists (with its documented type in what Ray exports), every metric the
+dashboard uses is documented or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's
+stats() (the prefix routing counts, the admission queue's) at a quiet moment.
 """
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ def prompt_tokens(count: int) -> list[int]:
 # The prompt sent twice for the prefix cache: its own tokens (no block in common with prompt_tokens), 11 full blocks of
 # 32 tokens before its last token, so the second request is served 352 of its 360 prompt tokens from the cache.
 REPEATED_PROMPT = [(11 * i) % 240 + 7 for i in range(360)]
+
+
+def evicting_prompt(backend: Backend) -> list[int]:
+    """A prompt of its own that with 4 tokens to generate needs all but one of the KV's blocks: the replica evicts
+    cached blocks to hold it, however few tokens the long request got to cache on a slow machine (the repeated prompt
+    alone leaves 11 cached, the queued-then-admitted request 12 more)."""
+    return [(13 * i) % 230 + 9 for i in range((backend.capacity_blocks - 1) * 32 - 4)]
 
 
 @pytest.fixture(scope="module", params=[pytest.param(NATIVE, id="native"),
@@ -219,6 +226,9 @@ def drive_load(stack: Stack) -> dict[str, int]:
         statuses["prefix_first"] = http.post("/v1/completions", json=repeated).status_code
         time.sleep(2.0)
         statuses["prefix_repeated"] = http.post("/v1/completions", json=repeated).status_code
+        if prefix_caching(stack):
+            statuses["prefix_evicting"] = http.post("/v1/completions", json={
+                "model": MODEL, "prompt": evicting_prompt(stack.backend), "max_tokens": 4}).status_code
     return statuses
 
 
@@ -261,17 +271,20 @@ def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
 @pytest.fixture(scope="module")
 def loaded(stack: Stack) -> Stack:
     statuses = drive_load(stack)
+    caching = prefix_caching(stack)
     assert statuses == {"stream": 200, "chat": 200, "never_fits": 400, "long": 200, "queue_full": 429,
-                        "timeout": 429, "queued_then_admitted": 200, "prefix_first": 200,
-                        "prefix_repeated": 200}, statuses
+                        "timeout": 429, "queued_then_admitted": 200, "prefix_first": 200, "prefix_repeated": 200,
+                        **({"prefix_evicting": 200} if caching else {})}, statuses
     # Samples of everything, and the counters' latest values (Ray exports every second, Prometheus scrapes every 5).
     expected = [f'ray_dcpserve_admission_requests_total{{outcome="{o}"}} > 0'
                 for o in stack.backend.outcomes]
     expected += [f"{name}_count > 0" if kind == "histogram" else name for name, kind in documented_metrics().items()]
     expected += ['ray_dcpserve_http_responses_total{status_code="429"} >= 2']
-    if prefix_caching(stack):
-        # The repeated prompt's 11 blocks: served from the replica's cache, and routed to the replica caching them.
+    if caching:
+        # The repeated prompt's 11 blocks: served from the replica's cache, and routed to the replica caching them;
+        # the evicting prompt's evictions.
         expected += ["ray_dcpserve_prefix_cache_hit_tokens_total >= 352",
+                     "ray_dcpserve_prefix_cache_evictions_total > 0",
                      "ray_dcpserve_admission_prefix_hit_blocks_total >= 11",
                      'ray_dcpserve_admission_prefix_routed_requests_total{prefix_hit="true"} >= 1',
                      'ray_dcpserve_admission_prefix_routed_requests_total{prefix_hit="false"} >= 1']
