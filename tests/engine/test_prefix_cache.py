@@ -387,3 +387,38 @@ def test_admission_with_caching_never_over_commits_and_returns_every_block(
     assert len(manager._evictable) == manager.num_cached_blocks  # every cached block is evictable, none leaked
     assert manager.num_hit_tokens <= manager.num_queried_tokens == sum(r.num_prompt_tokens for r in added)
 
+
+def test_a_request_waiting_for_budget_without_chunked_prefill_is_looked_up_once() -> None:
+    """Without chunked prefill a request whose uncached rest does not fit this step's budget waits. Waiting must
+    not count as lookups (the hit statistics count each request once) nor move its cached blocks to the most
+    recently used end of the LRU order."""
+    manager = BlockManager(64, 4, 1, enable_prefix_caching=True, hash_seed=SEED, verify_hits=True)
+    config = SchedulerConfig(max_model_len=24, max_num_batched_tokens=24, enable_chunked_prefill=False,
+                             admission="full")
+    scheduler = Scheduler(config, manager, frozenset({0}))
+
+    def step() -> None:
+        output = scheduler.schedule()
+        scheduler.update(output, {e.request_id: 3 for e in output.scheduled if e.sample})
+
+    warm = Request("warm", list(range(10, 22)), SamplingParams(max_tokens=1))  # 12 tokens: 3 blocks
+    other = Request("other", list(range(40, 52)), SamplingParams(max_tokens=1))
+    scheduler.add_request(warm)
+    scheduler.add_request(other)
+    step()
+    assert not scheduler.has_unfinished and manager.num_cached_blocks == 6
+    lru_before = list(manager._evictable)
+    decoders = [Request(f"d{i}", [100 + i], SamplingParams(max_tokens=6)) for i in range(8)]
+    for request in decoders:
+        scheduler.add_request(request)
+    step()  # 8 decoding requests take 8 tokens of each step's 24
+    late = Request("late", list(range(10, 14)) + list(range(60, 78)), SamplingParams(max_tokens=1))  # hits 1 block
+    scheduler.add_request(late)
+    step()  # 18 uncached tokens > 24 - 8: waits
+    step()
+    assert late.status == RequestStatus.WAITING
+    assert list(manager._evictable) == lru_before, "a request that did not start touched its cached blocks"
+    while scheduler.has_unfinished:
+        step()
+    assert manager.num_queried_tokens == 24 + 8 + late.num_prompt_tokens
+    assert manager.num_hit_tokens == 4
