@@ -12,13 +12,15 @@ import torch
 
 from engine.engine import LLMEngine
 from engine.llm import LLM
+from engine.protocol import TokenLogprob
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
 LOGPROB_ATOL = 1e-4  # fp32, as the model-vs-transformers tests (test_sampling_features.py)
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 PENALIZED = dataclasses.replace(GREEDY, repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.3)
+PROMPT_LOGPROBS = dataclasses.replace(GREEDY, prompt_logprobs=2)  # needs every prompt row: never looked up
 
 
 @dataclass
@@ -45,13 +47,13 @@ class CacheModel:
         return hits
 
 
-# A step of the scenario: (the earlier requests' (prompt, outputs), in order) -> (what it is, prompt, params).
+# A step of the scenario: (the first request's (prompt, outputs), if it ran) -> (what it is, prompt, params).
 ScenarioStep = Callable[[list[tuple[list[int], list[int]]]], tuple[str, list[int], SamplingParams]]
 
 
 def exactness_scenario(tpb: int, seed: int = 0) -> list[ScenarioStep]:
-    """Requests run one after another, each finding what the ones before it left cached (tpb = block_size * dcp,
-    the logical block). Every kind of hit the engine must serve exactly:"""
+    """Requests that run one after another on the cached engine, each finding what the ones before it left cached
+    (tpb = block_size * dcp, the logical block); each is a kind of hit the engine must serve exactly."""
     gen = torch.Generator().manual_seed(seed)
 
     def fresh(n: int) -> list[int]:
@@ -66,6 +68,7 @@ def exactness_scenario(tpb: int, seed: int = 0) -> list[ScenarioStep]:
         lambda h: ("the prompt is all cached prefix: its last block computed again", base[:3 * tpb], GREEDY),
         lambda h: ("one token after the cached run (a 1-token prefill)", base[:3 * tpb + 1], GREEDY),
         lambda h: ("chunked prefill after the hit", base[:2 * tpb] + tails[3], GREEDY),
+        lambda h: ("prompt logprobs: the whole prompt computed", base[:3 * tpb] + tails[1], PROMPT_LOGPROBS),
         # The cached run goes on into the first request's generated tokens; its prompt and outputs are what greedy
         # decoding repeats, so penalties on the cached prefix change the tokens.
         lambda h: ("a prefix into generated tokens", h[0][0] + h[0][1][:4] + tails[2], GREEDY),
@@ -85,14 +88,15 @@ def generate_one(llm: LLM, prompt: list[int], params: SamplingParams) -> Request
 
 
 def run_reference(llm: LLM, steps: list[ScenarioStep]) -> list[tuple[str, list[int], SamplingParams, RequestOutput]]:
-    """The scenario on an uncached engine: the concrete prompts (some made of earlier outputs) and the outputs."""
-    history: list[tuple[list[int], list[int]]] = []
-    done = []
-    for step in steps:
-        what, prompt, params = step(history)
-        output = generate_one(llm, prompt, params)
-        history.append((prompt, output.outputs[0].token_ids))
-        done.append((what, prompt, params, output))
+    """The scenario on an uncached engine: the concrete prompts (later ones made of the first request's outputs)
+    and their outputs; the later requests in one batch (nothing is cached to depend on their order)."""
+    what, prompt, params = steps[0]([])
+    first = generate_one(llm, prompt, params)
+    done = [(what, prompt, params, first)]
+    history = [(prompt, first.outputs[0].token_ids)]
+    rest = [step(history) for step in steps[1:]]
+    outputs = llm.generate(prompt_token_ids=[p for _, p, _ in rest], sampling_params=[p for _, _, p in rest])
+    done += [(what, prompt, params, output) for (what, prompt, params), output in zip(rest, outputs)]
     stats = llm.engine.stats()
     assert not stats.prefix_caching and stats.prefix_cache_queries == stats.prefix_cache_hits == 0
     assert stats.kv_blocks_cached == 0
@@ -110,8 +114,10 @@ def run_cached_and_compare(llm: LLM, reference: list[tuple[str, list[int], Sampl
         before = llm.engine.stats()
         output = generate_one(llm, prompt, params)
         after = llm.engine.stats()
-        hits = model.hit_tokens(prompt)
-        assert after.prefix_cache_queries - before.prefix_cache_queries == len(prompt), f"{where}, {what}"
+        looked_up = params.prompt_logprobs is None
+        hits = model.hit_tokens(prompt) if looked_up else 0
+        queried = len(prompt) if looked_up else 0
+        assert after.prefix_cache_queries - before.prefix_cache_queries == queried, f"{where}, {what}"
         assert after.prefix_cache_hits - before.prefix_cache_hits == hits, f"{where}, {what}: hit tokens"
         # Only the tokens after the hit ran through the model (prefill and decodes, not the last output).
         computed = len(prompt) + len(output.outputs[0].token_ids) - 1 - hits
@@ -125,16 +131,26 @@ def run_cached_and_compare(llm: LLM, reference: list[tuple[str, list[int], Sampl
 
 
 def assert_same_output(output: RequestOutput, expected: RequestOutput, where: str) -> None:
-    """Same tokens; each token's logprob and its top alternatives within LOGPROB_ATOL."""
+    """Same tokens; each token's logprob and its top alternatives within LOGPROB_ATOL (the prompt's too, when
+    asked)."""
     got, want = output.outputs[0], expected.outputs[0]
     assert got.token_ids == want.token_ids, f"{where}: tokens differ"
-    assert got.logprobs is not None and want.logprobs is not None and len(got.logprobs) == len(want.logprobs)
-    for j, (a, b) in enumerate(zip(got.logprobs, want.logprobs)):
-        assert a.token_id == b.token_id and a.rank == b.rank, f"{where}, output {j}"
-        assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{where}, output {j}: {a.logprob} vs {b.logprob}"
-        assert [t for t, _ in a.top] == [t for t, _ in b.top], f"{where}, output {j}: top tokens"
+    assert got.logprobs is not None and want.logprobs is not None
+    assert_same_logprobs(got.logprobs, want.logprobs, f"{where}, output")
+    assert (output.prompt_logprobs is None) == (expected.prompt_logprobs is None), where
+    if expected.prompt_logprobs is not None:
+        assert output.prompt_logprobs[0] is None and expected.prompt_logprobs[0] is None
+        assert_same_logprobs(output.prompt_logprobs[1:], expected.prompt_logprobs[1:], f"{where}, prompt")
+
+
+def assert_same_logprobs(got: list[TokenLogprob], want: list[TokenLogprob], where: str) -> None:
+    assert len(got) == len(want), where
+    for j, (a, b) in enumerate(zip(got, want)):
+        assert a.token_id == b.token_id and a.rank == b.rank, f"{where} {j}"
+        assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{where} {j}: {a.logprob} vs {b.logprob}"
+        assert [t for t, _ in a.top] == [t for t, _ in b.top], f"{where} {j}: top tokens"
         for (_, x), (_, y) in zip(a.top, b.top):
-            assert abs(x - y) <= LOGPROB_ATOL, f"{where}, output {j}: top logprobs {a.top} vs {b.top}"
+            assert abs(x - y) <= LOGPROB_ATOL, f"{where} {j}: top logprobs {a.top} vs {b.top}"
 
 
 def spy_steps(engine: LLMEngine) -> list[SchedulerOutput]:
@@ -150,14 +166,17 @@ def spy_steps(engine: LLMEngine) -> list[SchedulerOutput]:
     return seen
 
 
+PREEMPTION_POOL_BLOCKS = 8
+
+
 def preemption_workload(tpb: int) -> tuple[list[list[int]], SamplingParams]:
-    """Two requests on a pool of 16 blocks (usage admission, no headroom): an old one of 2 blocks growing to 12 and a
-    new one of 4 growing to 14. Together they outgrow the pool when the new one holds 9 blocks: it is preempted, the
-    old one takes 5 more (evicting the new one's blocks from the end of its run), finishes, and the new one comes
-    back to find its first 4 blocks still cached."""
+    """Two requests on a pool of 8 blocks (usage admission, no headroom): an old one of 1 block growing to 6 and a
+    new one of 2 growing to 7. Together they outgrow the pool when the new one holds 5 blocks: it is preempted, the
+    old one takes 2 more (evicting the new one's blocks from the end of its run), finishes, and the new one comes
+    back to find its first blocks still cached."""
     gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(5, 500, (n * tpb,), generator=gen).tolist() for n in (2, 4)]
-    return prompts, dataclasses.replace(GREEDY, max_tokens=10 * tpb)
+    prompts = [torch.randint(5, 500, (n * tpb,), generator=gen).tolist() for n in (1, 2)]
+    return prompts, dataclasses.replace(GREEDY, max_tokens=5 * tpb)
 
 
 def readmissions_with_hits(steps: list[SchedulerOutput]) -> list[tuple[str, int]]:

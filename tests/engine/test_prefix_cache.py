@@ -39,6 +39,7 @@ from engine.scheduler import Scheduler
 from engine.tiny_model import write_tiny_model
 from tests.engine.prefix_harness import (
     GREEDY,
+    PREEMPTION_POOL_BLOCKS,
     assert_same_output,
     exactness_scenario,
     generate_one,
@@ -279,6 +280,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert {m._cached[h]: h for h in m._cached} == m._block_hash, "hash -> block and block -> hash disagree"
         assert m.num_cached_blocks == len(m._cached)
         for block, name in m._block_hash.items():
+            assert block in self.run, f"block {block} is named before all its slots were computed"
             run = self.run[block]
             assert len(run) % self.tpb == 0
             assert tuple(self.slots[block]) == run[-self.tpb:], f"block {block} holds other tokens than its run"
@@ -455,10 +457,9 @@ def test_cached_run_equals_uncached_run_at_tp1(tiny: Path) -> None:
     chunked over small budgets after the hit; every request hits exactly the blocks a cache of everything before it
     holds, and only the tokens after the hit run through the model."""
     steps = exactness_scenario(BLOCK_SIZE)
-    args = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=SMALL_BUDGET)
-    with LLM(tiny, enable_prefix_caching=False, **args) as llm:
+    with LLM(tiny, block_size=BLOCK_SIZE, enable_prefix_caching=False) as llm:  # each prompt in one chunk
         reference = run_reference(llm, steps)
-    with LLM(tiny, **args) as llm:
+    with LLM(tiny, block_size=BLOCK_SIZE, max_num_batched_tokens=SMALL_BUDGET) as llm:
         assert llm.engine.block_manager.verify_hits  # tests/conftest.py: every hit compares token ids
         hit = run_cached_and_compare(llm, reference, "tp=1")
     assert hit > 0
@@ -482,9 +483,9 @@ def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp1(tiny: Path
     """usage admission on a pool that cannot hold every sequence's end: a preempted request comes back starting
     after the blocks it computed before (still cached), and every request gives the uncached engine's tokens."""
     prompts, params = preemption_workload(BLOCK_SIZE)
-    # 16 blocks of 4 tokens: 512 bytes per token at tp = 1 (2 layers, 1 KV head of 32, K and V, fp32).
-    args = dict(block_size=BLOCK_SIZE, kv_cache_memory_bytes=16 * BLOCK_SIZE * 512, admission="usage",
-                kv_headroom=0.0)
+    # 8 blocks of 4 tokens: 512 bytes per token at tp = 1 (2 layers, 1 KV head of 32, K and V, fp32).
+    args = dict(block_size=BLOCK_SIZE, kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * BLOCK_SIZE * 512,
+                admission="usage", kv_headroom=0.0)
     with LLM(tiny, enable_prefix_caching=False, **args) as llm:
         expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert llm.engine.stats().num_preemptions > 0
@@ -492,9 +493,9 @@ def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp1(tiny: Path
         steps = spy_steps(llm.engine)
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         stats = llm.engine.stats()
-    assert stats.kv_blocks_total == 16 and stats.num_preemptions > 0, stats
-    readmitted = readmissions_with_hits(steps)
-    assert readmitted, "no preempted request came back after a cached run"
+    assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
+    # The new request (req-1) comes back starting after its 2 prompt blocks, still cached.
+    assert readmissions_with_hits(steps) == [("req-1", 2 * BLOCK_SIZE)]
     for output, want in zip(outputs, expected):
         assert_same_output(output, want, f"prompt of {len(output.prompt_token_ids)}")
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
