@@ -539,6 +539,10 @@ def test_concurrent_requests_share_prefix_blocks_and_the_ledger_counts_them_once
         assert ledger.committed_blocks == len(distinct) + promised == engine.stats().kv_blocks_reserved
         shared_holder, other = (a, b) if a.num_charged_blocks == len(a.block_ids) else (b, a)
         assert other.num_charged_blocks == len(other.block_ids) - 3  # the shared blocks are charged once
+        # The rank holds the shared tokens once.
+        rank = engine.stats().per_rank[0]
+        assert rank.tokens_used == a.num_computed_tokens + b.num_computed_tokens - 3 * BLOCK_SIZE
+        assert rank.tokens_used <= rank.pages_used * BLOCK_SIZE
         if admission == "usage":
             assert promised == 0 and ledger.per_request == {"a": len(a.block_ids), "b": len(b.block_ids) - 3}
         # A third request on the same prefix would add only its own blocks.
@@ -587,6 +591,7 @@ def test_engine_random_shared_prefix_workload_never_over_commits(tiny: Path, adm
                 assert stats.kv_blocks_used <= stats.kv_blocks_reserved <= stats.kv_blocks_total, "over-committed"
                 running = engine.scheduler.running
                 assert sum(ledger.per_request[r.request_id] for r in running) == stats.kv_blocks_reserved
+                assert stats.per_rank[0].tokens_used <= stats.per_rank[0].pages_used * BLOCK_SIZE
                 step += 1
             stats = engine.stats()
             assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
