@@ -32,7 +32,7 @@ from engine.block_manager import BlockManager, PrefixCacheCorruption
 from engine.config import SchedulerConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
-from engine.prefix_cache import CACHED, PINNED, chain_hashes, max_hit_blocks
+from engine.prefix_cache import CACHED, PINNED, PrefixIndex, chain_hashes, max_hit_blocks, prompt_hashes
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -58,7 +58,7 @@ SEED = b"test-seed"
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random lifecycles of requests whose tokens come from a 2-token alphabet (so prefixes repeat), driven the way
     the scheduler drives the block manager: admit (takes the cached run), allocate + compute + cache_computed,
-    sample, finish, preempt. The model kept here: which request holds which block in which order (the charged
+    sample, finish, preempt; and reports of the cache to a reader, some lost. The model kept here: which request holds which block in which order (the charged
     holder is the first of the current holders), what tokens were written into each block's slots and the token
     run from the start of its sequence, the order unreferenced cached blocks were released in (LRU)."""
 
@@ -76,6 +76,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.run: dict[int, tuple[int, ...]] = {}  # full block -> the tokens from its sequence's start to its end
         self.lru: list[int] = []  # unreferenced cached blocks, least recently released first
         self.done: list[tuple[int, ...]] = []  # the tokens of finished requests (prefixes for new ones)
+        self.index = PrefixIndex()  # a reader of the cache's reports
 
     # ---- helpers -----------------------------------------------------------------------------------------------
 
@@ -234,6 +235,23 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         pinned = self.manager.pinned_hits(request)
         assert pinned == sum(1 for b in hits if self.holders[b]) <= len(hits)
         assert self._snapshot() == before
+
+    @rule(lose=st.booleans())
+    def report(self, lose: bool) -> None:
+        """The replica reports its cache to a reader (the router's PrefixIndex); a lost report makes the next one
+        the whole state. A delivered one leaves the reader with exactly the cache's blocks and states, and it then
+        matches every fresh waiting prompt as the engine's own lookup does."""
+        report = self.manager.reporter.report(self.index.epoch, self.index.version)
+        if lose:
+            return
+        self.index.apply(report)
+        assert self.index.blocks == self.manager.reporter.state
+        for request in self.waiting:
+            if request.output_token_ids:
+                continue  # a preempted request: its lookup covers its outputs too, the ingress sees only prompts
+            match = self.index.match(prompt_hashes(request.prompt_token_ids, self.tpb, SEED), self.tpb, SEED)
+            assert match.hit_blocks == len(self.manager.find_cached(request))
+            assert match.pinned_blocks == self.manager.pinned_hits(request)
 
     # ---- invariants ------------------------------------------------------------------------------------------------
 
