@@ -339,7 +339,7 @@ def test_free_blocks_stay_cached_and_a_hit_never_takes_the_last_token() -> None:
     assert (m.usage().used, m.num_free_blocks, m.num_cached_blocks) == (0, 4, 2)
     # Same prompt: the block of its last token ([5]) is computed again; [1, 2], [3, 4] hit.
     b = Request("b", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
-    assert m.admit(b, b.num_tokens) and b.block_ids == a_blocks(m, [1, 2, 3, 4]) and b.num_computed_tokens == 4
+    assert m.admit(b, b.num_tokens) and b.block_ids == cached_block_ids(m, [1, 2, 3, 4]) and b.num_computed_tokens == 4
     # A prompt that is exactly two blocks: only the first may hit (the second holds the last token).
     c = Request("c", [1, 2, 3, 4], SamplingParams(max_tokens=1))
     assert m.find_cached(c) == b.block_ids[:1]
@@ -348,7 +348,8 @@ def test_free_blocks_stay_cached_and_a_hit_never_takes_the_last_token() -> None:
     assert m.pinned_hits(c) == 0 and m.num_free_blocks == 4
 
 
-def a_blocks(m: BlockManager, tokens: list[int]) -> list[int]:
+def cached_block_ids(m: BlockManager, tokens: list[int]) -> list[int]:
+    """The blocks that cache the full blocks of `tokens`, by their names."""
     return [m._cached[h] for h in chain_hashes(tokens, m.tokens_per_block, SEED)]
 
 
@@ -555,8 +556,8 @@ def test_concurrent_requests_share_prefix_blocks_and_the_ledger_counts_them_once
         promised = sum(max(0, r.reserved_blocks - len(r.block_ids)) for r in (a, b))
         assert ledger.used_blocks == len(distinct) == engine.stats().kv_blocks_used
         assert ledger.committed_blocks == len(distinct) + promised == engine.stats().kv_blocks_reserved
-        shared_holder, other = (a, b) if a.num_charged_blocks == len(a.block_ids) else (b, a)
-        assert other.num_charged_blocks == len(other.block_ids) - 3  # the shared blocks are charged once
+        # The shared blocks are charged once: to a, which computed them.
+        assert a.num_charged_blocks == len(a.block_ids) and b.num_charged_blocks == len(b.block_ids) - 3
         # The rank holds the shared tokens once.
         rank = engine.stats().per_rank[0]
         assert rank.tokens_used == a.num_computed_tokens + b.num_computed_tokens - 3 * BLOCK_SIZE
