@@ -269,6 +269,7 @@ class BlockManager:
         """Admission of a waiting request: takes the longest cached run of its blocks (its computed tokens start
         after them) and promises blocks for reserve_tokens tokens, leaving keep_free blocks unpromised. False,
         changing nothing, if that does not fit; cached blocks nobody references cost as much as free ones."""
+        looked_up = self._can_look_up(request)
         hits = self.find_cached(request)
         unreferenced = sum(1 for block_id in hits if self._ref_count[block_id] == 0)
         held = max(request.reserved_blocks, len(request.block_ids))
@@ -279,7 +280,7 @@ class BlockManager:
         if not self.reserve(request, reserve_tokens, keep_free):  # cannot happen after the check above
             self.free(request)
             return False
-        if not request.num_preemptions:
+        if looked_up and not request.num_preemptions:  # caching off or prompt logprobs: nothing was looked up
             self.num_queried_tokens += request.num_prompt_tokens
             self.num_hit_tokens += len(hits) * self.tokens_per_block
         request.num_cached_blocks = len(hits)

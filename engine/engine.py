@@ -200,6 +200,9 @@ class LLMEngine:
         running = self.scheduler.running
         computed = torch.tensor([r.num_computed_tokens for r in running], dtype=torch.int64)
         block_size = self.config.cache.block_size
+        # A prefix block several running requests share is held once: every holder but the charged one took it
+        # from the cache whole and computed, block_size of its tokens on each rank.
+        shared_tokens = block_size * sum(self.block_manager.shared_blocks(r) for r in running)
         per_rank = tuple(
             RankKvStats(
                 rank=rank,
@@ -207,7 +210,8 @@ class LLMEngine:
                 pages_total=usage.total,
                 pages_used=usage.used,
                 tokens_capacity=usage.total * block_size,
-                tokens_used=int(dcp_local_seq_lens(computed, dcp, rank % dcp).sum()) if running else 0,
+                tokens_used=(int(dcp_local_seq_lens(computed, dcp, rank % dcp).sum()) - shared_tokens
+                             if running else 0),
             )
             for rank in range(self.config.parallel.tp)
         )

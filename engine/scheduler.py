@@ -183,6 +183,12 @@ class Scheduler:
             request = self.waiting[0]
             full = self.config.admission == "full"
             reserve_tokens = request.max_total_tokens if full else request.num_tokens
+            if not self.config.enable_chunked_prefill:
+                # Its whole uncached rest must fit this step's budget: a request that waits for budget must not
+                # take its cached blocks and give them back (that counts a lookup and reorders the LRU each step).
+                hit_blocks = len(self.block_manager.find_cached(request))
+                if request.num_tokens - hit_blocks * self.block_manager.tokens_per_block > budget:
+                    break
             # Takes the longest cached run of the request's blocks: its computed tokens start after them.
             if not self.block_manager.admit(request, reserve_tokens, 0 if full else self.headroom_blocks()):
                 break

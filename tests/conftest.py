@@ -1,6 +1,11 @@
 """Test-wide setup: Triton runs natively on CUDA, and under its CPU interpreter everywhere else.
 
 TRITON_INTERPRET must be set before triton.jit decorates the kernels, so before `kernels` is imported.
+
+DCPSERVE_VERIFY_PREFIX_HITS=1 (engine.engine.VERIFY_PREFIX_HITS_ENV) makes every engine of the suite keep each
+cached block's token ids and compare them on every prefix cache hit, so a hash collision or a block named for the
+wrong tokens fails the test (PrefixCacheCorruption) instead of serving another prefix's KV. Set here, at import,
+so engines in processes the tests start (a `ray start` cluster's replicas) inherit it too; a value set outside wins.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.engine.VERIFY_PREFIX_HITS_ENV; see above
 
 import pytest  # noqa: E402
 

@@ -224,7 +224,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dic
 def dcp_capacity_and_concurrency(model_dir: Path, kv_cache_memory_bytes: int) -> tuple[dict[int, int], dict[int, int]]:
     """KV capacity (tokens) and peak running sequences at tp=4 with dcp=1 and dcp=4 on the same per-rank memory: 16
     requests of 100 + 28 tokens under admission "full" (the concurrency of sequences whose whole prompt +
-    max_tokens fits), checking every step that reservations stay within the pool."""
+    max_tokens fits), checking every step that reservations stay within the pool. Prefix caching off: every
+    sequence holds KV of its own."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -233,8 +234,10 @@ def dcp_capacity_and_concurrency(model_dir: Path, kv_cache_memory_bytes: int) ->
     capacity: dict[int, int] = {}
     concurrency: dict[int, int] = {}
     for dcp in (1, 4):
+        # The 16 prompts are identical: with prefix caching they would share their prompt blocks and more of them
+        # would fit at once. The claim is about distinct KV per sequence, so the cache is off.
         with LLM(model_dir, tensor_parallel_size=4, decode_context_parallel_size=dcp,
-                 kv_cache_memory_bytes=kv_cache_memory_bytes, admission="full") as llm:
+                 kv_cache_memory_bytes=kv_cache_memory_bytes, admission="full", enable_prefix_caching=False) as llm:
             capacity[dcp] = llm.kv_capacity_tokens
             engine = llm.engine
             for _ in range(16):

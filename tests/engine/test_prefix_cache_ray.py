@@ -1,0 +1,76 @@
+"""Prefix caching on the Ray worker group (a local cluster with logical GPUs): a logical block is block_size * dcp
+tokens, one page on every rank of the DCP group, so a hit hands every rank the pages it wrote for that run, and the
+request's own tokens start on a page boundary of every rank. A cached run must give exactly the uncached run's
+greedy tokens and logprobs at tp=2 x dcp=2 and tp=4 x dcp=4 (the scenario of tests/engine/prefix_harness.py: a
+prefix ending inside a block and on a boundary, a prompt that is all cached prefix, a 1-token prefill, chunked
+prefill after the hit, penalties over the cached prefix), and a request preempted under usage admission must come
+back after its own cached blocks to the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.llm import LLM
+from engine.tiny_model import write_tiny_model
+from tests.engine.prefix_harness import (
+    PREEMPTION_POOL_BLOCKS,
+    assert_same_output,
+    exactness_scenario,
+    preemption_workload,
+    readmissions_with_hits,
+    run_cached_and_compare,
+    run_reference,
+    spy_steps,
+)
+
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
+
+BLOCK_SIZE = 4  # tokens per page on one rank: logical blocks of 4 * dcp tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def skip_without_gpus(ray_module, tp: int) -> None:  # noqa: ANN001 - the ray module
+    if ray_module.cluster_resources().get("GPU", 0) < tp:
+        pytest.skip(f"needs {tp} (logical) GPUs")
+
+
+@pytest.mark.parametrize("tp,dcp", [(2, 2), (4, 4)])
+def test_cached_run_equals_uncached_run(tp: int, dcp: int, tiny: Path, ray_cluster) -> None:
+    skip_without_gpus(ray_cluster, tp)
+    tpb = BLOCK_SIZE * dcp
+    steps = exactness_scenario(tpb)
+    args = dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=BLOCK_SIZE)
+    with LLM(tiny, enable_prefix_caching=False, **args) as llm:  # each prompt in one chunk
+        reference = run_reference(llm, steps)
+    with LLM(tiny, max_num_batched_tokens=tpb + 3, **args) as llm:  # chunks that straddle logical blocks
+        assert llm.engine.block_manager.tokens_per_block == tpb
+        hit = run_cached_and_compare(llm, reference, f"tp={tp} dcp={dcp}")
+    assert hit > 0
+
+
+def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp2_dcp2(tiny: Path, ray_cluster) -> None:
+    skip_without_gpus(ray_cluster, 2)
+    tpb = BLOCK_SIZE * 2
+    prompts, params = preemption_workload(tpb)
+    # 8 pages per rank: 512 bytes per token per rank (2 layers, 1 KV head of 32 on every rank, K and V, fp32).
+    args = dict(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=BLOCK_SIZE,
+                kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * BLOCK_SIZE * 512, admission="usage", kv_headroom=0.0)
+    with LLM(tiny, enable_prefix_caching=False, **args) as llm:
+        expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert llm.engine.stats().num_preemptions > 0
+    with LLM(tiny, **args) as llm:
+        steps = spy_steps(llm.engine)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        stats = llm.engine.stats()
+    assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
+    # The new request (req-1) comes back starting after its 2 prompt blocks, still cached.
+    assert readmissions_with_hits(steps) == [("req-1", 2 * tpb)]
+    for output, want in zip(outputs, expected):
+        assert_same_output(output, want, f"tp=2 dcp=2, prompt of {len(output.prompt_token_ids)}")
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
