@@ -11,7 +11,7 @@ layout and 2 replicas each time, and runs the same two workloads against each th
 The configurations: caching on with prefix-aware routing (the default), caching on with routing by free KV alone
 (prefix_routing_weight 0: what a router blind to prefixes does), and caching off. It reports TTFT and output
 tokens/s (caching on vs off), and the prefix hit rate (prompt tokens served from the replicas' caches, from their
-engine counters) and the router's prefix-hit share (prompt blocks the granted replica had reported cached).
+engine counters) and the routing prefix-hit share (prompt blocks the granted replica had cached or was computing).
 
     python bench/prefix.py                 # full run (console only; about 10 minutes on 2 cores)
     python bench/prefix.py --write-docs    # also writes its section of docs/benchmarks.md
@@ -290,7 +290,8 @@ def markdown(rows: list[list[str]], command: str, workload: Workload, seconds: f
               f"- workloads: {workload.describe()}.",
               "- TTFT is measured by the client from sending the request to its first token (admission included). "
               "The hit rate is the replicas' own count (prompt tokens of new requests served from their caches over "
-              "those looked up), the router share the prompt blocks the granted replica had reported cached.",
+              "those looked up), the routing share the prompt blocks routing found on the granted replica (reported cached, or computed there by "
+              "requests granted since its last report).",
               "- KV-only routing is the same app with prefix_routing_weight=0: the admission queue grants the "
               "replica with the most free KV, as a router blind to prefixes does; its caches still serve whatever "
               "happens to land on them.",

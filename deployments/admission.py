@@ -198,7 +198,8 @@ class _Waiter:
 @dataclass(frozen=True)
 class Grant:
     """Where a ticket was granted: the replica, the blocks counted for it there (its admission blocks less the
-    cached blocks of its prefix that requests there hold) and how many of its prompt blocks the replica caches."""
+    cached blocks of its prefix that requests there hold) and how many of its prompt blocks routing found there
+    (reported cached, or computed by grants in flight or finished since the replica's last report)."""
 
     replica_id: str
     need: int
@@ -512,7 +513,9 @@ class AdmissionQueue:
                 cached_tokens = max(reported.hit_blocks, inflight) * ask.tokens_per_block
                 cost += self.prefix_routing_weight * (ask.num_prompt_tokens - cached_tokens)
             if best is None or cost < best[0]:
-                best = (cost, need_here, replica, reported.hit_blocks)
+                # What routing counted on there: the blocks it reported cached, or those its grants in flight (or
+                # finished since its last report) are computing, whichever run is longer.
+                best = (cost, need_here, replica, max(reported.hit_blocks, inflight))
         return None if best is None else best[1:]
 
     def _grant(self, ticket: str, ask: PrefixAsk | None, need: int, replica: ReplicaKv, hit_blocks: int) -> str:
