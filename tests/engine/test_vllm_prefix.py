@@ -1,6 +1,6 @@
 """Prefix caching on the vLLM backend: vLLM caches, this replica reports and counts what it caches.
 
-The first part drives engine.vllm_engine.VllmPrefixCache with vLLM's events by hand (no vLLM needed): our hashes for
+The first part drives engine.vllm_prefix.VllmPrefixCache with vLLM's events by hand (no vLLM needed): our hashes for
 vLLM's blocks, copies, removals, lost events, PINNED / CACHED by the requests held, each shared block charged once.
 The `vllm` part runs vLLM's AsyncLLM (the CPU wheel, `make test-vllm`): a repeated prompt is served from vLLM's
 cache and reported under exactly the hashes the app computes (engine.prefix_cache.prompt_hashes), a concurrent
@@ -19,14 +19,14 @@ from engine.args import EngineArgs
 from engine.block_manager import admission_blocks
 from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, chain_hashes, prompt_hashes
 from engine.sampling_params import SamplingParams
-from engine.vllm_engine import VllmPrefixCache, _Held
+from engine.vllm_prefix import HeldRequest, VllmPrefixCache
 
 TPB = 4  # tokens per block in the hand-driven tests
 SEED = b"seed"
 
 
-def _held(prompt: list[int], max_tokens: int = 8) -> _Held:
-    return _Held(len(prompt), max_tokens, token_ids=list(prompt))
+def _held(prompt: list[int], max_tokens: int = 8) -> HeldRequest:
+    return HeldRequest(len(prompt), max_tokens, token_ids=list(prompt))
 
 
 def _vllm_store(cache: VllmPrefixCache, tokens: list[int], first: int, last: int, tag: str = "") -> list[str]:
