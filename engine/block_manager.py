@@ -189,6 +189,8 @@ class BlockManager:
                 expected = self._block_tokens.get(block_id)
                 start = index * self.tokens_per_block
                 if expected != tuple(request.all_token_ids[start:start + self.tokens_per_block]):
+                    if self._cached.get(block) != block_id or self._block_hash.get(block_id) != block:
+                        break  # evicted while we looked (the ledger reads from another thread than the step's)
                     raise PrefixCacheCorruption(
                         f"prefix cache hit on block {block_id} (hash {block:#x}) for request {request.request_id} "
                         f"at block {index}, but the block holds other token ids: a hash collision; refusing to "

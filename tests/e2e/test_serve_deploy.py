@@ -120,8 +120,10 @@ def test_bad_input_gets_openai_400(server: str, body: object, fragment: str) -> 
     assert ok.status_code == 200  # the server keeps serving others
 
 
-def long_prompt(tokens: int) -> list[int]:
-    return [(7 * i) % 250 + 5 for i in range(tokens)]
+def long_prompt(tokens: int, variant: int = 0) -> list[int]:
+    """A prompt of its own per variant from the first token on: requests of different variants share no cached
+    prefix block, so each needs the whole KV the capacity arithmetic counts for it."""
+    return [(7 * i + variant) % 250 + 5 for i in range(tokens)]
 
 
 def test_never_fits_is_400_at_once(server: str) -> None:
@@ -155,7 +157,7 @@ def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(se
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
         event = events[i]
-        body = {"model": MODEL, "prompt": long_prompt(BURST_PROMPT_TOKENS), "max_tokens": BURST_MAX_TOKENS[i],
+        body = {"model": MODEL, "prompt": long_prompt(BURST_PROMPT_TOKENS, i), "max_tokens": BURST_MAX_TOKENS[i],
                 "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         try:
             async with http.stream("POST", "/v1/completions", json=body) as reply:
