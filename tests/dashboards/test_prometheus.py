@@ -218,6 +218,13 @@ def drive_load(stack: Stack) -> dict[str, int]:
                 statuses["queued_then_admitted_body"] = admitted.text
 
     asyncio.run(contention())
+    if statuses.get("queued_then_admitted") != 200:
+        # What held the KV when the waiting request gave up: the queue's view (grants, external, free per replica)
+        # and the replica's own ledger, so a failure here says which side did not let go of the long request.
+        statuses["admission_then"] = json.dumps(admission_stats(stack)["replicas"])
+        engine = engine_stats(stack)
+        statuses["replica_then"] = json.dumps({k: engine.get(k) for k in (
+            "kv_held_blocks", "kv_free_blocks", "num_held", "num_running", "num_waiting", "num_pending")})
 
     # Prefix caching: the same prompt twice, one after the other. The pause lets the replica's KV reports (every
     # kv_report_period_s, 0.25 s) tell the admission queue what it caches before the second request is routed.
