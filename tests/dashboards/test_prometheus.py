@@ -20,8 +20,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,7 +32,7 @@ import yaml
 
 from deployments import local_cluster, observe
 from engine.tiny_model import write_tiny_model
-from tests.e2e.cluster import CAPACITY_BLOCKS, replica_stats, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, handle_calls, replica_stats, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"
@@ -245,17 +243,7 @@ def engine_stats(stack: Stack) -> dict:
 
 def admission_stats(stack: Stack) -> dict:
     """KvAdmission.stats() (the queue's own counts) through a Serve handle, from a separate driver process."""
-    script = (
-        "import json, ray; from ray import serve; "
-        f"ray.init(address={stack.ray_address!r}, log_to_driver=False); "
-        f"h = serve.get_deployment_handle('KvAdmission', app_name={APP!r}); "
-        "print('STATS' + json.dumps(h.stats.remote().result(timeout_s=60)))"
-    )
-    result = subprocess.run([sys.executable, "-c", script], env=stack.ray_env, capture_output=True, text=True,
-                            timeout=120, cwd=REPO)
-    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
-    assert line is not None, result.stderr[-2000:]
-    return json.loads(line[len("STATS"):])
+    return handle_calls(stack.ray_address, stack.ray_env, "KvAdmission", "stats", 1, APP)[0]
 
 
 def prefix_caching(stack: Stack) -> bool:

@@ -79,19 +79,26 @@ class ServeCluster:
         return counts
 
 
-def replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> dict[str, Any]:
-    """EngineReplica.stats() through a Serve handle, from a separate driver process."""
+def handle_calls(ray_address: str, env: dict[str, str], deployment: str, method: str, calls: int = 1,
+                 app: str = APP_NAME) -> list[Any]:
+    """`calls` answers of deployment.method() through a Serve handle, from a separate driver process (with several
+    replicas, repeated calls reach each of them)."""
     script = (
         "import json, ray; from ray import serve; "
         f"ray.init(address={ray_address!r}, log_to_driver=False); "
-        f"h = serve.get_deployment_handle('EngineReplica', app_name={app!r}); "
-        "print('STATS' + json.dumps(h.stats.remote().result(timeout_s=60)))"
+        f"h = serve.get_deployment_handle({deployment!r}, app_name={app!r}); "
+        f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) for _ in range({calls})]))"
     )
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
                             cwd=Path(__file__).resolve().parents[2])
     line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
     assert line is not None, result.stderr[-2000:]
     return json.loads(line[len("STATS"):])
+
+
+def replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> dict[str, Any]:
+    """EngineReplica.stats() through a Serve handle, from a separate driver process."""
+    return handle_calls(ray_address, env, "EngineReplica", "stats", 1, app)[0]
 
 
 def serve_config(app_args: dict[str, Any]) -> dict[str, Any]:

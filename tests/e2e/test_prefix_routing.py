@@ -9,16 +9,13 @@ queue granted (its prefix-hit blocks), and the prompt tokens each replica served
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import serve_cluster, tiny_app_args
+from tests.e2e.cluster import handle_calls, serve_cluster, tiny_app_args
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
@@ -27,24 +24,10 @@ CONVERSATIONS, TURNS, CONTEXT, USER, ANSWER = 4, 4, 200, 24, 8
 TOKENS_PER_BLOCK = 16  # tp=1: block_size 16 x dcp 1
 
 
-def handle_calls(cluster: Any, deployment: str, method: str, calls: int) -> list[dict[str, Any]]:
-    script = (
-        "import json, ray; from ray import serve; "
-        f"ray.init(address='127.0.0.1:{cluster.settings.ray_port}', log_to_driver=False); "
-        f"h = serve.get_deployment_handle({deployment!r}, app_name='dcpserve'); "
-        f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) for _ in range({calls})]))"
-    )
-    result = subprocess.run([sys.executable, "-c", script], env=cluster.env, capture_output=True, text=True,
-                            timeout=180, cwd=Path(__file__).resolve().parents[2])
-    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
-    assert line is not None, result.stderr[-2000:]
-    return json.loads(line[len("STATS"):])
-
-
 def replica_counters(cluster: Any) -> dict[str, dict[str, int]]:
     """Every engine replica's prefix counters, by replica id (calls repeat until both answered)."""
     seen: dict[str, dict[str, int]] = {}
-    for stats in handle_calls(cluster, "EngineReplica", "stats", 12):
+    for stats in handle_calls(f"127.0.0.1:{cluster.settings.ray_port}", cluster.env, "EngineReplica", "stats", 12):
         seen[stats["replica_id"]] = {k: stats[k] for k in ("prefix_cache_queries", "prefix_cache_hits",
                                                            "tokens_computed", "kv_blocks_cached")}
     return seen
@@ -83,9 +66,9 @@ def test_conversations_return_to_the_replica_holding_their_history(tmp_path: Pat
     args = tiny_app_args(MODEL, tensor_parallel_size=1, decode_context_parallel_size=1,
                          kv_cache_memory_bytes=4 << 20, autoscaling={"min_replicas": 2, "max_replicas": 2})
     with serve_cluster(tmp_path, args) as cluster:
-        before = handle_calls(cluster, "KvAdmission", "stats", 1)[0]
+        before = handle_calls(f"127.0.0.1:{cluster.settings.ray_port}", cluster.env, "KvAdmission", "stats")[0]
         histories = asyncio.run(conversations(cluster.url))
-        after = handle_calls(cluster, "KvAdmission", "stats", 1)[0]
+        after = handle_calls(f"127.0.0.1:{cluster.settings.ray_port}", cluster.env, "KvAdmission", "stats")[0]
         counters = replica_counters(cluster)
         assert len(counters) == 2, counters
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -190,3 +191,25 @@ def readmissions_with_hits(steps: list[SchedulerOutput]) -> list[tuple[str, int]
                 found.append((entry.request_id, entry.start_position))
         preempted.update(step.preempted_request_ids)
     return found
+
+
+def check_preempted_request_hits_its_own_blocks(model: Path, block_size: int, tp: int = 1, dcp: int = 1) -> None:
+    """The preemption workload under usage admission, cached against uncached: the preempted new request (req-1)
+    comes back starting after its 2 prompt blocks, still cached, and every request gives the uncached engine's
+    tokens. 512 bytes per token per rank (2 layers, 1 KV head of 32 on every rank, K and V, fp32)."""
+    tpb = block_size * dcp
+    prompts, params = preemption_workload(tpb)
+    args = dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=block_size,
+                kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * block_size * 512, admission="usage", kv_headroom=0.0)
+    with LLM(model, enable_prefix_caching=False, **args) as llm:
+        expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert llm.engine.stats().num_preemptions > 0
+    with LLM(model, **args) as llm:
+        steps = spy_steps(llm.engine)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        stats = llm.engine.stats()
+    assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
+    assert readmissions_with_hits(steps) == [("req-1", 2 * tpb)]
+    for output, want in zip(outputs, expected):
+        assert_same_output(output, want, f"tp={tp} dcp={dcp}, prompt of {len(output.prompt_token_ids)}")
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0

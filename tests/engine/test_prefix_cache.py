@@ -38,16 +38,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tiny_model import write_tiny_model
 from tests.engine.prefix_harness import (
+    check_preempted_request_hits_its_own_blocks,
     GREEDY,
-    PREEMPTION_POOL_BLOCKS,
-    assert_same_output,
     exactness_scenario,
     generate_one,
-    preemption_workload,
-    readmissions_with_hits,
     run_cached_and_compare,
     run_reference,
-    spy_steps,
 )
 
 SEED = b"test-seed"
@@ -501,23 +497,7 @@ def test_penalties_see_the_cached_prefix(tiny: Path) -> None:
 def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp1(tiny: Path) -> None:
     """usage admission on a pool that cannot hold every sequence's end: a preempted request comes back starting
     after the blocks it computed before (still cached), and every request gives the uncached engine's tokens."""
-    prompts, params = preemption_workload(BLOCK_SIZE)
-    # 8 blocks of 4 tokens: 512 bytes per token at tp = 1 (2 layers, 1 KV head of 32, K and V, fp32).
-    args = dict(block_size=BLOCK_SIZE, kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * BLOCK_SIZE * 512,
-                admission="usage", kv_headroom=0.0)
-    with LLM(tiny, enable_prefix_caching=False, **args) as llm:
-        expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert llm.engine.stats().num_preemptions > 0
-    with LLM(tiny, **args) as llm:
-        steps = spy_steps(llm.engine)
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        stats = llm.engine.stats()
-    assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
-    # The new request (req-1) comes back starting after its 2 prompt blocks, still cached.
-    assert readmissions_with_hits(steps) == [("req-1", 2 * BLOCK_SIZE)]
-    for output, want in zip(outputs, expected):
-        assert_same_output(output, want, f"prompt of {len(output.prompt_token_ids)}")
-    assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
+    check_preempted_request_hits_its_own_blocks(tiny, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("admission", ["usage", "full"])

@@ -15,14 +15,10 @@ import pytest
 from engine.llm import LLM
 from engine.tiny_model import write_tiny_model
 from tests.engine.prefix_harness import (
-    PREEMPTION_POOL_BLOCKS,
-    assert_same_output,
+    check_preempted_request_hits_its_own_blocks,
     exactness_scenario,
-    preemption_workload,
-    readmissions_with_hits,
     run_cached_and_compare,
     run_reference,
-    spy_steps,
 )
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
@@ -56,21 +52,4 @@ def test_cached_run_equals_uncached_run(tp: int, dcp: int, tiny: Path, ray_clust
 
 def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp2_dcp2(tiny: Path, ray_cluster) -> None:
     skip_without_gpus(ray_cluster, 2)
-    tpb = BLOCK_SIZE * 2
-    prompts, params = preemption_workload(tpb)
-    # 8 pages per rank: 512 bytes per token per rank (2 layers, 1 KV head of 32 on every rank, K and V, fp32).
-    args = dict(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=BLOCK_SIZE,
-                kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * BLOCK_SIZE * 512, admission="usage", kv_headroom=0.0)
-    with LLM(tiny, enable_prefix_caching=False, **args) as llm:
-        expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert llm.engine.stats().num_preemptions > 0
-    with LLM(tiny, **args) as llm:
-        steps = spy_steps(llm.engine)
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        stats = llm.engine.stats()
-    assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
-    # The new request (req-1) comes back starting after its 2 prompt blocks, still cached.
-    assert readmissions_with_hits(steps) == [("req-1", 2 * tpb)]
-    for output, want in zip(outputs, expected):
-        assert_same_output(output, want, f"tp=2 dcp=2, prompt of {len(output.prompt_token_ids)}")
-    assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
+    check_preempted_request_hits_its_own_blocks(tiny, BLOCK_SIZE, tp=2, dcp=2)
