@@ -1,5 +1,6 @@
-"""What every model class the runner drives shares: a decoder (`self.model`) plus a vocabulary-parallel LM head
-(tied to the embedding when the config says so), the paged KV cache the config describes, forward and logits."""
+"""What every model class the runner drives shares: a decoder (`self.model`, a `DecoderModel`: embedding, layers,
+final norm) plus a vocabulary-parallel LM head (tied to the embedding when the config says so), the paged KV cache
+the config describes, forward and logits."""
 
 from __future__ import annotations
 
@@ -9,8 +10,46 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import KvCacheSpec
-from engine.layers.embedding import ParallelLMHead
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import ParallelState
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm (transformers' `model.` prefix). Each layer is called as
+    layer(hidden, cos, sin, kv_cache, metadata); `rope_dtype` is the dtype the rotary tables are made in (None: the
+    hidden states')."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, rotary_emb: RotaryEmbedding,
+                 layers: list[nn.Module], dtype: torch.dtype, device: torch.device,
+                 rope_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype, device)
+        self.rotary_emb = rotary_emb
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rope_dtype = rope_dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} (k_cache, v_cache) pairs for {len(self.layers)} layers")
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(
+                f"input_ids and positions must be 1-D of the same length, got {tuple(input_ids.shape)} and "
+                f"{tuple(positions.shape)}"
+            )
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, self.rope_dtype or hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
 
 
 class CausalLM(nn.Module):

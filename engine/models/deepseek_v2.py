@@ -32,14 +32,13 @@ from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.deepseek_config import MlaConfig, YarnScaling
 from engine.layers.attention import Attention
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, split_for_tp
 from engine.layers.mlp import SwiGluMLP
 from engine.layers.moe import DeepseekMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
-from engine.models.causal_lm import CausalLM
+from engine.models.causal_lm import CausalLM, DecoderModel
 from engine.models.checkpoint import load_named_weights
 from engine.parallel import ParallelState
 
@@ -171,43 +170,17 @@ class DeepseekV2DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DeepseekV2Model(nn.Module):
-    """Embedding, decoder layers and the final norm (transformers' `model.` prefix)."""
+class DeepseekV2Model(DecoderModel):
+    """Embedding, DeepSeek decoder layers and the final norm (transformers' `model.` prefix). DeepSeek rotates in
+    fp32 (transformers' DeepseekV2 does): cos / sin stay fp32 whatever the model dtype."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
         if config.mla is None:
             raise ValueError(f"{config.architecture}: DeepseekV2Model needs the config's MLA fields")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype, device)
-        self.rotary_emb = RotaryEmbedding(
-            config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device,
-            interleaved=config.mla.rope_interleave,
-        )
-        self.layers = nn.ModuleList(
-            [DeepseekV2DecoderLayer(config, i, parallel, dtype, device) for i in range(config.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} (k_cache, v_cache) pairs for {len(self.layers)} layers")
-        if input_ids.shape != positions.shape or input_ids.dim() != 1:
-            raise ValueError(
-                f"input_ids and positions must be 1-D of the same length, got {tuple(input_ids.shape)} and "
-                f"{tuple(positions.shape)}"
-            )
-        hidden = self.embed_tokens(input_ids)
-        # DeepSeek rotates in fp32 (transformers' DeepseekV2 does): cos / sin stay fp32 whatever the model dtype.
-        cos, sin = self.rotary_emb.cos_sin(positions, torch.float32)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.norm(hidden)
+        rotary = RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device,
+                                 interleaved=config.mla.rope_interleave)
+        layers = [DeepseekV2DecoderLayer(config, i, parallel, dtype, device) for i in range(config.num_hidden_layers)]
+        super().__init__(config, parallel, rotary, layers, dtype, device, rope_dtype=torch.float32)
 
 
 class DeepseekV2ForCausalLM(CausalLM):

@@ -17,13 +17,12 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import Attention
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.mlp import SwiGluMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
-from engine.models.causal_lm import CausalLM
+from engine.models.causal_lm import CausalLM, DecoderModel
 from engine.models.checkpoint import load_named_weights
 from engine.parallel import ParallelState
 
@@ -97,37 +96,15 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm (transformers' `model.` prefix)."""
+class LlamaModel(DecoderModel):
+    """Embedding, Llama decoder layers and the final norm (transformers' `model.` prefix)."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype, device)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, parallel, dtype, device) for _ in range(config.num_hidden_layers)]
+        super().__init__(
+            config, parallel, RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device),
+            [LlamaDecoderLayer(config, parallel, dtype, device) for _ in range(config.num_hidden_layers)],
+            dtype, device,
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} (k_cache, v_cache) pairs for {len(self.layers)} layers")
-        if input_ids.shape != positions.shape or input_ids.dim() != 1:
-            raise ValueError(
-                f"input_ids and positions must be 1-D of the same length, got {tuple(input_ids.shape)} and "
-                f"{tuple(positions.shape)}"
-            )
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.norm(hidden)
 
 
 class LlamaForCausalLM(CausalLM):
