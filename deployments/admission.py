@@ -54,7 +54,8 @@ from typing import Any
 from ray import serve
 
 from deployments.metrics import AdmissionMetrics
-from engine.prefix_cache import PrefixIndex, PrefixMatch, PrefixReport
+from deployments.prefix_routing import PrefixAsk, ReplicaPrefix
+from engine.prefix_cache import PrefixReport
 
 
 class AdmissionError(Exception):
@@ -89,17 +90,6 @@ BALANCE_SLACK_SEQUENCES = 2
 BALANCE_RATIO = 1.5
 
 
-@dataclass(frozen=True)
-class PrefixAsk:
-    """A request's prompt as the prefix cache names it: the hashes of the blocks it could find cached
-    (engine.prefix_cache.prompt_hashes, computed by the ingress with the app's block unit and seed)."""
-
-    hashes: tuple[int, ...]
-    tokens_per_block: int
-    seed: bytes
-    num_prompt_tokens: int
-
-
 @dataclass
 class ReplicaKv:
     """What the queue knows of one replica's KV, in logical blocks."""
@@ -116,54 +106,7 @@ class ReplicaKv:
     probes: int = 0  # how many controller probes the replica has seen (its reports carry the count)
     unreachable_at_probe: int | None = None  # a caller could not reach it when it had seen this many probes
     last_report: float = 0.0
-    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # the prefix blocks it reported cached
-    inflight: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ticket -> prompt hashes of its grant
-    _inflight_blocks: dict[int, int] = field(default_factory=dict)  # hash -> grants in flight whose prompt has it
-    num_reports: int = 0
-    _released: dict[str, int] = field(default_factory=dict)  # ticket -> num_reports when its request finished
-
-    def retire_inflight(self, ticket: str) -> None:
-        """The ticket's request finished here: its prompt stays a routing preference until a report made after the
-        finish says what the replica caches (the second report from now: the first may have left before it). A
-        conversation's next turn, sent the moment the answer ends, then still finds its way back."""
-        if ticket in self.inflight:
-            self._released[ticket] = self.num_reports
-
-    def on_report(self) -> None:
-        self.num_reports += 1
-        for ticket, at in list(self._released.items()):
-            if self.num_reports >= at + 2:
-                del self._released[ticket]
-                self.drop_inflight(ticket)
-
-    def add_inflight(self, ticket: str, ask: PrefixAsk | None) -> None:
-        if ask is None or not ask.hashes:
-            return
-        self.inflight[ticket] = ask.hashes
-        for block in ask.hashes:
-            self._inflight_blocks[block] = self._inflight_blocks.get(block, 0) + 1
-
-    def drop_inflight(self, ticket: str) -> None:
-        for block in self.inflight.pop(ticket, ()):
-            count = self._inflight_blocks[block] - 1
-            if count:
-                self._inflight_blocks[block] = count
-            else:
-                del self._inflight_blocks[block]
-
-    def match(self, ask: PrefixAsk | None) -> tuple[PrefixMatch, int]:
-        """The reported cached run of the request's prompt blocks here, and the run its grants in flight here
-        share with it (blocks being computed now: a routing preference, not KV the request may count on)."""
-        if ask is None:
-            return PrefixMatch(), 0
-        reported = self.prefix.match(ask.hashes, ask.tokens_per_block, ask.seed)
-        inflight = 0
-        if self._inflight_blocks and ask.tokens_per_block == self.tokens_per_block:
-            for block in ask.hashes:
-                if block not in self._inflight_blocks:
-                    break
-                inflight += 1
-        return reported, inflight
+    prefix: ReplicaPrefix = field(default_factory=ReplicaPrefix)  # its cached prefixes, and grants in flight
 
     @property
     def num_sequences(self) -> int:
@@ -331,9 +274,9 @@ class AdmissionQueue:
         if replica is not None:
             replica.grants.pop(ticket, None)
             if finished:
-                replica.retire_inflight(ticket)
+                replica.prefix.retire(ticket)
             else:
-                replica.drop_inflight(ticket)
+                replica.prefix.drop(ticket)
         return replica
 
     def release(self, ticket: str) -> None:
@@ -398,8 +341,8 @@ class AdmissionQueue:
         replica.held = dict(held)
         replica.last_report = now
         if prefix is not None:
-            replica.prefix.apply(prefix)
-        replica.on_report()
+            replica.prefix.index.apply(prefix)
+        replica.prefix.on_report()
         for ticket, (_, granted_at) in list(replica.grants.items()):
             if ticket not in held and now - granted_at > self.leak_grace_s:
                 self._drop_grant(ticket)  # granted long ago, never arrived or never released: the caller died
@@ -416,7 +359,7 @@ class AdmissionQueue:
     def prefix_position(self, replica_id: str) -> tuple[str | None, int]:
         """Where the queue's copy of the replica's prefix cache stands: (epoch, version), for its next report."""
         replica = self.replicas.get(replica_id)
-        return (None, 0) if replica is None else (replica.prefix.epoch, replica.prefix.version)
+        return (None, 0) if replica is None else (replica.prefix.index.epoch, replica.prefix.index.version)
 
     def expire(self) -> None:
         """Marks replicas that stopped reporting as unhealthy (no grants) and forgets long-dead ones."""
@@ -450,7 +393,7 @@ class AdmissionQueue:
             "replicas": {
                 r.replica_id: {"capacity": r.capacity, "granted": r.granted, "external": r.external,
                                "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
-                               "num_grants": len(r.grants), "cached_prefix_blocks": len(r.prefix.blocks)}
+                               "num_grants": len(r.grants), "cached_prefix_blocks": len(r.prefix.index.blocks)}
                 for r in self.replicas.values()
             },
         }
@@ -494,7 +437,7 @@ class AdmissionQueue:
         for replica in self.replicas.values():
             if not replica.grantable:
                 continue
-            reported, inflight = replica.match(ask)
+            reported, inflight = replica.prefix.match(ask)
             need_here = need - reported.pinned_blocks
             if replica.free >= need_here:
                 roomy.append((replica, reported, inflight, need_here))
@@ -520,7 +463,7 @@ class AdmissionQueue:
 
     def _grant(self, ticket: str, ask: PrefixAsk | None, need: int, replica: ReplicaKv, hit_blocks: int) -> str:
         replica.grants[ticket] = (need, self._clock())
-        replica.add_inflight(ticket, ask)
+        replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks)
         self.num_granted += 1

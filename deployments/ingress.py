@@ -31,10 +31,10 @@ from ray.serve import context as serve_context
 from deployments import openapi, protocol
 from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
 from deployments.choices import usage as choices_usage
-from deployments.admission import PrefixAsk
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
+from deployments.prefix_routing import PrefixAsk
 from deployments.replica import EngineRequest
 from engine.block_manager import admission_blocks
 from engine.prefix_cache import prompt_hashes

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from deployments.admission import AdmissionQueue, NeverFits, NoReplica, PrefixAsk, QueueFull, QueueTimeout
+from deployments.admission import AdmissionQueue, NeverFits, NoReplica, QueueFull, QueueTimeout
+from deployments.prefix_routing import PrefixAsk
 from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, PrefixReport, PrefixReporter, prompt_hashes
 
 
@@ -302,8 +303,8 @@ def test_a_burst_sharing_a_new_prefix_follows_the_first_grant_and_other_layouts_
         for block in prompt_hashes(long_prompt, 32, SEED):
             writer.set(block, PINNED)
         cache_report(writer, queue, "b", 18, {})
-        assert queue.replicas["b"].match(other)[0].hit_blocks == 0  # hashed with another block size
-        assert queue.replicas["b"].match(ask_for(long_prompt))[0].pinned_blocks == 9
+        assert queue.replicas["b"].prefix.match(other)[0].hit_blocks == 0  # hashed with another block size
+        assert queue.replicas["b"].prefix.match(ask_for(long_prompt))[0].pinned_blocks == 9
 
     asyncio.run(run())
 

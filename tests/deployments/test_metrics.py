@@ -124,7 +124,8 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
     its prompt blocks; the counters then equal the queue's own counts."""
     import asyncio
 
-    from deployments.admission import AdmissionQueue, PrefixAsk
+    from deployments.admission import AdmissionQueue
+    from deployments.prefix_routing import PrefixAsk
     from engine.prefix_cache import CACHED, PrefixReporter, prompt_hashes
 
     metrics = AdmissionMetrics()
