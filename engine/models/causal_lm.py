@@ -16,6 +16,29 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import ParallelState
 
 
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the model gives the attention and MLP."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm (transformers' `model.` prefix). Each layer is called as
     layer(hidden, cos, sin, kv_cache, metadata); `rope_dtype` is the dtype the rotary tables are made in (None: the

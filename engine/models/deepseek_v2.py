@@ -38,7 +38,7 @@ from engine.layers.moe import DeepseekMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
-from engine.models.causal_lm import CausalLM, DecoderModel
+from engine.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from engine.models.checkpoint import load_named_weights
 from engine.parallel import ParallelState
 
@@ -142,32 +142,18 @@ class DeepseekV2Attention(nn.Module):
         return RotaryEmbedding.rotate(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) with a dense or MoE mlp."""
+class DeepseekV2DecoderLayer(DecoderLayer):
+    """Pre-norm block of MLA attention and a dense or MoE mlp (MoE from first_k_dense_replace, every moe_layer_freq)."""
 
     def __init__(
         self, config: ModelConfig, layer: int, parallel: ParallelState, dtype: torch.dtype, device: torch.device
     ) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = DeepseekV2Attention(config, parallel, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp: DeepseekMoE | SwiGluMLP
+        mlp: DeepseekMoE | SwiGluMLP
         if config.moe is not None and config.moe.is_moe_layer(layer):
-            self.mlp = DeepseekMoE(config.hidden_size, config.moe, parallel, dtype, device)
+            mlp = DeepseekMoE(config.hidden_size, config.moe, parallel, dtype, device)
         else:
-            self.mlp = SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mlp = SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device)
+        super().__init__(config, DeepseekV2Attention(config, parallel, dtype, device), mlp, dtype, device)
 
 
 class DeepseekV2Model(DecoderModel):

@@ -22,7 +22,7 @@ from engine.layers.mlp import SwiGluMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
-from engine.models.causal_lm import CausalLM, DecoderModel
+from engine.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from engine.models.checkpoint import load_named_weights
 from engine.parallel import ParallelState
 
@@ -74,26 +74,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class LlamaDecoderLayer(DecoderLayer):
+    """Pre-norm block of Llama attention and a SwiGLU MLP."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, parallel, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        super().__init__(config, LlamaAttention(config, parallel, dtype, device),
+                         SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device), dtype, device)
 
 
 class LlamaModel(DecoderModel):
