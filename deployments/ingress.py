@@ -14,19 +14,15 @@ the grant.
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
 # must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
 import asyncio
-import contextvars
-import dataclasses
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve import context as serve_context
 
 from deployments import openapi, protocol
 from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
@@ -34,35 +30,11 @@ from deployments.choices import usage as choices_usage
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
-from deployments.prefix_routing import PrefixAsk
-from deployments.replica import EngineRequest
+from deployments.sessions import Sessions
 from engine.block_manager import admission_blocks
-from engine.prefix_cache import prompt_hashes
 from engine.protocol import model_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-
-logger = logging.getLogger("ray.serve")
-
-_STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_replica": 503}
-
-# A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
-# head once more for this long: it had been granted, so it gets one more chance before its 429.
-REQUEUE_MIN_WAIT_S = 1.0
-
-
-def _call_as_own_request(call: Callable[[], Any]) -> Any:
-    """Makes a Serve handle call with an internal request id of its own. A child call inherits its HTTP request's
-    id, and Serve's router keeps its pending requests in a dict by that id: the choices of one request (n > 1, a
-    batch of prompts), dispatched together, shared one entry, so all but one waited out dispatch_timeout_s."""
-    context = serve_context._get_serve_request_context()
-    token = serve_context._serve_request_context.set(
-        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))
-    try:
-        return call()
-    finally:
-        serve_context._serve_request_context.reset(token)
-
 
 # Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
 # this module (and deployments.http_edge, where `api` lives), and the routes must be bound to the class there too.
@@ -80,12 +52,10 @@ class OpenAIIngress:
         self.vocab_size = limits.vocab_size
         self.tokens_per_block = limits.tokens_per_block
         self.admission_policy = limits.admission
-        self.prefix_caching = limits.prefix_caching
-        self.prefix_hash_seed = limits.prefix_hash_seed
         self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
         self._api_keys = [key.encode() for key in args.resolved_api_keys()]  # never logged
-        self._background: set[asyncio.Task[Any]] = set()
         self.metrics = IngressMetrics()
+        self.sessions = Sessions(args, engine, admission, self.metrics, limits)
 
     # ---- routes ---------------------------------------------------------------------------------------------
 
@@ -228,7 +198,7 @@ class OpenAIIngress:
     async def _admit(self, planned: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
         """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
         their grants back and the first error is the answer."""
-        sessions = [self._session(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
+        sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
         results = await asyncio.gather(*(s.__anext__() for s in sessions), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -341,139 +311,3 @@ class OpenAIIngress:
             await asyncio.gather(*pumps, return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
         yield "data: [DONE]\n\n"
-
-    async def _session(self, ticket: str, token_ids: list[int], params: SamplingParams,
-                       need: int) -> AsyncIterator[dict[str, Any]]:
-        """Admits the request (first, empty yield once a replica accepted it), then yields its deltas.
-        Its finally frees everything, whichever way the request ends."""
-        loop = asyncio.get_running_loop()
-        arrived = loop.time()
-        deadline = arrived + self.args.queue_timeout_s
-        stream = None
-        finished = False
-        num_generated = 0
-        last_token_at = arrived
-        ask = self._prefix_ask(token_ids, params)
-        try:
-            returned: list[str] = []  # what became of earlier grants, for an honest error
-            late_chance_used = False
-            while True:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    # Only a request whose grant came back gets here: it waits at the head once more, briefly.
-                    if late_chance_used or not returned:
-                        raise ApiError(
-                            429, f"waited {loop.time() - arrived:.1f}s (queue_timeout_s={self.args.queue_timeout_s:g}) "
-                            f"and no replica took the request: it was granted KV but {'; '.join(returned)}; "
-                            f"retry later",
-                            code="queue_timeout", retry_after=self.args.retry_after_s)
-                    late_chance_used = True
-                    timeout = REQUEUE_MIN_WAIT_S
-                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned), ask)
-                if "error" in reply:
-                    status = _STATUS_OF[reply["error"]]
-                    message = reply["message"]
-                    if returned:
-                        message = f"{message}; before that this request was granted KV but {'; '.join(returned)}"
-                    raise ApiError(status, message, code=reply["error"],
-                                   retry_after=self.args.retry_after_s if status in (429, 503) else None)
-                replica_id = reply["replica_id"]
-                request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id)
-                stream, first, problem = await self._dispatch(request, replica_id)
-                if stream is not None:
-                    break
-                if first is not None:  # refused: it holds less free KV than the queue knew
-                    await self.admission.refused.remote(ticket, replica_id, int(first.get("free_blocks", 0)))
-                else:  # not reached in time, or the call failed: the grant goes back, the request to the head
-                    logger.warning("ticket %s: granted replica %s %s; re-queued at the head", ticket, replica_id,
-                                   problem)
-                    await self.admission.unreachable.remote(ticket, replica_id)
-                    # Back off before the next grant (bounded by the queue deadline), so a replica that keeps
-                    # failing calls is never retried in a tight loop.
-                    await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
-                returned.append(f"replica {replica_id} {problem}")
-            self.metrics.prompt_tokens.inc(len(token_ids))
-            yield {}
-            request_deadline = arrived + self.args.request_timeout_s
-            while True:
-                try:
-                    delta = await asyncio.wait_for(stream.__anext__(), timeout=max(request_deadline - loop.time(), 0))
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
-                                   f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
-                now = loop.time()
-                if delta["new_token_ids"]:
-                    # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
-                    (self.metrics.itl if num_generated else self.metrics.ttft).observe(now - last_token_at)
-                    num_generated += len(delta["new_token_ids"])
-                    last_token_at = now
-                if delta["finished"]:
-                    self.metrics.e2e.observe(now - arrived)
-                yield delta
-                if delta["finished"]:
-                    finished = True
-                    break
-        except ApiError:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - an engine failure becomes an OpenAI error
-            logger.exception("request %s failed", ticket)
-            raise ApiError(500 if stream is not None else 503, f"the engine failed: {err}") from None
-        finally:
-            if stream is not None and not finished:
-                stream.cancel()  # the replica's generator ends; AsyncEngine aborts the request and frees its KV
-            if num_generated:
-                self.metrics.generation_tokens.inc(num_generated)
-            self._release(ticket)
-
-    def _prefix_ask(self, token_ids: list[int], params: SamplingParams) -> PrefixAsk | None:
-        """The prompt's blocks as the replicas' prefix caches name them, for prefix-aware admission; None with
-        caching off, or for a request asking for prompt logprobs (it computes its whole prompt)."""
-        if not self.prefix_caching or params.prompt_logprobs is not None:
-            return None
-        hashes = prompt_hashes(token_ids, self.tokens_per_block, self.prefix_hash_seed)
-        return PrefixAsk(tuple(hashes), self.tokens_per_block, self.prefix_hash_seed, len(token_ids))
-
-    async def _dispatch(self, request: EngineRequest, replica_id: str) -> tuple[Any, dict[str, Any] | None, str]:
-        """Sends a granted request to its replica and waits (at most dispatch_timeout_s) for its first message.
-        Returns (stream, first, "") when the replica accepted it, (None, first, why) when it refused it, and
-        (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
-        draining, or gone)."""
-        stream = _call_as_own_request(lambda: self.engine.options(stream=True).generate.remote(request))
-        timeout = self.args.dispatch_timeout_s
-        try:
-            first = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
-        except asyncio.TimeoutError:
-            stream.cancel()
-            return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
-        except StopAsyncIteration:
-            return None, None, "ended the call without an answer"
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
-            stream.cancel()
-            return None, None, f"failed the call ({type(err).__name__}: {err})"
-        if first.get("accepted"):
-            return stream, first, ""
-        if "rejected" in first:
-            raise ApiError(400, f"the engine refused the request: {first['rejected']}")
-        return None, first, f"refused it (it had {int(first.get('free_blocks', 0))} free KV blocks)"
-
-    def _release(self, ticket: str) -> None:
-        """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a
-        copy of the request's would carry Serve's request context, and Serve cancels the calls a cancelled request
-        made (a client disconnect), so the release itself would be cancelled and the grant leak until the queue's
-        leak reconciliation (leak_grace_s)."""
-        task = asyncio.get_running_loop().create_task(self._release_async(ticket), context=contextvars.Context())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release_async(self, ticket: str) -> None:
-        try:
-            await self.admission.release.remote(ticket)
-        except Exception as err:  # noqa: BLE001 - the queue's leak reconciliation reclaims the grant
-            logger.warning("releasing ticket %s failed: %r", ticket, err)
