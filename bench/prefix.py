@@ -9,7 +9,7 @@ streaming SSE over raw HTTP, as vLLM's benchmark_serving does):
   (earlier turns, the answers the model gave, token for token, and a new user turn), the conversations at once.
 
 The configurations: caching on with prefix-aware routing (the default), caching on with routing by free KV alone
-(prefix_routing_weight 0: what a router blind to prefixes does), and caching off. It reports TTFT and output
+(prefix_routing false: what a router blind to prefixes does), and caching off. It reports TTFT and output
 tokens/s (caching on vs off), and the prefix hit rate (prompt tokens served from the replicas' caches, from their
 engine counters) and the routing prefix-hit share (prompt blocks the granted replica had cached or was computing).
 
@@ -73,9 +73,9 @@ WORKLOADS = {
     True: Workload(system_tokens=1000, user_tokens=32, system_requests=8, system_concurrency=4, conversations=4,
                    turns=3, context_tokens=600, answer_tokens=12),
 }
-# label -> (enable_prefix_caching, prefix_routing_weight)
-CONFIGS = {"caching + prefix routing": (True, 1.0), "caching, KV-only routing": (True, 0.0),
-           "caching off": (False, 1.0)}
+# label -> (enable_prefix_caching, prefix_routing)
+CONFIGS = {"caching + prefix routing": (True, True), "caching, KV-only routing": (True, False),
+           "caching off": (False, True)}
 
 
 def say(line: str) -> None:
@@ -112,10 +112,10 @@ class ConfigResult:
         return self.router_hit_blocks / self.router_query_blocks if self.router_query_blocks else 0.0
 
 
-def app_config(caching: bool, weight: float, max_model_len: int) -> dict[str, Any]:
+def app_config(caching: bool, routing: bool, max_model_len: int) -> dict[str, Any]:
     config = compare.app_config(1, 1, 16, 64 << 20, max_model_len, "usage", 256)
     args = config["applications"][0]["args"]
-    args.update({"enable_prefix_caching": caching, "prefix_routing_weight": weight,
+    args.update({"enable_prefix_caching": caching, "prefix_routing": routing,
                  "autoscaling": {"min_replicas": REPLICAS, "max_replicas": REPLICAS}})
     return config
 
@@ -240,10 +240,10 @@ async def multi_turn_set(base_url: str, workload: Workload, vocab: int, seed: in
 
 def measure(label: str, head: compare.ServeHead, model_dir: Path, workload: Workload, vocab: int,
             max_model_len: int) -> ConfigResult:
-    caching, weight = CONFIGS[label]
+    caching, routing = CONFIGS[label]
     say(f"{label}: deploying {REPLICAS} replicas (tp=1), enable_prefix_caching={caching}, "
-        f"prefix_routing_weight={weight}")
-    head.deploy(model_dir, app_config(caching, weight, max_model_len), label.replace(" ", "_").replace(",", ""))
+        f"prefix_routing={routing}")
+    head.deploy(model_dir, app_config(caching, routing, max_model_len), label.replace(" ", "_").replace(",", ""))
     asyncio.run(warm_up(head.base_url, vocab))
     say(f"{label}: shared system prompt set")
     system = asyncio.run(system_prompt_set(head.base_url, workload, vocab, seed=1))
@@ -300,7 +300,7 @@ def markdown(rows: list[list[str]], command: str, workload: Workload, seconds: f
               "The hit rate is the replicas' own count (prompt tokens of new requests served from their caches over "
               "those looked up), the routing share the prompt blocks routing found on the granted replica (reported cached, or computed there by "
               "requests granted since its last report).",
-              "- KV-only routing is the same app with prefix_routing_weight=0: the admission queue grants the "
+              "- KV-only routing is the same app with prefix_routing false: the admission queue grants the "
               "replica with the most free KV, as a router blind to prefixes does; its caches still serve whatever "
               "happens to land on them. It gets more than chance here: a turn's finish frees KV on its replica, so "
               "the most-free rule often sends the conversation's next turn back.",

@@ -25,19 +25,18 @@ Prefix-aware routing. With prefix caching each replica also reports the prefix b
 hashes of its prompt's blocks (`PrefixAsk`). For each replica the queue finds the longest cached run of them
 (`PrefixIndex.match`): blocks there that a running request holds (pinned) are shared, not added, so the request's
 need on that replica is its admission blocks less those; blocks the replica caches but nobody holds cost as much as
-free ones (they are counted free). Among the replicas that have room for the request's need there, it grants the
-one with the lowest cost
-
-    cost = prefix_routing_weight * (prompt tokens it would compute there) - (KV tokens free there after the grant)
-
-among the replicas in balance (running at most max(least + 2, 1.5 * least) sequences, least being the least busy
-one's count: prefix affinity never piles requests onto one replica while another idles). So a cached prefix of h
-tokens is worth h tokens of free KV (and a prefix held by running requests also leaves more KV free, since it is
-shared): a conversation goes back to the replica holding its
-history unless another replica has more free KV than the history is long, and a replica that has the prefix but no
-room for the request is never waited for. With no prefix anywhere (or weight 0) it is the replica with the most free
-KV, as without caching. Grants still in flight count as cached on their replica for routing (not for the KV need):
-a burst sharing a new prefix follows the first request to one replica instead of computing the prefix everywhere.
+free ones (they are counted free). Among the replicas that have room for the request's need there and are in
+balance (running at most max(least + 2, 1.5 * least) sequences, least being the least busy one's count: prefix
+affinity never piles requests onto one replica while another idles), it grants the one that holds the longest run
+of the prompt's blocks, and among equal runs the one with the most KV free after the grant. So a conversation goes
+back to the replica holding its history, and requests sharing a system prompt spread over the replicas that cache it
+(each takes the most free); a replica that has the prefix but no room, or is out of balance, is never waited for.
+Free KV decides only between equal runs: while a replica has room, its free KV says nothing of how fast it serves,
+and weighing it against the prefix (a cost of tokens to compute minus free tokens) sent a turn away from its history
+whenever the other replica ran one request fewer. With no prefix anywhere (or prefix_routing off) it is the replica
+with the most free KV, as without caching. Grants still in flight count as cached on their replica for routing (not
+for the KV need): a burst sharing a new prefix follows the first request to one replica instead of computing the
+prefix everywhere.
 
 AdmissionQueue is plain asyncio (tested without Ray); KvAdmission (below) serves it as a one-replica deployment.
 """
@@ -159,20 +158,18 @@ class AdmissionQueue:
         leak_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[str, float | None], None] | None = None,
-        prefix_routing_weight: float = 1.0,
+        prefix_routing: bool = True,
         on_routed: Callable[[int, int], None] | None = None,
     ) -> None:
         """on_event(outcome, waited_s), when given, hears every decision (deployments/metrics.py
         ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO.
         on_routed(prompt_blocks, hit_blocks) hears every grant of a request that named its prompt blocks.
-        prefix_routing_weight: what a token of cached prefix is worth against a token of free KV (module doc)."""
-        if prefix_routing_weight < 0:
-            raise ValueError(f"prefix_routing_weight must be >= 0 (0: route by free KV alone), got "
-                             f"{prefix_routing_weight}")
+        prefix_routing: prefer the replica holding the longest run of the prompt's blocks (module doc); off: the most
+        free KV alone."""
         self.max_queued = max_queued
         self._on_event = on_event
         self._on_routed = on_routed
-        self.prefix_routing_weight = prefix_routing_weight
+        self.prefix_routing = prefix_routing
         self.replica_ttl_s = replica_ttl_s  # a replica silent this long gets no more grants
         self.leak_grace_s = leak_grace_s  # a grant its replica never saw this long is dropped (caller died)
         self._clock = clock
@@ -447,18 +444,16 @@ class AdmissionQueue:
         # much of the prefix it holds (otherwise every request sharing a system prompt would pile onto one replica).
         least = min(replica.num_sequences for replica, *_ in roomy)
         limit = max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
-        best: tuple[float, int, ReplicaKv, int] | None = None
+        best: tuple[tuple[int, int], int, ReplicaKv, int] | None = None
         for replica, reported, inflight, need_here in roomy:
             if replica.num_sequences > limit:
                 continue
-            cost = -(replica.free - need_here) * replica.tokens_per_block
-            if ask is not None:
-                cached_tokens = max(reported.hit_blocks, inflight) * ask.tokens_per_block
-                cost += self.prefix_routing_weight * (ask.num_prompt_tokens - cached_tokens)
-            if best is None or cost < best[0]:
-                # What routing counted on there: the blocks it reported cached, or those its grants in flight (or
-                # finished since its last report) are computing, whichever run is longer.
-                best = (cost, need_here, replica, max(reported.hit_blocks, inflight))
+            # What routing counts on there: the blocks it reported cached, or those its grants in flight (or
+            # finished since its last report) are computing, whichever run is longer.
+            hit_blocks = max(reported.hit_blocks, inflight)
+            key = (hit_blocks if self.prefix_routing else 0, replica.free - need_here)
+            if best is None or key > best[0]:
+                best = (key, need_here, replica, hit_blocks)
         return None if best is None else best[1:]
 
     def _grant(self, ticket: str, ask: PrefixAsk | None, need: int, replica: ReplicaKv, hit_blocks: int) -> str:
@@ -493,10 +488,10 @@ class KvAdmission:
     """The app's admission queue as a one-replica deployment: the ingress acquires and releases, engine replicas
     report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
 
-    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing_weight: float = 1.0) -> None:
+    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True) -> None:
         self.metrics = AdmissionMetrics()
         self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, on_event=self.metrics.on_event,
-                                    prefix_routing_weight=prefix_routing_weight, on_routed=self.metrics.on_routed)
+                                    prefix_routing=prefix_routing, on_routed=self.metrics.on_routed)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:

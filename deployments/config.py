@@ -118,10 +118,10 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]
         "request ends with a 504 (or an error event in its stream) and its KV is freed"
     )
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas (tokenize, admit, stream)")
-    prefix_routing_weight: float = Field(
-        1.0, ge=0, description="with prefix caching, what a token of a request's prefix cached on a replica is worth "
-        "against a token of free KV there when the admission queue picks the replica (cost = weight * tokens to "
-        "compute - KV tokens free after the grant); 0 routes by free KV alone"
+    prefix_routing: bool = Field(
+        True, description="with prefix caching, the admission queue grants the replica (with room, in balance) that "
+        "caches the longest run of the request's prompt, and among equal runs the one with the most free KV; false: "
+        "the most free KV alone"
     )
     routing_stats_period_s: float = Field(1.0, gt=0, description="how often replicas report KV to the routers")
     kv_report_period_s: float = Field(0.5, gt=0, description="how often replicas reconcile KV with the admission queue")

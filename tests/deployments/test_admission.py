@@ -263,22 +263,24 @@ def test_a_replica_with_the_prefix_but_no_room_does_not_hold_the_request_back() 
     asyncio.run(run())
 
 
-def test_prefix_affinity_is_weighed_against_free_kv() -> None:
+def test_the_longest_cached_run_wins_and_free_kv_decides_between_equal_runs() -> None:
     async def run() -> None:
-        prompt = list(range(100))  # 96 cached tokens on b
-        for b_held, weight, expected in [(2, 1.0, "b"),  # 64 tokens less free on b < 96 cached: b
-                                         (4, 1.0, "a"),  # 128 tokens less free > 96 cached: a
-                                         (4, 2.0, "b"),  # worth twice as much: 192 > 128: b
-                                         (1, 0.0, "a")]:  # weight 0: most free KV
-            queue = AdmissionQueue(max_queued=4, prefix_routing_weight=weight)
-            writer = PrefixReporter(32, SEED)
-            for block in prompt_hashes(prompt, 32, SEED):
-                writer.set(block, CACHED)
-            queue.report("a", 20, 32, {})
-            cache_report(writer, queue, "b", 20, {"other": b_held})
-            assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == expected, (b_held, weight)
-        with pytest.raises(ValueError, match="prefix_routing_weight"):
-            AdmissionQueue(max_queued=4, prefix_routing_weight=-1)
+        prompt = list(range(100))  # 3 blocks cached on b (and, in the last case, 2 on a)
+        for b_held, a_blocks, routing, expected in [(2, 0, True, "b"),  # b caches more: b, though a has more free
+                                                    (14, 0, True, "b"),  # far less free, still room: b
+                                                    (16, 0, True, "a"),  # no room for 5 on b: a
+                                                    (2, 3, True, "a"),  # equal runs: the most free KV
+                                                    (2, 2, True, "b"),  # a's run is shorter: b
+                                                    (1, 0, False, "a")]:  # prefix routing off: most free KV
+            queue = AdmissionQueue(max_queued=4, prefix_routing=routing)
+            writer_a, writer_b = PrefixReporter(32, SEED), PrefixReporter(32, SEED)
+            for index, block in enumerate(prompt_hashes(prompt, 32, SEED)):
+                writer_b.set(block, CACHED)
+                if index < a_blocks:
+                    writer_a.set(block, CACHED)
+            cache_report(writer_a, queue, "a", 20)
+            cache_report(writer_b, queue, "b", 20, {"other": b_held})
+            assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == expected, (b_held, a_blocks, routing)
 
     asyncio.run(run())
 
