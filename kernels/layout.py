@@ -91,10 +91,10 @@ def dcp_slot_mapping(
         )
     off = positions - blk * logical_block_tokens
     if dcp_size == 1:  # every token is this rank's, at its offset in the block's page
-        return block_table.to(torch.int64)[seq_idx, blk] * block_size + off
+        return block_table[seq_idx, blk].to(torch.int64) * block_size + off  # index, then widen: not the table
     owner = (off // interleave) % dcp_size
     local = (off // (dcp_size * interleave)) * interleave + off % interleave
-    pages = block_table.to(torch.int64)[seq_idx, blk]
+    pages = block_table[seq_idx, blk].to(torch.int64)
     slots = pages * block_size + local
     return torch.where(owner == dcp_rank, slots, torch.full_like(slots, -1))
 

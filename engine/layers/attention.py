@@ -146,7 +146,8 @@ class Attention(nn.Module):
             return
         key = ("cpu_decode", q.dtype)
         if key not in metadata.kernel_plans:
-            metadata.kernel_plans[key] = plan_decode_cpu(table, lens, k_cache.shape[0], k_cache.shape[1], q.dtype)
+            metadata.kernel_plans[key] = plan_decode_cpu(table, lens, k_cache.shape[0], k_cache.shape[1], q.dtype,
+                                                             validate=False)
         paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out,
                                    plan=metadata.kernel_plans[key], v_head_dim=self.v_head_dim)
 
