@@ -319,7 +319,7 @@ class RayWorkerGroup:
         for rank in ranks:
             try:
                 reply: RankReply = pickle.loads(channels[rank].recv())
-            except EOFError as err:
+            except (EOFError, ConnectionError) as err:  # a killed rank's socket may reset rather than close
                 failures.append(_RankFailure(rank, False, self._rank_gone(rank, err)))
                 continue
             if reply.error is not None:
