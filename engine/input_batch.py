@@ -175,19 +175,32 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
             num_decodes += 1  # the scheduler puts single-token rows first
     to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     starts_t = to_device(torch.tensor(starts, dtype=torch.int64))
-    counts_t = to_device(torch.tensor(counts, dtype=torch.int64))
     num_tokens = len(input_ids)
-    if num_decodes == len(scheduled):  # the common step: one token per sequence
-        seq_index = torch.arange(num_tokens, device=device)
+    ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
+    # The persistent batch keeps the table right: no value checks (on CUDA they would read the device back, on CPU
+    # they cost a dozen tensor ops a step).
+    if num_decodes == len(scheduled):  # the common step: one token per sequence, no prefill part
         positions = starts_t
-    else:
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=device), counts_t,
-                                            output_size=num_tokens)
-        first_row = torch.cumsum(counts_t, 0) - counts_t  # each entry's first row in the token batch
-        positions = starts_t[seq_index] + torch.arange(num_tokens, device=device) - first_row[seq_index]
-    # On CUDA the value checks would read device memory back every step; the persistent batch keeps the table right.
-    slot_mapping = dcp_slot_mapping(table, seq_index, positions, block_size, dcp_size, dcp_rank,
-                                    validate=device.type != "cuda")
+        slot_mapping = dcp_slot_mapping(table, torch.arange(num_tokens, device=device), positions, block_size,
+                                        dcp_size, dcp_rank, validate=False)
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=num_decodes,
+            decode_block_table=table,
+            decode_local_seq_lens=dcp_local_seq_lens(starts_t + 1, dcp_size, dcp_rank),
+            prefill_block_table=table[num_decodes:],
+            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+            prefill_local_context_lens=empty,
+            prefill_max_query_len=0,
+            exchange_timer=exchange_timer,
+        )
+        return StepInputs(ids, positions, metadata, sample_rows, sampling)
+    counts_t = to_device(torch.tensor(counts, dtype=torch.int64))
+    seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=device), counts_t, output_size=num_tokens)
+    first_row = torch.cumsum(counts_t, 0) - counts_t  # each entry's first row in the token batch
+    positions = starts_t[seq_index] + torch.arange(num_tokens, device=device) - first_row[seq_index]
+    slot_mapping = dcp_slot_mapping(table, seq_index, positions, block_size, dcp_size, dcp_rank, validate=False)
     query_start_loc = torch.cat([counts_t.new_zeros(1), torch.cumsum(counts_t[num_decodes:], 0)]).to(torch.int32)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -200,7 +213,6 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
         prefill_max_query_len=max(counts[num_decodes:], default=0),
         exchange_timer=exchange_timer,
     )
-    ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
     return StepInputs(ids, positions, metadata, sample_rows, sampling)
 
 

@@ -19,7 +19,7 @@ from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
 from engine.protocol import TokenLogprob
-from engine.sampler import Sampler, SamplingRow, token_logprobs
+from engine.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
 from engine.input_batch import InputBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -164,7 +164,7 @@ class ModelRunner:
             logits = self.model.compute_logits(rows, driver_only=True)
             if result is not None and logits is not None and not self.batch.not_plain_greedy:
                 # Every row greedy with nothing else asked: the argmax is the whole sampler.
-                tokens = logits.argmax(dim=-1).tolist()
+                tokens = greedy_tokens(logits).tolist()
                 result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, tokens)}
             elif self.sampler is not None and result is not None and logits is not None:
                 sampled = self.sampler.sample(logits, [

@@ -47,7 +47,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestDelta:
     """What one step added to a request: new tokens, newly completed text, and whether it finished."""
 

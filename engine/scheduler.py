@@ -30,7 +30,7 @@ from engine.request import FinishReason, Request, RequestRejected, RequestStatus
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step, as the ranks receive it: only what they have not seen yet.
 
@@ -82,7 +82,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenUpdate:
     """A sampled token applied to a request, and whether that finished it."""
 
@@ -206,7 +206,10 @@ class Scheduler:
             scheduled.append(self._entry(request, count))
             budget -= count
 
-        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first; stable otherwise
+        # Decodes first, each part in scheduling order (running requests, then admitted ones).
+        decodes = [entry for entry in scheduled if len(entry.token_ids) == 1]
+        if len(decodes) < len(scheduled):
+            scheduled = decodes + [entry for entry in scheduled if len(entry.token_ids) != 1]
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(scheduled, finished, preempted)
 
