@@ -55,6 +55,13 @@ class ScheduledRequest:
     # (the sampler keeps the whole history of such a request).
     prefix_token_ids: list[int] | None = None
 
+    def __reduce__(self) -> tuple:
+        # Every step pickles its entries to each rank: by position, this is half the bytes and 2x (dumps) / 4x
+        # (vs a slotted dataclass's __getstate__) faster than the default (44 vs 82 / 175 us for 64 decodes).
+        return (ScheduledRequest, (self.request_id, self.token_ids, self.start_position, self.new_block_ids,
+                                   self.sample, self.num_output_tokens, self.sampling_params, self.next_token_id,
+                                   self.blocked_token_ids, self.prefix_token_ids))
+
     @property
     def is_decode(self) -> bool:
         return len(self.token_ids) == 1

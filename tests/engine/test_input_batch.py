@@ -97,6 +97,8 @@ def test_a_decode_step_sends_the_same_bytes_at_any_context_length() -> None:
         assert all(not e.is_new and e.token_ids == [7] and len(e.new_block_ids) == 1
                    for e in decode.scheduled)
         sizes[context] = len(pickle.dumps(decode))
+        # The entries pickle by position (ScheduledRequest.__reduce__): every field comes back, the first step's too.
+        assert pickle.loads(pickle.dumps(first)) == first and pickle.loads(pickle.dumps(decode)) == decode
     # Integers pickle in 1, 2 or 4 bytes by size, so the two differ by a few bytes either way, not by the context.
     assert abs(sizes[4000] - sizes[64]) < 64, sizes
 
