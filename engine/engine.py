@@ -85,7 +85,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, prompt=prompt)
         self.scheduler.add_request(request)
-        self._text[request_id] = TextStream.for_params(self.tokenizer, prompt_token_ids, params)
+        if params.detokenize:
+            self._text[request_id] = TextStream.for_params(self.tokenizer, prompt_token_ids, params)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

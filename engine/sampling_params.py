@@ -49,6 +49,9 @@ class SamplingParams:
     min_tokens: int = 0  # until this many outputs, EOS and stop_token_ids cannot be sampled (nor stop strings match)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False: token ids only, no text (vLLM's option; offline batch work that reads ids, or benchmarks against
+    # engines that do not detokenize). Stop strings need the text, so they need True.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,9 +98,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {list(self.stop)} are matched in the output text: they need "
+                             f"detokenize=True (or use stop_token_ids)")
 
     @property
     def greedy(self) -> bool:

@@ -243,8 +243,8 @@ class TextStream:
     @classmethod
     def for_params(cls, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
         """The stream a request with these SamplingParams gets (stop strings, min_tokens, include_stop_str_in_output,
-        skip_special_tokens)."""
-        return cls(tokenizer, prompt_ids, params.stop or (),
+        skip_special_tokens; no text with detokenize=False)."""
+        return cls(tokenizer if params.detokenize else None, prompt_ids, params.stop or (),
                    include_stop_str_in_output=params.include_stop_str_in_output,
                    skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
 

@@ -245,6 +245,17 @@ def test_skip_special_tokens(tiny: Path) -> None:
     assert skipped.text == "" and shown.text == BOS_TOKEN * 3
 
 
+def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny: Path) -> None:
+    """vLLM's detokenize=False: the same tokens (and finish), no text; EOS and stop_token_ids still end the request."""
+    with LLM(tiny) as llm:
+        for base in (dict(temperature=0, max_tokens=12, ignore_eos=True), dict(temperature=1.0, seed=3, max_tokens=40),
+                     dict(temperature=1.0, seed=4, max_tokens=40, stop_token_ids=[7, 11, 30, 99])):
+            text, ids = (llm.generate("hello there", SamplingParams(**base, detokenize=flag))[0].outputs[0]
+                         for flag in (True, False))
+            assert ids.token_ids == text.token_ids and ids.finish_reason == text.finish_reason
+            assert ids.text == "" and text.text != ""
+
+
 def test_text_stream_stop_strings_with_min_tokens_and_include(tiny: Path) -> None:
     """A stop string only counts once it ends after the first min_tokens tokens' text (vLLM's rule)."""
     tokenizer = load_tokenizer(tiny)
@@ -335,6 +346,9 @@ def test_batched_filtering_equals_the_row_by_row_filter_bit_for_bit(trial: int) 
     ({"min_tokens": -1}, r"min_tokens must be an integer >= 0, got -1"),
     ({"min_tokens": 17}, r"min_tokens=17 must be <= max_tokens=16"),
     ({"include_stop_str_in_output": 1}, r"include_stop_str_in_output must be True or False, got 1"),
+    ({"detokenize": "no"}, r"detokenize must be True or False, got 'no'"),
+    ({"detokenize": False, "stop": ["\n"]}, r"stop strings \['\\n'\] are matched in the output text: they need "
+                                             r"detokenize=True \(or use stop_token_ids\)"),
 ])
 def test_invalid_values_name_the_field(options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
