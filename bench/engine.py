@@ -55,9 +55,9 @@ from engine.tiny_model import write_tiny_model  # noqa: E402
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
 DOCS = DocsSection("bench/engine.py")
-COLUMNS = ("config", "batch", "decode tok/s", "step ms", "runner ms", "forward ms", "overhead ms", "HF tok/s",
-           "HF step ms", "HF fwd ms", "ours/HF", "tokens = HF")
-WIDTHS = (10, 5, 12, 8, 9, 10, 11, 9, 10, 9, 7, 11)
+COLUMNS = ("config", "batch", "decode tok/s", "step ms", "runner ms", "forward ms", "LM head ms", "overhead ms",
+           "HF tok/s", "HF step ms", "HF fwd ms", "ours/HF", "tokens = HF")
+WIDTHS = (10, 5, 12, 8, 9, 10, 10, 11, 9, 10, 9, 7, 11)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Row:
         ours, hf = self.tokens_per_second(self.ours), self.tokens_per_second(self.hf)
         return [
             self.config, str(self.batch), f"{ours:.0f}", ms(self.ours.step), ms(self.ours.runner),
-            ms(self.ours.forward), ms(overhead), f"{hf:.0f}", ms(self.hf.step), ms(self.hf.forward),
+            ms(self.ours.forward), ms(self.ours.lm_head), ms(overhead), f"{hf:.0f}", ms(self.hf.step), ms(self.hf.forward),
             f"{ours / hf:.2f}", f"{self.matching}/{self.batch}" + ("" if self.matching == self.batch else " DIFF"),
         ]
 
@@ -234,7 +234,8 @@ def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: st
         f"model: {model_label} ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} "
         f"heads, {mc.num_key_value_heads} KV head(s), vocab {mc.vocab_size}), {config.dtype} on {device.type}",
         f"workload: random prompt ids (seed {args.seed}) of {args.prompt_len} tokens, greedy, {args.max_tokens} new "
-        f"tokens, ignore_eos (HF: no EOS, min_new_tokens = max_new_tokens); {args.rounds} round(s) per batch",
+        f"tokens, ignore_eos (HF: no EOS, min_new_tokens = max_new_tokens); {args.rounds} round(s) per batch; token "
+        "ids only (SamplingParams(detokenize=False), vLLM's option): HF's generate does not detokenize either",
         "side by side: HF's generate calls a stopping criterion after each token, which runs one LLMEngine.step() "
         "of every config, so the engines alternate step by step and load spikes hit all of them; HF step ms is the "
         "time from that callback's return to its next call",
@@ -242,9 +243,12 @@ def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: st
         f"so each sequence contributes {args.max_tokens - 1} decode steps per round",
         "decode tok/s = batch / median decode step time; step ms: LLMEngine.step() wall time (schedule -> execute on "
         "every rank -> update, detokenize); runner ms: ModelRunner.execute on rank 0 (inputs + forward + logits + "
-        "sampling); forward ms: the model's forward on rank 0 (for tp=2 it includes the TP/DCP collectives); "
+        "sampling); forward ms: the model's forward and its LM head on rank 0, as HF's forward includes its LM head "
+        "(for tp=2 it includes the TP/DCP collectives and the logits gather); LM head ms: of forward ms, the LM head "
+        "and (tp=2) the logits gather; "
         "overhead ms: median over steps of (step - forward)",
-        "HF: model.generate on the same weights and prompts (batched, no padding); HF fwd ms = its model forward; "
+        "HF: model.generate on the same weights and prompts (batched, no padding); HF fwd ms = its model forward (LM "
+        "head included); "
         "ours/HF = decode tok/s ratio",
         "tokens = HF: sequences whose greedy tokens equal HF's in every round (batch 1 must match); "
         "all values are medians, taken on a machine shared with other jobs",

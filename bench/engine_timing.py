@@ -43,7 +43,8 @@ class Samples:
 
     step: list[float] = field(default_factory=list)  # LLMEngine.step() wall time (or HF's gap between tokens)
     runner: list[float] = field(default_factory=list)  # ModelRunner.execute on rank 0 (ours only)
-    forward: list[float] = field(default_factory=list)  # model forward (rank 0 for ours)
+    forward: list[float] = field(default_factory=list)  # model forward + LM head (rank 0 for ours)
+    lm_head: list[float] = field(default_factory=list)  # of forward, the LM head (compute_logits; ours only)
     prefill: list[float] = field(default_factory=list)  # per round: the steps before every sequence decodes (HF: its
     # first forward)
 
@@ -51,6 +52,7 @@ class Samples:
         self.step += other.step
         self.runner += other.runner
         self.forward += other.forward
+        self.lm_head += other.lm_head
         self.prefill += other.prefill
 
 
@@ -70,21 +72,28 @@ def timed(fn: Callable[..., Any], record: Callable[[float], None], device: torch
 
 
 def instrument_runner(runner: Any) -> None:
-    """Wraps a ModelRunner's execute and its model's forward so each execute call appends (execute seconds,
-    forward seconds or 0.0) to runner.bench_records. Runs in this process (tp=1) or inside a rank actor (tp>1)."""
-    records: list[tuple[float, float]] = []
-    last_forward = [0.0]
-    runner.model.forward = timed(runner.model.forward, lambda s: last_forward.__setitem__(0, s), runner.device)
-    execute = timed(runner.execute, lambda s: records.append((s, last_forward[0])), torch.device("cpu"))
+    """Wraps a ModelRunner's execute, its model's forward and its LM head (compute_logits) so each execute call
+    appends (execute seconds, forward + LM head seconds, LM head seconds; 0.0 when not run) to runner.bench_records:
+    transformers' forward, which the HF columns time, includes its LM head too. Runs in this process (tp=1) or
+    inside a rank actor (tp>1)."""
+    records: list[tuple[float, float, float]] = []
+    last = [0.0, 0.0]  # this execute's forward, LM head
+
+    def add(index: int) -> Callable[[float], None]:
+        return lambda seconds: last.__setitem__(index, last[index] + seconds)
+
+    runner.model.forward = timed(runner.model.forward, add(0), runner.device)
+    runner.model.compute_logits = timed(runner.model.compute_logits, add(1), runner.device)
+    execute = timed(runner.execute, lambda s: records.append((s, last[0] + last[1], last[1])), torch.device("cpu"))
 
     def execute_and_reset(output: Any) -> Any:
-        last_forward[0] = 0.0  # an empty step runs no forward
+        last[:] = [0.0, 0.0]  # an empty step runs no forward
         return execute(output)
 
     runner.execute, runner.bench_records = execute_and_reset, records
 
 
-def take_records(runner: Any) -> list[tuple[float, float]]:
+def take_records(runner: Any) -> list[tuple[float, float, float]]:
     records = list(runner.bench_records)
     runner.bench_records.clear()
     return records
@@ -122,7 +131,7 @@ class Instrumented:
 
         engine.executor.execute = classify
 
-    def records(self) -> list[tuple[float, float]]:
+    def records(self) -> list[tuple[float, float, float]]:
         if self.rank0 is None:
             return take_records(self.engine.executor.runner)
         import ray
@@ -131,7 +140,8 @@ class Instrumented:
 
     def start(self, prompts: list[list[int]], max_tokens: int) -> None:
         """Queues greedy requests for `prompts`; step() then advances them one engine step at a time."""
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        # Token ids only, as HF's generate and the vLLM rows (detokenize=False) return.
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         self.batch, self.decode_calls, self.step_seconds = len(prompts), [], []
         self.records()  # drop what earlier runs left
         self.ids = [self.engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
@@ -159,11 +169,12 @@ class Instrumented:
         samples = Samples()
         samples.prefill.append(sum(seconds for decode, seconds in zip(self.decode_calls, self.step_seconds)
                                    if not decode))
-        for decode, seconds, (runner, forward) in zip(self.decode_calls, self.step_seconds, records):
+        for decode, seconds, (runner, forward, lm_head) in zip(self.decode_calls, self.step_seconds, records):
             if decode:
                 samples.step.append(seconds)
                 samples.runner.append(runner)
                 samples.forward.append(forward)
+                samples.lm_head.append(lm_head)
         return [self.tokens[rid] for rid in self.ids], samples
 
 
