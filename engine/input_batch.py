@@ -174,9 +174,9 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
         if len(entry.token_ids) == 1 and num_decodes == len(starts) - 1:
             num_decodes += 1  # the scheduler puts single-token rows first
     to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    starts_t = to_device(torch.tensor(starts, dtype=torch.int64))
-    num_tokens = len(input_ids)
-    ids = to_device(torch.tensor(input_ids, dtype=torch.int64))
+    num_seqs, num_tokens = len(starts), len(input_ids)
+    packed = to_device(torch.tensor(starts + input_ids, dtype=torch.int64))  # one copy to the device, not two
+    starts_t, ids = packed[:num_seqs], packed[num_seqs:]
     # The persistent batch keeps the table right: no value checks (on CUDA they would read the device back, on CPU
     # they cost a dozen tensor ops a step).
     if num_decodes == len(scheduled):  # the common step: one token per sequence, no prefill part
