@@ -242,7 +242,7 @@ def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: st
         "decode only: all prompts prefill in one step, which also samples the first token; that step is excluded, "
         f"so each sequence contributes {args.max_tokens - 1} decode steps per round",
         "decode tok/s = batch / median decode step time; step ms: LLMEngine.step() wall time (schedule -> execute on "
-        "every rank -> update, detokenize); runner ms: ModelRunner.execute on rank 0 (inputs + forward + logits + "
+        "every rank -> update, deltas); runner ms: ModelRunner.execute on rank 0 (inputs + forward + logits + "
         "sampling); forward ms: the model's forward and its LM head on rank 0, as HF's forward includes its LM head "
         "(for tp=2 it includes the TP/DCP collectives and the logits gather); LM head ms: of forward ms, the LM head "
         "and (tp=2) the logits gather; "
