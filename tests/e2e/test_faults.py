@@ -39,7 +39,14 @@ def _under_load(cluster: ServeCluster, kill_pid: int, what: str, drain_timeout_s
     killed_at = time.monotonic()
     faults.kill(kill_pid)
     recovery_s = faults.wait_until_serving(cluster, MODEL, RECOVERY_TIMEOUT_S)
-    time.sleep(3)  # the load runs on the healed app for a while
+    healed_from = killed_at + recovery_s + 1
+    # The load runs on the healed app for a while: at least 3 s, and until a request it started there has ended (on
+    # a loaded machine its clients may all be inside requests begun before then for longer than 3 s).
+    time.sleep(3)
+    deadline = time.monotonic() + END_TIMEOUT_S
+    while not [o for o in list(load.outcomes) if o.started > healed_from and o.ended is not None]:
+        assert time.monotonic() < deadline, f"no request started after the recovery ended: {load.summary()}"
+        time.sleep(0.2)
     load.stop(END_TIMEOUT_S)
     outcomes = load.outcomes
     print(f"{what}: killed pid {kill_pid} with {len(in_flight)} requests in flight; serving again after "
@@ -49,7 +56,7 @@ def _under_load(cluster: ServeCluster, kill_pid: int, what: str, drain_timeout_s
         assert outcome.ended is not None and outcome.ended - killed_at < END_TIMEOUT_S
     for outcome in outcomes:  # an answer or a clear error: nothing lost in silence
         assert (outcome.status == 200 and outcome.error is None) or outcome.error, outcome
-    healed = [o for o in outcomes if o.started > killed_at + recovery_s + 1]
+    healed = [o for o in outcomes if o.started > healed_from]
     assert healed and all(o.status == 200 and o.error is None for o in healed), healed
     held_s = faults.wait_until_nothing_held(cluster, drain_timeout_s)
     print(f"{what}: KV free {held_s:.1f}s after the load stopped")
