@@ -169,6 +169,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        tokens_per_block = self.block_manager.tokens_per_block
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
@@ -180,7 +181,10 @@ class Scheduler:
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if count <= 0:
                 continue
-            if not self._allocate_or_preempt(request, request.num_computed_tokens + count, preempted):
+            # Most steps' tokens fit the blocks the request holds (a decode needs a new one every tokens_per_block
+            # steps): the allocation is then a no-op, skipped without its calls.
+            if (request.num_computed_tokens + count > len(request.block_ids) * tokens_per_block
+                    and not self._allocate_or_preempt(request, request.num_computed_tokens + count, preempted)):
                 continue
             scheduled.append(self._entry(request, count))
             budget -= count
@@ -283,7 +287,7 @@ class Scheduler:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
-        if self.block_manager.blocks_for(request.num_tokens) > self.block_manager.num_blocks:
+        if request.num_tokens > self.block_manager.capacity_tokens:
             return FinishReason.LENGTH  # the next token's KV would not fit even in the whole pool
         return None
 
