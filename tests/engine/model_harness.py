@@ -60,9 +60,11 @@ class Job:
     # TRITON_INTERPRET=1; "ref": the exact references.
     kernels: KernelBackend | None = None
     device: str = "cpu"
+    dtype: str = "float32"  # the weights' and the KV cache's torch dtype, by name
 
     def result_file(self, rank: int) -> str:
-        return f"{self.name}{'_' + self.kernels if self.kernels else ''}_rank{rank}.pt"
+        dtype = "" if self.dtype == "float32" else f"_{self.dtype}"
+        return f"{self.name}{'_' + self.kernels if self.kernels else ''}{dtype}_rank{rank}.pt"
 
 
 class PagedRunner:
@@ -145,7 +147,7 @@ class PagedRunner:
                 sample_rows.append(row - 1)
                 sampled.append(seq)
         if sampled:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float().cpu()
             for seq, row_logits in zip(sampled, logits):
                 seq.logits.append(row_logits)
                 seq.tokens.append(int(row_logits.argmax()))
@@ -191,7 +193,7 @@ def run_job(
 ) -> dict[str, list]:
     """Loads the checkpoint for this rank, generates every scenario, saves and returns tokens, logits and the
     attention kernels that ran."""
-    model = load_model(job.model_dir, config, parallel, torch.float32, torch.device(job.device))
+    model = load_model(job.model_dir, config, parallel, getattr(torch, job.dtype), torch.device(job.device))
     attention = [module for module in model.modules() if isinstance(module, Attention)]
     if job.kernels is not None:
         for module in attention:
