@@ -135,6 +135,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.skip_tp2 = True
         args.notes.append(f"tp=2 dcp=2 skipped: it needs 2 GPUs and this machine has {gpus}")
     args.configs = [label for label in BACKEND_CONFIGS[args.backend] if not (args.skip_tp2 and CONFIGS[label][1] > 1)]
+    if gpus is not None and "tp=1" in args.configs:  # CUDA: tp=1 replays decode graphs; the eager row beside it
+        args.configs.insert(args.configs.index("tp=1") + 1, "tp=1 eager")
+        args.notes.append("tp=1 replays its decode steps from CUDA graphs (engine/cuda_graphs.py); tp=1 eager is the "
+                          "same engine with enforce_eager")
     if args.backend != "native":
         import importlib.util
 

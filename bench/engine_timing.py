@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 # two backends are side by side at tp=1 and tp=2.
 CONFIGS = {
     "tp=1": ("native", 1, 1),
+    "tp=1 eager": ("native", 1, 1),  # enforce_eager: on CUDA beside "tp=1", which replays decode CUDA graphs
     "tp=2": ("native", 2, 1),
     "tp=2 dcp=2": ("native", 2, 2),
     "vllm tp=1": ("vllm", 1, 1),
@@ -332,6 +333,7 @@ def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], 
             block_size=32,  # vLLM's CPU attention needs multiples of 32; the same page for both backends
             max_model_len=min(mc.max_position_embeddings, max(4096, prompt_len + max_tokens + 64)),
             max_num_seqs=max(256, batch),
+            enforce_eager=label.endswith("eager"),
         )
         if backend == "vllm":
             engines[label] = VllmInstrumented(engine_args)

@@ -95,6 +95,10 @@ class EngineArgs:
     device: Literal["cuda", "cpu"] | None = field(default=None, metadata={"help": (
         "cuda or cpu (default: cuda where available)"
     )})
+    enforce_eager: bool = field(default=False, metadata={"help": (
+        "run every decode step eagerly: no CUDA graph capture at start (CUDA only; tp > 1 and MoE models run "
+        "eagerly anyway for now)"
+    )})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -119,6 +123,8 @@ class EngineArgs:
             )
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.admission not in ("full", "usage"):
@@ -190,6 +196,7 @@ class EngineArgs:
             dtype=resolve_dtype(self.dtype, model_config, device),
             device=device,
             seed=self.seed,
+            enforce_eager=self.enforce_eager,
         )
 
     def prefix_hash_seed(self) -> bytes:

@@ -323,6 +323,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graph capture of decode (engine/cuda_graphs.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -35,6 +35,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, parallel, torch.device(config.device))
         self.num_blocks = self.runner.available_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.capture_decode_graphs()
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = self.runner.execute(output)

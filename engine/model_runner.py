@@ -11,10 +11,13 @@ The model runner never changes scheduler state.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.block_manager import blocks_needed, num_blocks_for_budget
 from engine.config import EngineConfig
+from engine.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
 from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
@@ -24,6 +27,8 @@ from engine.input_batch import InputBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_timer import ExchangeTimer
+
+logger = logging.getLogger(__name__)
 
 # Prompt-logprob rows per pass through the LM head: bounds the vocabulary-wide logits a long chunk materializes.
 PROMPT_LOGPROBS_ROWS = 512
@@ -47,6 +52,7 @@ class ModelRunner:
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None  # capture_decode_graphs(), after the KV cache is allocated
         self.activation_peak_bytes = 0  # measured by profile_run() on CUDA before the KV cache is sized
         self._exchange_timer: ExchangeTimer | None = None  # the last execute()'s, read after the step
 
@@ -128,6 +134,38 @@ class ModelRunner:
         self.kv_caches = self.model.kv_cache_spec.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
 
+    def capture_decode_graphs(self, capture: Capture | None = None) -> None:
+        """Captures the decode forward in CUDA graphs (engine/cuda_graphs.py), once the final KV cache is allocated
+        (the graphs hold its addresses). Off with enforce_eager, off CUDA (unless a `capture` is given: the tests
+        emulate one on CPU), at tp > 1 and for models with MoE layers. A capture that fails, or whose replay
+        disagrees with the eager forward, logs the error and leaves decode eager."""
+        self.decode_graphs = None
+        why_not = None
+        if self.config.enforce_eager:
+            why_not = "enforce_eager is set"
+        elif self.device.type != "cuda" and capture is None:
+            why_not = f"the device is {self.device.type}"
+        elif self.parallel.tp_size > 1:
+            why_not = "tp > 1 (the TP / DCP collectives inside a graph are not validated yet)"
+        elif any(type(module).__name__ == "DeepseekMoE" for module in self.model.modules()):
+            why_not = "the model has MoE layers (their expert loop reads the routing back to the host)"
+        if why_not is not None:
+            logger.info("decode runs eagerly: %s", why_not)
+            return
+        sizes = [size for size in DECODE_GRAPH_SIZES if size <= self.config.scheduler.max_num_seqs]
+        try:
+            with torch.inference_mode():
+                self.decode_graphs = DecodeGraphs(
+                    self.model, self.kv_caches, self.config.model_config.vocab_size, self.batch.max_blocks_per_seq,
+                    self.device, capture if capture is not None else cuda_capture(), sizes or [1],
+                )
+        except Exception as err:  # noqa: BLE001 - eager decode is always right; the error is logged
+            logger.error("CUDA graph capture of decode failed, decode runs eagerly (set enforce_eager to skip the "
+                         "capture): %r", err)
+            self.decode_graphs = None
+            return
+        logger.info("decode CUDA graphs captured for batch sizes %s", self.decode_graphs.sizes)
+
     @property
     def last_exchange_seconds(self) -> float:
         """DCP exchange time of the last execute() on this rank (0 without DCP). Read it after the step: on CUDA it
@@ -154,7 +192,10 @@ class ModelRunner:
                     if entry.prefix_token_ids is not None:  # it starts after a cached prefix
                         self.sampler.record(entry.request_id, 0, entry.prefix_token_ids)
                     self.sampler.record(entry.request_id, entry.start_position, entry.token_ids)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        hidden = (self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+                  if self.decode_graphs is not None else None)
+        if hidden is None:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         self._exchange_timer = timer
         result = ModelRunnerOutput() if self.parallel.is_driver else None
         if inputs.sample_rows:

@@ -204,6 +204,7 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
         # vLLM's own prefix cache (blocks of block_size * dcp tokens, as ours); engine.vllm_engine learns which blocks
         # it holds from its KV cache events and counts shared blocks once in the ledger.
         "enable_prefix_caching": args.enable_prefix_caching,
+        "enforce_eager": args.enforce_eager,
         "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)
     }
     if args.enable_prefix_caching and kv_events_endpoint is not None:

@@ -38,6 +38,7 @@ NON_DEFAULT: dict[str, Any] = {
     "admission": "full",
     "kv_headroom": 0.2,
     "device": "cpu",
+    "enforce_eager": True,
 }
 
 
