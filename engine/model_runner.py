@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import blocks_needed, num_blocks_for_budget
 from engine.config import EngineConfig
 from engine.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
+from engine.layers.moe import DeepseekMoE
 from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
@@ -147,10 +148,12 @@ class ModelRunner:
             why_not = f"the device is {self.device.type}"
         elif self.parallel.tp_size > 1:
             why_not = "tp > 1 (the TP / DCP collectives inside a graph are not validated yet)"
-        elif any(type(module).__name__ == "DeepseekMoE" for module in self.model.modules()):
+        elif any(isinstance(module, DeepseekMoE) for module in self.model.modules()):
             why_not = "the model has MoE layers (their expert loop reads the routing back to the host)"
         if why_not is not None:
-            logger.info("decode runs eagerly: %s", why_not)
+            # On CPU eager is the only mode: not worth an INFO line at every start.
+            logger.log(logging.DEBUG if self.device.type != "cuda" else logging.INFO, "decode runs eagerly: %s",
+                       why_not)
             return
         sizes = [size for size in DECODE_GRAPH_SIZES if size <= self.config.scheduler.max_num_seqs]
         try:

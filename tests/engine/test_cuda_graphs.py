@@ -135,3 +135,13 @@ def test_cuda_graphs_on_the_device(tiny: Path) -> None:
         got = graphed.generate(prompt_token_ids=prompts, sampling_params=params)
         assert graphs.replays > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_moe_models_stay_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The MoE layers' expert loop reads the routing back to the host, which a graph cannot replay."""
+    from engine.tiny_model import write_tiny_mla_model
+
+    with LLM(write_tiny_mla_model(tmp_path / "mla", seed=0), kv_cache_memory_bytes=1 << 20) as llm:
+        with caplog.at_level(logging.DEBUG, logger="engine.model_runner"):
+            llm.engine.executor.runner.capture_decode_graphs(emulated_capture)
+        assert llm.engine.executor.runner.decode_graphs is None and "MoE layers" in caplog.text
