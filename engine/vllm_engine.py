@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from engine.vllm_args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
 from engine.vllm_prefix import HeldRequest, KvEventSubscriber, VllmPrefixCache
+from engine.vllm_reaper import EngineCoreReaper, descendants
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
@@ -143,10 +145,14 @@ class VllmEngine:
                 import ray
 
                 vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
+            before = set(descendants(os.getpid()))
             self.llm = AsyncLLM.from_vllm_config(
                 vllm_config, stat_loggers=[_stat_logger_factory(self._recorder, self._on_record)],
                 disable_log_stats=False,
             )
+            # vLLM's engine core (and its workers) must not outlive this process, however it ends.
+            self._reaper = EngineCoreReaper()
+            self._reaper.watch([pid for pid in descendants(os.getpid()) if pid not in before])
         except BaseException:
             if self._events is not None:
                 self._events.close()
@@ -398,6 +404,7 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
+        await asyncio.to_thread(self._reaper.close)
         if self._events is not None:
             await asyncio.to_thread(self._events.close)
 
