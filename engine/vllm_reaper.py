@@ -96,21 +96,21 @@ class EngineCoreReaper:
 
 
 def _reap(named: list[tuple[int, int]]) -> None:
-    alive = [(pid, ticks) for pid, ticks in named if start_time(pid) == ticks]
-    for pid, _ in alive:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
+    alive = _signal([(pid, ticks) for pid, ticks in named if start_time(pid) == ticks], signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
         alive = [(pid, ticks) for pid, ticks in alive if start_time(pid) == ticks]
-    for pid, _ in alive:
+    _signal(alive, signal.SIGKILL)
+
+
+def _signal(processes: list[tuple[int, int]], signum: int) -> list[tuple[int, int]]:
+    for pid, _ in processes:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
+            os.kill(pid, signum)
+        except OSError:  # ended meanwhile
             pass
+    return processes
 
 
 def main(argv: list[str]) -> None:
