@@ -83,7 +83,7 @@ class DecodeGraphs:
         self._no_prefill_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self._no_prefill_loc = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[Callable[[], Any], torch.Tensor]] = {}
-        self.replays = 0  # steps served by a graph (the tests and the bench read it)
+        self.replays = 0  # steps served by a graph (the tests read it)
         for size in reversed(self.sizes):  # largest first: the others reuse its memory pool
             self.graphs[size] = capture(lambda size=size: self._forward(size))
             self._check(size)
