@@ -11,7 +11,7 @@ engine (engine.protocol.EngineClient), so admission, routing, autoscaling and me
   "usage" commits prompt + outputs so far plus the headroom, and vLLM preempts (recomputes) when decode runs out,
   as the native engine does.
 - Running / waiting / KV usage / preemptions / prefix cache queries and hits come from a vLLM stat logger of ours
-  (`_StatsRecorder`).
+  (engine/vllm_stats.py: `StatsRecorder`).
 - Prefix caching is vLLM's own. Which blocks it caches we learn from its KV cache events: its engine core (another
   process) publishes them over ZeroMQ to a SUB socket of ours bound on loopback (engine/vllm_prefix.py: `KvEventSubscriber`), and
   `VllmPrefixCache` names each stored block with our chained hash (engine.prefix_cache: vLLM's block of
@@ -30,7 +30,6 @@ import asyncio
 import contextvars
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,74 +42,12 @@ from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from engine.vllm_args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
 from engine.vllm_prefix import HeldRequest, KvEventSubscriber, VllmPrefixCache
 from engine.vllm_reaper import EngineCoreReaper, descendants
+from engine.vllm_stats import StatsRecorder, stat_logger_factory
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
-
-class _StatsRecorder:
-    """The latest scheduler figures and cumulative counters from vLLM's stat-logger hook (runs on the event loop
-    of the process that owns the AsyncLLM)."""
-
-    def __init__(self) -> None:
-        self.num_running = 0
-        self.num_waiting = 0
-        self.kv_cache_usage = 0.0
-        self.num_preemptions = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_records = 0
-        self.last_record_at: float | None = None
-        self.step_seconds = 0.0
-        # vLLM's prefix cache lookups of new requests (preempted ones resuming not counted, as natively): prompt tokens
-        # looked up and, of those, served from the cache, since start (each record carries the step's).
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        now = time.perf_counter()
-        # A step's time is the gap since the last record only while vLLM was busy in between (not an idle pause).
-        busy = self.num_running > 0 or self.num_waiting > 0
-        if scheduler_stats is not None:
-            self.num_running = scheduler_stats.num_running_reqs
-            skipped = getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
-            self.num_waiting = scheduler_stats.num_waiting_reqs + skipped
-            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
-            if prefix is not None:
-                self.prefix_cache_queries += int(prefix.queries)
-                self.prefix_cache_hits += int(prefix.hits)
-        if iteration_stats is not None:
-            self.num_preemptions += iteration_stats.num_preempted_reqs
-            self.num_generation_tokens += iteration_stats.num_generation_tokens
-            prompt = getattr(iteration_stats, "prompt_token_stats", None)
-            self.num_prompt_tokens += int(getattr(prompt, "computed", 0) or getattr(iteration_stats,
-                                                                                    "num_prompt_tokens", 0) or 0)
-        if self.last_record_at is not None and busy:
-            self.step_seconds = now - self.last_record_at
-        self.last_record_at = now
-        self.num_records += 1
-
-
-def _stat_logger_factory(recorder: _StatsRecorder, on_record: Callable[[], None]) -> Any:
-    """A vLLM StatLoggerFactory whose loggers feed `recorder` (the base class is vLLM's, imported here)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class DcpserveStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
-            recorder.record(scheduler_stats, iteration_stats)
-            on_record()
-
-        def log_engine_initialized(self) -> None:
-            return None
-
-    return DcpserveStatLogger
-
 
 class VllmEngine:
     """The vLLM backend of engine.protocol.EngineClient."""
@@ -129,7 +66,7 @@ class VllmEngine:
         self.admission = args.admission
         self.dead_error: BaseException | None = None
         self._held: dict[str, HeldRequest] = {}
-        self._recorder = _StatsRecorder()
+        self._recorder = StatsRecorder()
         self.prefix: VllmPrefixCache | None = None
         # Bound before vLLM starts, so its engine core's publisher connects to it from its first event.
         self._events = KvEventSubscriber() if args.enable_prefix_caching else None
@@ -147,7 +84,7 @@ class VllmEngine:
                 vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
             before = set(descendants(os.getpid()))
             self.llm = AsyncLLM.from_vllm_config(
-                vllm_config, stat_loggers=[_stat_logger_factory(self._recorder, self._on_record)],
+                vllm_config, stat_loggers=[stat_logger_factory(self._recorder, self._on_record)],
                 disable_log_stats=False,
             )
             # vLLM's engine core (and its workers) must not outlive this process, however it ends.

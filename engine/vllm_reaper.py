@@ -87,8 +87,8 @@ class EngineCoreReaper:
         watcher, self._watcher = self._watcher, None
         if watcher is None:
             return
-        assert watcher.stdin is not None
-        watcher.stdin.close()
+        if watcher.stdin is not None:
+            watcher.stdin.close()
         try:
             watcher.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -53,5 +53,5 @@ def test_engine_does_not_need_vllm_or_serve() -> None:
                 for name in names:
                     assert not name.startswith("ray.serve"), f"{path.name} imports {name}"
                     if name.split(".")[0] == "vllm":
-                        assert path.name in ("vllm_engine.py", "vllm_args.py", "vllm_prefix.py"), (
+                        assert path.name in ("vllm_engine.py", "vllm_args.py", "vllm_prefix.py", "vllm_stats.py"), (
                             f"{path.name} imports vllm (only the vLLM adapter may)")
