@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from engine.layers.module import EngineModule
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(EngineModule):
     """x = [gate | up] along the last dimension (each half this rank's shard) -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from engine.layers.module import EngineModule
 from engine.layers.weights import ShardedLoader, ShardSpec, new_parameter
 from engine.parallel import ParallelState
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(EngineModule):
     """Token embedding with the vocabulary split over TP ranks; ids outside this rank's shard give 0, then a sum."""
 
     def __init__(

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from engine.layers.module import EngineModule
 from engine.layers.weights import ShardedLoader, ShardId, ShardSpec, new_parameter
 from engine.parallel import ParallelState
 
@@ -31,7 +31,7 @@ def split_for_tp(size: int, tp_size: int, what: str) -> int:
     return size // tp_size
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(EngineModule):
     """y_local = x @ W_local^T + b_local, W split by output rows; the output stays sharded over TP."""
 
     def __init__(
@@ -58,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(EngineModule):
     """y = x @ W^T + b with the whole weight on every rank (identical outputs, no collective)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
@@ -72,7 +72,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(EngineModule):
     """y = sum over TP ranks of x_local @ W_local^T (+ b once), W split by input columns."""
 
     def __init__(
@@ -104,7 +104,7 @@ class RowParallelLinear(nn.Module):
         return self.parallel.all_reduce(partial) if self.reduce_results else partial
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(EngineModule):
     """Several column-parallel projections of the same input in one matmul; shard_id is the index of the part."""
 
     def __init__(
@@ -136,7 +136,7 @@ class MergedColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(EngineModule):
     """q, k, v projections in one matmul; output rows are [this rank's q heads | its KV heads (k) | (v)]."""
 
     def __init__(
@@ -191,13 +191,17 @@ class QKVParallelLinear(nn.Module):
         self.weight = new_parameter((total, hidden_size), dtype, device, ShardedLoader(weight_specs))
         self.bias = new_parameter((total,), dtype, device, ShardedLoader(bias_specs)) if bias else None
 
+    def forward_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (qk [T, heads_per_rank + kv_heads_per_rank, D]: the query heads, then the keys; v
+        [T, kv_heads_per_rank, D]), views of one matmul: what rotates alike (RoPE) rotates in one pass."""
+        qkv = F.linear(x, self.weight, self.bias)
+        num_tokens = x.shape[0]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        return (qk.view(num_tokens, self.num_heads_per_rank + self.num_kv_heads_per_rank, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads_per_rank, self.head_dim))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, heads_per_rank, D], k and v [T, kv_heads_per_rank, D] (views of one matmul)."""
-        qkv = F.linear(x, self.weight, self.bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = x.shape[0]
-        return (
-            q.view(num_tokens, self.num_heads_per_rank, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads_per_rank, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads_per_rank, self.head_dim),
-        )
+        qk, v = self.forward_qk(x)
+        q, k = qk.split([self.num_heads_per_rank, self.num_kv_heads_per_rank], dim=1)
+        return q, k, v

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from engine.layers.module import EngineModule
 from engine.parallel import ParallelState
 
 
-class SwiGluMLP(nn.Module):
+class SwiGluMLP(EngineModule):
     """down(silu(gate(x)) * up(x)), intermediate_size split over TP ranks; the checkpoint's gate_proj / up_proj load
     into gate_up_proj as parts 0 / 1."""
 

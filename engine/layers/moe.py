@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.deepseek_config import MoeConfig
 from engine.layers.linear import split_for_tp
 from engine.layers.mlp import SwiGluMLP
+from engine.layers.module import EngineModule
 from engine.layers.weights import ShardSpec, StackedLoader, new_parameter
 from engine.parallel import ParallelState
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(EngineModule):
     """The gate: scores of every expert per token (softmax or sigmoid of fp32 logits), the num_experts_per_tok chosen
     (greedily, or within the best expert groups), and their weights (engine/deepseek_config.py has the rules)."""
 
@@ -59,7 +59,7 @@ class TopKRouter(nn.Module):
         return weights * moe.routed_scaling_factor, experts
 
 
-class TensorParallelExperts(nn.Module):
+class TensorParallelExperts(EngineModule):
     """The routed experts, stacked: w13 [experts, 2 * I / tp, hidden] (gate rows, then up rows, of this rank's
     slice) and w2 [experts, hidden, I / tp]. forward returns this rank's partial sum (not reduced)."""
 
@@ -93,7 +93,7 @@ class TensorParallelExperts(nn.Module):
         return out
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(EngineModule):
     """Router, routed experts and shared experts of one layer; one all-reduce of their summed partials."""
 
     def __init__(

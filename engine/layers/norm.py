@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from engine.layers.module import EngineModule
 from engine.layers.weights import new_parameter
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(EngineModule):
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension (replicated on every rank)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from engine.config import RopeScaling
 from engine.deepseek_config import YarnScaling
+from engine.layers.module import EngineModule
 
 
 def default_inv_freq(head_dim: int, rope_theta: float) -> torch.Tensor:
@@ -77,7 +77,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(EngineModule):
     """Computes per-position cos / sin and rotates query and key heads."""
 
     def __init__(

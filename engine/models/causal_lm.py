@@ -11,12 +11,13 @@ from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import KvCacheSpec
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.module import EngineModule
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import ParallelState
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(EngineModule):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the model gives the attention and MLP."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype,
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(EngineModule):
     """Embedding, decoder layers and the final norm (transformers' `model.` prefix). Each layer is called as
     layer(hidden, cos, sin, kv_cache, metadata); `rope_dtype` is the dtype the rotary tables are made in (None: the
     hidden states')."""
@@ -75,7 +76,7 @@ class DecoderModel(nn.Module):
         return self.norm(hidden)
 
 
-class CausalLM(nn.Module):
+class CausalLM(EngineModule):
     """A decoder and its LM head; subclasses build the decoder (with an `embed_tokens`) and load checkpoints."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, decoder: nn.Module, dtype: torch.dtype,

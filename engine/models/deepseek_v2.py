@@ -26,7 +26,6 @@ import re
 from typing import Iterable
 
 import torch
-from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
@@ -34,6 +33,7 @@ from engine.deepseek_config import MlaConfig, YarnScaling
 from engine.layers.attention import Attention
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, split_for_tp
 from engine.layers.mlp import SwiGluMLP
+from engine.layers.module import EngineModule
 from engine.layers.moe import DeepseekMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -69,7 +69,7 @@ def mla_softmax_scale(config: ModelConfig, mla: MlaConfig) -> float:
     return scale
 
 
-class DeepseekV2Attention(nn.Module):
+class DeepseekV2Attention(EngineModule):
     """Multi-head latent attention of one layer: latent projections, RoPE on the rope parts, absorbed paged DCP
     attention over the latent cache, per-head value up-projection, o_proj."""
 

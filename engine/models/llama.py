@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import Attention
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.mlp import SwiGluMLP
+from engine.layers.module import EngineModule
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
@@ -38,7 +38,7 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(EngineModule):
     """Self-attention block: merged QKV projection, optional q/k norm, RoPE, paged DCP attention, o_proj."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
@@ -66,10 +66,14 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden)
         if self.q_norm is not None and self.k_norm is not None:
+            q, k, v = self.qkv_proj(hidden)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+            q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+        else:  # queries and keys rotate in one pass (the same elementwise products: the same bits)
+            qk, v = self.qkv_proj.forward_qk(hidden)
+            qk = RotaryEmbedding.rotate(qk, cos, sin)
+            q, k = qk.split([self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=1)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], metadata)
         return self.o_proj(out.reshape(out.shape[0], -1))
 

@@ -23,3 +23,28 @@ def test_rms_norm_is_transformers_bit_for_bit(dtype: torch.dtype, hidden: int, e
     for scale in (1e-3, 1.0, 50.0):
         x = (torch.randn(17, hidden, generator=generator) * scale).to(dtype)
         assert torch.equal(ours(x), theirs(x)), (dtype, hidden, scale)
+
+
+def test_engine_modules_call_forward_directly_and_refuse_hooks() -> None:
+    """Calling an EngineModule runs its forward (an override's in a subclass) without nn.Module's hook dispatch,
+    so registering a forward hook, which would never run, raises instead."""
+    from engine.layers.module import EngineModule
+
+    class Double(EngineModule):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    class Triple(Double):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 3 * x
+
+    class Inherits(Double):
+        pass
+
+    x = torch.ones(2)
+    assert torch.equal(Double()(x), 2 * x) and torch.equal(Triple()(x), 3 * x) and torch.equal(Inherits()(x), 2 * x)
+    assert Double.__call__ is Double.forward
+    with pytest.raises(RuntimeError, match="hook would never run"):
+        Double().register_forward_hook(lambda *args: None)
+    with pytest.raises(RuntimeError, match="hook would never run"):
+        Triple().register_forward_pre_hook(lambda *args: None)
