@@ -26,6 +26,12 @@ class AttentionMetadata:
     prefill_local_context_lens: torch.Tensor  # [num_prefills] int32: cached tokens on this rank before the chunk
     prefill_max_query_len: int
     exchange_timer: ExchangeTimer | None = None  # this step's DCP exchange time (None: not measured)
+    # Every slot decode_block_table names past a sequence's local length holds finite values (the model runner zeroes
+    # pages when they are allocated, and padding columns repeat the row's last page): the CPU decode kernel may then
+    # mask those slots without zeroing them first (kernels/cpu_attention.py, plan_decode_cpu).
+    finite_tail: bool = False
+    # No slot_mapping entry is -1 (no DCP, and no padding row): the reference store skips looking for unowned slots.
+    all_slots_owned: bool = False
     # Per-step work a kernel derives from the fields above alone (e.g. the CPU decode plan: checked pages and masks),
     # made by the first layer that needs it and reused by the others; keyed by the kernel's own key.
     kernel_plans: dict[Any, Any] = field(default_factory=dict)
@@ -37,3 +43,9 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return self.num_decode_tokens
+
+
+def no_prefill_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode-only step's prefill fields: (prefill_query_start_loc [0], prefill_local_context_lens []), int32.
+    Kernels only read them, so the pair made once at start serves every such step."""
+    return torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int32, device=device)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata, no_prefill_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros((largest, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
-        self._no_prefill_lens = torch.zeros(0, dtype=torch.int32, device=device)
-        self._no_prefill_loc = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_prefill_loc, self._no_prefill_lens = no_prefill_tensors(device)
         self.graphs: dict[int, tuple[Callable[[], Any], torch.Tensor]] = {}
         self.replays = 0  # steps served by a graph (the tests read it)
         for size in reversed(self.sizes):  # largest first: the others reuse its memory pool

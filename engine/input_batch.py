@@ -6,8 +6,14 @@ it (again after a preemption); later entries carry only the step's tokens and th
 a block table that lives on the rank's device, the request's parameters, and how many of its blocks are filled in.
 
 Each step costs host work in proportion to the batch and the tokens computed (a decode is one token), never to the
-context: the step's block table is an index_select of rows on the device, and slot mappings and DCP local lengths
-are computed there by the vectorized layout functions (kernels/layout.py).
+context: the step's block table is an index_select of rows on the device. A decode-only step (the common one)
+computes each row's slot and DCP local length on the host from the rank's copy of the row's block ids, a few
+integer operations per row, and sends all its per-row values in one tensor; a step with prefill chunks computes
+them on the device with the vectorized layout functions (kernels/layout.py).
+
+A row's columns past its blocks repeat its last page, and the pages a step hands out fresh are listed
+(fresh_pages) for the model runner to zero on CPU: every slot a decode batch reads past a sequence's length then
+holds that sequence's own KV or zeros, never another request's (AttentionMetadata.finite_tail).
 
 `rebuild_step_inputs` builds the same inputs from whole block tables, as the engine did before this module existed;
 the tests check that both agree after random add / finish / preempt / abort sequences.
@@ -16,11 +22,11 @@ the tests check that both agree after random add / finish / preempt / abort sequ
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata, no_prefill_tensors
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_timer import ExchangeTimer
@@ -34,7 +40,12 @@ class CachedRequestState:
     request_id: str
     row: int  # its row of the device block table
     sampling_params: SamplingParams
-    num_blocks: int = 0  # block ids filled into its row
+    # The block ids filled into its row, also kept on the host: a decode step computes its slot from them.
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass
@@ -66,6 +77,10 @@ class InputBatch:
         self.wants_prompt_logprobs: set[str] = set()
         self.not_plain_greedy: set[str] = set()  # anything but argmax: sampling, logprobs, bias, min_tokens
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest row
+        # The pages the last apply() handed out fresh (blocks wholly past each request's computed tokens): they may
+        # hold a finished request's KV; the model runner zeroes them on CPU (AttentionMetadata.finite_tail).
+        self.fresh_pages: list[int] = []
+        self._no_prefill = no_prefill_tensors(device)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -84,7 +99,7 @@ class InputBatch:
             self.wants_prompt_logprobs.discard(request_id)
             self.not_plain_greedy.discard(request_id)
             if state is not None:
-                self.block_table[state.row, : state.num_blocks] = 0  # a reused row must not show stale pages
+                # The row keeps its stale pages: the next request in it rewrites every column when it is learned.
                 self._free_rows.append(state.row)
 
     def apply(self, output: SchedulerOutput) -> None:
@@ -94,6 +109,9 @@ class InputBatch:
         rows: list[int] = []
         cols: list[int] = []
         values: list[int] = []
+        grown: list[CachedRequestState] = []
+        fresh: list[int] = []
+        tokens_per_block = self.block_size * self.dcp_size
         for entry in output.scheduled:
             state = self._learn(entry)
             if entry.new_block_ids:
@@ -106,13 +124,24 @@ class InputBatch:
                 rows.extend([state.row] * count)
                 cols.extend(range(state.num_blocks, state.num_blocks + count))
                 values.extend(entry.new_block_ids)
-                state.num_blocks += count
+                # Blocks wholly past the computed tokens are freshly allocated; those before start_position hold
+                # computed KV (a cached prefix, or a running request's earlier blocks) and must be kept.
+                first_fresh = -(-entry.start_position // tokens_per_block) - state.num_blocks
+                fresh.extend(entry.new_block_ids[max(first_fresh, 0):])
+                state.block_ids.extend(entry.new_block_ids)
+                grown.append(state)
+        self.fresh_pages = fresh
         if values:
             index = (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64))
             self.block_table.index_put_(
                 tuple(i.to(self.device, non_blocking=True) for i in index),
                 torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True),
             )
+            # Padding columns repeat the row's last page: a decode batch reads every row up to its longest row's
+            # pages, and a row's own pages hold only its own KV or zeros (fresh_pages), never another request's.
+            for state in grown:
+                if state.num_blocks < self.max_blocks_per_seq:
+                    self.block_table[state.row, state.num_blocks:].fill_(state.block_ids[-1])
 
     def _learn(self, entry: ScheduledRequest) -> CachedRequestState:
         state = self.requests.get(entry.request_id)
@@ -146,12 +175,54 @@ class InputBatch:
         self.apply(output)
         scheduled = output.scheduled
         states = [self.requests[entry.request_id] for entry in scheduled]
+        sampling = [(entry, state.sampling_params) for entry, state in zip(scheduled, states) if entry.sample]
+        if scheduled and len(scheduled[-1].token_ids) == 1:  # decodes come first: the last row decides
+            return self._decode_inputs(scheduled, states, exchange_timer, sampling)
         rows = torch.tensor([state.row for state in states], dtype=torch.int64)
         width = max((state.num_blocks for state in states), default=0)
         table = self.block_table.index_select(0, rows.to(self.device, non_blocking=True))[:, : max(width, 1)]
-        sampling = [(entry, state.sampling_params) for entry, state in zip(scheduled, states) if entry.sample]
         return build_step_inputs(scheduled, table, self.block_size, self.dcp_size, self.dcp_rank, self.device,
                                  exchange_timer, sampling)
+
+    def _decode_inputs(self, scheduled: Sequence[ScheduledRequest], states: list[CachedRequestState],
+                       exchange_timer: ExchangeTimer | None,
+                       sampling: list[tuple[ScheduledRequest, SamplingParams]]) -> StepInputs:
+        """The common step, one token per sequence: build_step_inputs' results, with each row's slot and local
+        length computed here from the host's copy of its block ids (a few integer operations per row), and every
+        per-row value sent to the device in one tensor. The general path's index math is a dozen tensor ops, which
+        on CPU cost more than the decode step's whole Python work (and on CUDA are a dozen launches).
+        The layout is kernels/layout.py's with interleave 1: position p is on DCP rank (p % tokens_per_block) %
+        dcp, at slot offset // dcp of its block's page, and a rank holds (p + dcp - rank) // dcp of the positions
+        0..p. The tests hold this to build_step_inputs after random add / finish / preempt / abort sequences."""
+        block_size, dcp, rank = self.block_size, self.dcp_size, self.dcp_rank
+        tokens_per_block = block_size * dcp
+        count = len(scheduled)
+        positions = [entry.start_position for entry in scheduled]
+        slots = []
+        for position, state in zip(positions, states):
+            block, offset = divmod(position, tokens_per_block)
+            slots.append(state.block_ids[block] * block_size + offset // dcp if offset % dcp == rank else -1)
+        values = [state.row for state in states] + positions + [entry.token_ids[0] for entry in scheduled] + slots
+        values += [position + 1 for position in positions] if dcp == 1 else [
+            (position + dcp - rank) // dcp for position in positions]
+        packed = torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows, positions_t, input_ids, slot_mapping, local_lens = packed.split(count)
+        width = max(state.num_blocks for state in states)
+        table = self.block_table.index_select(0, rows)[:, :width]
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=count,
+            decode_block_table=table,
+            decode_local_seq_lens=local_lens.to(torch.int32),
+            prefill_block_table=table[count:],
+            prefill_query_start_loc=self._no_prefill[0],
+            prefill_local_context_lens=self._no_prefill[1],
+            prefill_max_query_len=0,
+            exchange_timer=exchange_timer,
+            all_slots_owned=dcp == 1,
+        )
+        sample_rows = [i for i, entry in enumerate(scheduled) if entry.sample]
+        return StepInputs(input_ids, positions_t, metadata, sample_rows, sampling)
 
 
 def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor, block_size: int, dcp_size: int,
@@ -177,25 +248,7 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
     num_seqs, num_tokens = len(starts), len(input_ids)
     packed = to_device(torch.tensor(starts + input_ids, dtype=torch.int64))  # one copy to the device, not two
     starts_t, ids = packed[:num_seqs], packed[num_seqs:]
-    # The persistent batch keeps the table right: no value checks (on CUDA they would read the device back, on CPU
-    # they cost a dozen tensor ops a step).
-    if num_decodes == len(scheduled):  # the common step: one token per sequence, no prefill part
-        positions = starts_t
-        slot_mapping = dcp_slot_mapping(table, torch.arange(num_tokens, device=device), positions, block_size,
-                                        dcp_size, dcp_rank, validate=False)
-        empty = torch.zeros(0, dtype=torch.int32, device=device)
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decode_tokens=num_decodes,
-            decode_block_table=table,
-            decode_local_seq_lens=dcp_local_seq_lens(starts_t + 1, dcp_size, dcp_rank),
-            prefill_block_table=table[num_decodes:],
-            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-            prefill_local_context_lens=empty,
-            prefill_max_query_len=0,
-            exchange_timer=exchange_timer,
-        )
-        return StepInputs(ids, positions, metadata, sample_rows, sampling)
+    # The persistent batch keeps the table right: no value checks (on CUDA they would read the device back).
     counts_t = to_device(torch.tensor(counts, dtype=torch.int64))
     seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=device), counts_t, output_size=num_tokens)
     first_row = torch.cumsum(counts_t, 0) - counts_t  # each entry's first row in the token batch
@@ -212,6 +265,7 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
         prefill_local_context_lens=dcp_local_seq_lens(starts_t[num_decodes:], dcp_size, dcp_rank),
         prefill_max_query_len=max(counts[num_decodes:], default=0),
         exchange_timer=exchange_timer,
+        all_slots_owned=dcp_size == 1,
     )
     return StepInputs(ids, positions, metadata, sample_rows, sampling)
 
@@ -225,4 +279,6 @@ def rebuild_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: dic
     for i, entry in enumerate(scheduled):
         blocks = block_tables[entry.request_id]
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if blocks:
+            table[i, len(blocks):] = blocks[-1]  # padding repeats the row's last page, as InputBatch keeps it
     return build_step_inputs(scheduled, table, block_size, dcp_size, dcp_rank, torch.device("cpu"), None, [])

@@ -169,6 +169,14 @@ class ModelRunner:
             return
         logger.info("decode CUDA graphs captured for batch sizes %s", self.decode_graphs.sizes)
 
+    def _zero_pages(self, pages: list[int]) -> None:
+        """Zeroes these pages of every layer's K and V cache (on this rank)."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_fill_(0, index, 0)
+            if v_cache is not k_cache:  # a key-only cache (MLA) is its own v_cache
+                v_cache.index_fill_(0, index, 0)
+
     @property
     def last_exchange_seconds(self) -> float:
         """DCP exchange time of the last execute() on this rank (0 without DCP). Read it after the step: on CUDA it
@@ -189,6 +197,12 @@ class ModelRunner:
             return ModelRunnerOutput() if self.parallel.is_driver else None
         timer = ExchangeTimer(self.device) if self.parallel.dcp_size > 1 else None
         inputs = self.batch.prepare(output, timer)
+        if self.device.type == "cpu":
+            # Zeroed before this step stores into them: a fresh page may hold a finished request's KV (NaN, even),
+            # which the CPU decode kernel would otherwise have to zero in every layer's gather (finite_tail).
+            if self.batch.fresh_pages:
+                self._zero_pages(self.batch.fresh_pages)
+            inputs.metadata.finite_tail = True
         if self.sampler is not None and self.batch.penalized:
             for entry in output.scheduled:
                 if entry.request_id in self.batch.penalized:

@@ -6,7 +6,9 @@ without their Python loop over sequences or their float64 math. The engine runs 
 
 Every sequence's pages are gathered at once: cache[block_table[:, :pages]] -> [num_seqs, pages * block_size,
 num_kv_heads, head_dim], slots past a sequence's length zeroed (they may hold anything, NaN included, and the fused
-op reads them before masking: 0 * NaN is NaN) and masked with an additive -inf mask. Prefill chunks are padded at
+op reads them before masking: 0 * NaN is NaN) and masked with an additive -inf mask. A caller that keeps those slots
+finite (the engine's decode steps: plan_decode_cpu's finite_tail) skips the zeroing; the mask alone then gives them
+exactly zero weight. Prefill chunks are padded at
 the end to the longest chunk. The context part and the chunk's own causal part run as two fused calls and merge
 with the exact LSE rule (kernels/combine.py), as the DCP path does across ranks: the fused op's is_causal is
 top-left aligned, right only for the square chunk-over-itself part. For the context part the GQA group folds into
@@ -94,16 +96,16 @@ def _gather_context(cache: torch.Tensor, pages: torch.Tensor, tail: torch.Tensor
     return gathered.reshape(num_seqs, -1, *cache.shape[2:])
 
 
-def _context_masks(lens: torch.Tensor, slots: int, dtype: torch.dtype, min_len: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _context_masks(lens: torch.Tensor, slots: int, dtype: torch.dtype, min_len: int | None = None,
+                   finite_tail: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """For sequences of lens [S] (max >= 1; min_len: their shortest, when known) over `slots` gathered slots each:
     (additive mask [S, 1, 1, slots] in dtype, the flat indices of the gathered slots past each length [n] int64 or
-    None when there are none, empty rows [S, 1, 1] or None)."""
+    None when there are none or finite_tail says they need no zeroing, empty rows [S, 1, 1] or None)."""
     if min_len is None:
         min_len = int(lens.min())
     visible = torch.arange(slots, device=lens.device)[None, :] < lens[:, None]  # [S, T]
     mask = torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))
-    tail = (~visible).reshape(-1).nonzero()[:, 0] if min_len < slots else None
+    tail = (~visible).reshape(-1).nonzero()[:, 0] if min_len < slots and not finite_tail else None
     empty = (lens == 0)[:, None, None] if min_len == 0 else None
     return mask[:, None, None, :], tail, empty
 
@@ -162,14 +164,20 @@ class CpuDecodePlan:
 
 def plan_decode_cpu(
     block_table: torch.Tensor, local_seq_lens: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype,
-    validate: bool = True,
+    validate: bool = True, finite_tail: bool = False,
 ) -> CpuDecodePlan | None:
     """Checks block_table [S, max_blocks] and local_seq_lens [S] against a cache of num_blocks pages of block_size
     slots (the errors of paged_decode_attention_ref) and plans the batched calls for queries of `dtype`. None when
     no sequence has a token (every output is 0 / -inf).
 
     validate=False skips the checks of lengths and used pages (the engine's tables, which its persistent batch keeps
-    right): a decode step then plans in a few tensor ops. Padding columns are clamped in range either way."""
+    right): a decode step then plans in a few tensor ops. Padding columns are clamped in range either way.
+
+    finite_tail=True: the caller guarantees that every slot the table names past a sequence's length, up to the
+    longest sequence's pages, holds finite values (the engine zeroes a page when it is allocated, and a row's
+    padding columns repeat its last page: engine/input_batch.py). The additive -inf mask then gives those slots
+    exactly zero weight, so the gathered slots are not zeroed first (the default's guard against NaN left there by
+    another request)."""
     num_seqs = local_seq_lens.shape[0]
     if num_seqs == 0:
         return None
@@ -200,7 +208,7 @@ def plan_decode_cpu(
             pieces = None
     calls = [(lens, pages, min_len)] if pieces is None else [
         (lens[seqs], pages[seqs, : -(-int(lens[seqs].max()) // block_size)], None) for seqs in pieces]
-    masks = [_context_masks(call_lens, call_pages.shape[1] * block_size, compute_dtype, call_min)
+    masks = [_context_masks(call_lens, call_pages.shape[1] * block_size, compute_dtype, call_min, finite_tail)
              for call_lens, call_pages, call_min in calls]
     return CpuDecodePlan(num_seqs, lens, max_len, pages, pieces, [p for _, p, _ in calls], masks, compute_dtype)
 

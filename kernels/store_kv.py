@@ -54,13 +54,16 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    all_owned: bool = False,
 ) -> None:
-    """Torch reference of store_kv: k_cache[slot // B, slot % B] = key (and v_cache = value) for every slot >= 0."""
+    """Torch reference of store_kv: k_cache[slot // B, slot % B] = key (and v_cache = value) for every slot >= 0.
+    all_owned: the caller knows no slot is -1 (no DCP: every token is this rank's), which skips looking for them
+    (two ops and a read back in every layer)."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    if not bool(keep.all()):  # DCP: tokens this rank does not own
+    keep = None if all_owned else slots >= 0
+    if keep is not None and not bool(keep.all()):  # DCP: tokens this rank does not own
         slots, key = slots[keep], key[keep]
         value = value[keep] if value is not None else None
     caches = [(key, k_cache)] + ([(value, v_cache)] if value is not None and v_cache is not None else [])
@@ -120,10 +123,12 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    all_owned: bool = False,
 ) -> None:
     """Triton store_kv: key/value [num_tokens, num_kv_heads, head_dim] into [num_blocks, block_size,
     num_kv_heads, head_dim] caches at slot_mapping [num_tokens] (page * block_size + offset), skipping -1; value and
-    v_cache None: a key-only cache."""
+    v_cache None: a key-only cache. all_owned is store_kv_ref's hint; the kernel masks -1 slots at no cost either
+    way."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     require_triton_device(key, value, k_cache, v_cache, slot_mapping)
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):

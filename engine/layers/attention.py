@@ -27,9 +27,9 @@ from contextlib import nullcontext
 from typing import Literal, get_args
 
 import torch
-from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.layers.module import EngineModule
 from engine.parallel import ParallelState
 from kernels import (
     DcpAttentionExchange,
@@ -52,7 +52,7 @@ KernelBackend = Literal["triton", "cpu", "ref"]
 KERNEL_BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
 
 
-class Attention(nn.Module):
+class Attention(EngineModule):
     """Stores this step's K/V and runs paged decode / prefill attention, merging DCP shards exactly."""
 
     def __init__(
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         num_decodes = metadata.num_decode_tokens
         if not 0 <= num_decodes <= num_tokens:
             raise ValueError(f"num_decode_tokens={num_decodes} must be in [0, num_tokens={num_tokens}]")
-        self.store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=metadata.all_slots_owned)
         if self.exchange is None:
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)
         return self._forward_dcp(q, k, v, k_cache, v_cache, metadata)
@@ -147,7 +147,7 @@ class Attention(nn.Module):
         key = ("cpu_decode", q.dtype)
         if key not in metadata.kernel_plans:
             metadata.kernel_plans[key] = plan_decode_cpu(table, lens, k_cache.shape[0], k_cache.shape[1], q.dtype,
-                                                             validate=False)
+                                                             validate=False, finite_tail=metadata.finite_tail)
         paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, self.scale, out=out, lse_out=lse_out,
                                    plan=metadata.kernel_plans[key], v_head_dim=self.v_head_dim)
 

@@ -29,6 +29,7 @@ def assert_same_inputs(got: StepInputs, want: StepInputs) -> None:
     a, b = got.metadata, want.metadata
     assert a.num_decode_tokens == b.num_decode_tokens
     assert a.prefill_max_query_len == b.prefill_max_query_len
+    assert a.all_slots_owned == b.all_slots_owned and a.finite_tail == b.finite_tail
     for name in ("slot_mapping", "decode_block_table", "decode_local_seq_lens", "prefill_block_table",
                  "prefill_query_start_loc", "prefill_local_context_lens"):
         x, y = getattr(a, name), getattr(b, name)

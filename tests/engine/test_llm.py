@@ -148,3 +148,49 @@ def test_the_profiling_step_leaves_no_trace(tiny: Path) -> None:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         output = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     assert output.outputs[0].token_ids == hf_greedy(tiny, prompt, 12)
+
+
+def test_stale_or_poisoned_kv_never_reaches_another_request(tiny: Path) -> None:
+    """The CPU decode kernel masks the slots past each sequence's length without zeroing them first (finite_tail):
+    the runner zeroes every page it hands out fresh, and a row's padding columns repeat the row's own last page. So
+    a pool full of NaN (what a finished request may leave) changes no token, and a running request whose own KV
+    turns to NaN changes no other request's tokens."""
+    # 1, 5, 7 and 1 blocks of 4: the 20- and 27-token rows decode in one batched call (kernels/cpu_attention.py's
+    # pieces), where the shorter row has padding columns.
+    batch = [[7, 8, 9], list(range(10, 30)), list(range(100, 127)), [300, 301, 302]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = {"block_size": 4, "max_model_len": 256}
+    with LLM(tiny, **options) as clean:
+        expected = [o.outputs[0].token_ids for o in clean.generate(prompt_token_ids=batch, sampling_params=greedy)]
+    with LLM(tiny, **options) as llm:
+        engine = llm.engine
+        assert engine is not None
+        caches = engine.executor.runner.kv_caches
+        for k_cache, v_cache in caches:
+            k_cache.fill_(float("nan"))
+            v_cache.fill_(float("nan"))
+        outputs = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    with LLM(tiny, **options) as llm:  # a fresh pool: the first request admitted gets page 0
+        engine = llm.engine
+        assert engine is not None
+        caches = engine.executor.runner.kv_caches
+        ids = [engine.add_request(prompt_token_ids=p, sampling_params=greedy) for p in batch]
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+
+        def step() -> None:
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.new_token_ids
+
+        for _ in range(3):  # the prefill and two decodes
+            step()
+        # The victim holds page 0, which padding columns named before they repeated their row's last page.
+        victim = next(r for r in engine.scheduler.running if 0 in r.block_ids)
+        for k_cache, v_cache in caches:
+            k_cache[victim.block_ids] = float("nan")
+            v_cache[victim.block_ids] = float("nan")
+        while engine.has_unfinished_requests():
+            step()
+    for request_id, want in zip(ids, expected):
+        if request_id != victim.request_id:
+            assert tokens[request_id] == want, request_id

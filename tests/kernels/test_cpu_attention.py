@@ -136,6 +136,36 @@ def test_a_step_plan_gives_the_same_bits_in_every_layer(lengths: list[int]) -> N
             paged_decode_attention_cpu(q[:1], k_cache, v_cache, table[:1], lens[:1], 0.2, plan=plan)
 
 
+@pytest.mark.parametrize("lengths", [[0, 4099, 0, 1, 16], [64, 64, 64], [5, 3, 7, 40]])
+def test_a_finite_tail_plan_masks_without_zeroing(lengths: list[int]) -> None:
+    """finite_tail: the caller keeps every slot past each length finite (the engine zeroes fresh pages, and padding
+    columns repeat the row's own last page), so the plan skips zeroing the gathered tails: the -inf mask alone
+    gives those slots zero weight, the same bits as the default plan."""
+    from kernels import plan_decode_cpu
+
+    gen = torch.Generator().manual_seed(sum(lengths) + 1)
+    keys = [torch.randn(n, 1, 32, generator=gen) for n in lengths]
+    values = [torch.randn(n, 1, 32, generator=gen) for n in lengths]
+    shards = shard_kv(keys, values, 1, 16, 1, store_kv_ref, gen, CPU)
+    table, lens = shards.block_table, shards.local_lens[0]
+    caches = []
+    for cache in (shards.k_caches[0], shards.v_caches[0]):  # never-written slots: stale finite values, not NaN
+        cache = cache.clone()
+        stale = torch.isnan(cache)
+        cache[stale] = 100 * torch.randn(int(stale.sum()), generator=gen)
+        caches.append(cache)
+    q = torch.randn(len(lengths), 4, 32, generator=gen)
+    num_blocks = caches[0].shape[0]
+    zeroed = paged_decode_attention_cpu(q, *caches, table, lens, 0.2,
+                                        plan=plan_decode_cpu(table, lens, num_blocks, 16, torch.float32))
+    masked = paged_decode_attention_cpu(q, *caches, table, lens, 0.2, plan=plan_decode_cpu(
+        table, lens, num_blocks, 16, torch.float32, validate=False, finite_tail=True))
+    assert torch.equal(zeroed[0], masked[0]) and torch.equal(zeroed[1], masked[1])
+    for i in range(len(lengths)):
+        ref_out, ref_lse = dense_attention_f64(q[i : i + 1], keys[i], values[i], 0.2)
+        assert_close_rows(masked[0][i : i + 1], masked[1][i : i + 1], ref_out, ref_lse, torch.float32)
+
+
 def test_pieces_group_alike_sequences() -> None:
     """One piece for alike sequences; a long one apart from short ones; no sequence twice or lost."""
     lens = torch.tensor([4096, 4000, 3, 0, 2, 4096])
