@@ -165,27 +165,26 @@ class LLMEngine:
                 gathered.extend(result.prompt_logprobs.get(entry.request_id, ()))
 
     def _delta(self, request: Request, token: int, finished: bool, result: ModelRunnerOutput) -> RequestDelta:
-        stream = self._text.get(request.request_id)
+        request_id = request.request_id
+        stream = self._text.get(request_id) if self._text else None
         new_text = ""
         if stream is not None:
             new_text, stopped = stream.push([token], finished)
             if stopped and not finished:
-                self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+                self.scheduler.finish_request(request_id, FinishReason.STOP)
                 finished = True
             if finished:
-                del self._text[request.request_id]
-        logprob = result.logprobs.get(request.request_id)
-        first = len(request.output_token_ids) == 1
+                del self._text[request_id]
+        logprob = result.logprobs.get(request_id) if result.logprobs else None
+        num_outputs = len(request.output_token_ids)
+        # Positional (request_id, new_token_ids, new_text, finished, finish_reason, num_prompt_tokens,
+        # num_output_tokens, logprobs, prompt_logprobs): one delta per request per step.
         return RequestDelta(
-            request_id=request.request_id,
-            new_token_ids=[token],
-            new_text=new_text,
-            finished=finished,
-            finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            logprobs=[logprob] if logprob is not None else None,
-            prompt_logprobs=self._prompt_logprobs.pop(request.request_id, None) if first else None,
+            request_id, [token], new_text, finished,
+            request.finish_reason.value if finished and request.finish_reason else None,
+            len(request.prompt_token_ids), num_outputs,
+            [logprob] if logprob is not None else None,
+            self._prompt_logprobs.pop(request_id, None) if num_outputs == 1 and self._prompt_logprobs else None,
         )
 
     # ---- state -----------------------------------------------------------------------------------------------

@@ -79,10 +79,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
     preempted_request_ids: list[str] = field(default_factory=list)
+    num_tokens: int = -1  # the tokens to compute this step (the scheduler knows it; counted when not given)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = sum(len(s.token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -222,7 +223,7 @@ class Scheduler:
         if len(decodes) < len(scheduled):
             scheduled = decodes + [entry for entry in scheduled if len(entry.token_ids) != 1]
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(scheduled, finished, preempted)
+        return SchedulerOutput(scheduled, finished, preempted, self.config.max_num_batched_tokens - budget)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Blocks for num_tokens tokens of a running request, preempting the newest requests if needed.
@@ -237,43 +238,51 @@ class Scheduler:
 
     def _entry(self, request: Request, count: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        end = start + count
         all_token_ids = request.all_token_ids
-        sample = start + count == request.num_tokens
+        sample = end == len(all_token_ids)
         params = request.sampling_params
         num_outputs = len(request.output_token_ids)
         # vLLM's min_tokens: EOS is masked too when ignore_eos is set (it would not stop the request anyway).
         blocked = (tuple(sorted(self.eos_token_ids | set(params.stop_token_ids or ())))
                    if sample and num_outputs < params.min_tokens else ())
         # No block sent yet = the ranks do not know the request (every scheduled entry holds at least one block).
-        sent, request.num_block_ids_sent = request.num_block_ids_sent, len(request.block_ids)
-        is_new = sent == 0
+        block_ids = request.block_ids
+        sent, request.num_block_ids_sent = request.num_block_ids_sent, len(block_ids)
+        if sent:  # the common entry (a running request's decode): positional, the step builds one per request
+            return ScheduledRequest(request.request_id, all_token_ids[start:end], start,
+                                    block_ids[sent:], sample, num_outputs, None,
+                                    None if sample else all_token_ids[end], blocked, None)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=all_token_ids[start : start + count],
+            token_ids=all_token_ids[start:end],
             start_position=start,
-            new_block_ids=request.block_ids[sent:],
+            new_block_ids=list(block_ids),
             sample=sample,
             num_output_tokens=num_outputs,
-            sampling_params=params if is_new else None,
-            next_token_id=None if sample else all_token_ids[start + count],
+            sampling_params=params,
+            next_token_id=None if sample else all_token_ids[end],
             blocked_token_ids=blocked,
-            prefix_token_ids=all_token_ids[:start] if is_new and start and params.has_penalties else None,
+            prefix_token_ids=all_token_ids[:start] if start and params.has_penalties else None,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[TokenUpdate]:
         """Applies a step's results: advances computed tokens, appends sampled tokens, finishes requests."""
         updates: list[TokenUpdate] = []
+        # Bound once: this loop runs once per request per step.
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_computed, stop_reason = self.block_manager.cache_computed, self._stop_reason
         for entry in output.scheduled:
-            request = self.requests.get(entry.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(entry.request_id)
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran: its blocks are already free
             request.num_computed_tokens += len(entry.token_ids)
-            self.block_manager.cache_computed(request)
+            cache_computed(request)
             if not entry.sample:
                 continue
             token = sampled[entry.request_id]
             request.append_output(token)
-            reason = self._stop_reason(request, token)
+            reason = stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
             updates.append(TokenUpdate(request, token, reason is not None))
@@ -285,9 +294,10 @@ class Scheduler:
             return FinishReason.STOP
         if params.stop_token_ids and token in params.stop_token_ids:
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        num_tokens = len(request.all_token_ids)
+        if len(request.output_token_ids) >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
-        if request.num_tokens > self.block_manager.capacity_tokens:
+        if num_tokens > self.block_manager.capacity_tokens:
             return FinishReason.LENGTH  # the next token's KV would not fit even in the whole pool
         return None
 

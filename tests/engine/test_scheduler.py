@@ -27,6 +27,7 @@ def req(name: str, prompt: int, max_tokens: int = 4, **params: object) -> Reques
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     """One step with a fake runner that samples `token` for every row that samples."""
     output = scheduler.schedule()
+    assert output.num_tokens == sum(len(s.token_ids) for s in output.scheduled)  # the budget the step used
     scheduler.update(output, {s.request_id: token for s in output.scheduled if s.sample})
     check_invariants(scheduler)
     return output
