@@ -20,23 +20,8 @@ preferring the most free KV, and counts the grant against that replica until the
   one a caller found unreachable until Serve has probed it again. A grant whose replica did not take the request
   comes back through refused() or unreachable() and the request waits at the head again.
 
-Prefix-aware routing. With prefix caching each replica also reports the prefix blocks it caches
-(engine.prefix_cache.PrefixReport: changes since the queue's copy, or the whole state), and a request carries the
-hashes of its prompt's blocks (`PrefixAsk`). For each replica the queue finds the longest cached run of them
-(`PrefixIndex.match`): blocks there that a running request holds (pinned) are shared, not added, so the request's
-need on that replica is its admission blocks less those; blocks the replica caches but nobody holds cost as much as
-free ones (they are counted free). Among the replicas that have room for the request's need there and are in
-balance (running at most max(least + 2, 1.5 * least) sequences, least being the least busy one's count: prefix
-affinity never piles requests onto one replica while another idles), it grants the one that holds the longest run
-of the prompt's blocks, and among equal runs the one with the most KV free after the grant. So a conversation goes
-back to the replica holding its history, and requests sharing a system prompt spread over the replicas that cache it
-(each takes the most free); a replica that has the prefix but no room, or is out of balance, is never waited for.
-Free KV decides only between equal runs: while a replica has room, its free KV says nothing of how fast it serves,
-and weighing it against the prefix (a cost of tokens to compute minus free tokens) sent a turn away from its history
-whenever the other replica ran one request fewer. With no prefix anywhere (or prefix_routing off) it is the replica
-with the most free KV, as without caching. Grants still in flight count as cached on their replica for routing (not
-for the KV need): a burst sharing a new prefix follows the first request to one replica instead of computing the
-prefix everywhere.
+Which replica: deployments/replica_choice.py (the replica's KV as the queue knows it, balance, and prefix-aware
+routing: the longest cached run of the prompt's blocks among the replicas with room and in balance).
 
 AdmissionQueue is plain asyncio (tested without Ray); KvAdmission (below) serves it as a one-replica deployment.
 """
@@ -47,13 +32,14 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 
 from deployments.metrics import AdmissionMetrics
-from deployments.prefix_routing import PrefixAsk, ReplicaPrefix
+from deployments.prefix_routing import PrefixAsk
+from deployments.replica_choice import ReplicaKv, pick_replica, why_not_grantable
 from engine.prefix_cache import PrefixReport
 
 
@@ -81,52 +67,6 @@ class NeverFits(AdmissionError):
 
 class NoReplica(AdmissionError):
     kind = "no_replica"  # 503
-
-
-# A replica is in balance while it runs at most max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
-# sequences, least being the count of the least busy replica with room; only replicas in balance compete on cost.
-BALANCE_SLACK_SEQUENCES = 2
-BALANCE_RATIO = 1.5
-
-
-@dataclass
-class ReplicaKv:
-    """What the queue knows of one replica's KV, in logical blocks."""
-
-    replica_id: str
-    capacity: int
-    tokens_per_block: int
-    grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
-    held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported
-    external: int = 0  # blocks the replica holds for tickets not granted here
-    headroom: int = 0  # blocks the replica's "usage" admission keeps free as growth room
-    healthy: bool = True
-    routable: bool = True  # Serve's controller probes it (RUNNING): the routers can reach it
-    probes: int = 0  # how many controller probes the replica has seen (its reports carry the count)
-    unreachable_at_probe: int | None = None  # a caller could not reach it when it had seen this many probes
-    last_report: float = 0.0
-    prefix: ReplicaPrefix = field(default_factory=ReplicaPrefix)  # its cached prefixes, and grants in flight
-
-    @property
-    def num_sequences(self) -> int:
-        """Requests it runs or was granted: the granted tickets and the ones it reports holding."""
-        return len(self.grants) + sum(1 for ticket in self.held if ticket not in self.grants)
-
-    @property
-    def grantable(self) -> bool:
-        """Healthy, routable, and probed again since a caller last found it unreachable."""
-        if self.unreachable_at_probe is not None and self.probes <= self.unreachable_at_probe:
-            return False
-        return self.healthy and self.routable
-
-    @property
-    def granted(self) -> int:
-        """Blocks of the granted tickets: each the larger of its grant and what the replica holds for it."""
-        return sum(max(blocks, self.held.get(ticket, 0)) for ticket, (blocks, _) in self.grants.items())
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.headroom - self.granted - self.external
 
 
 @dataclass
@@ -164,8 +104,8 @@ class AdmissionQueue:
         """on_event(outcome, waited_s), when given, hears every decision (deployments/metrics.py
         ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO.
         on_routed(prompt_blocks, hit_blocks) hears every grant of a request that named its prompt blocks.
-        prefix_routing: prefer the replica holding the longest run of the prompt's blocks (module doc); off: the most
-        free KV alone."""
+        prefix_routing: prefer the replica holding the longest run of the prompt's blocks
+        (deployments/replica_choice.py); off: the most free KV alone."""
         self.max_queued = max_queued
         self._on_event = on_event
         self._on_routed = on_routed
@@ -205,7 +145,7 @@ class AdmissionQueue:
             self._event("rejected_never_fits")
             raise
         if not self._waiters:
-            choice = self._pick(need, ask)
+            choice = pick_replica(self.replicas.values(), need, ask, self.prefix_routing)
             if choice is not None:
                 self._event("admitted")
                 return self._grant(ticket, ask, *choice)
@@ -236,7 +176,7 @@ class AdmissionQueue:
             waited = self._clock() - queued_at
             if not any(r.grantable for r in self.replicas.values()):
                 self._event("rejected_no_replica", waited)
-                known = ", ".join(f"{r.replica_id}: {self._why_not_grantable(r)}" for r in self.replicas.values())
+                known = ", ".join(f"{r.replica_id}: {why_not_grantable(r)}" for r in self.replicas.values())
                 raise NoReplica(
                     f"no engine replica could take requests during the {waited:.1f}s this request waited"
                     f"{f' ({known})' if known else ''}; retry later"
@@ -281,7 +221,10 @@ class AdmissionQueue:
         for waiter in self._waiters:
             if waiter.ticket == ticket and not waiter.future.done():
                 waiter.future.cancel()
-        self._drop_grant(ticket, finished=True)
+        granted_on = self._drop_grant(ticket, finished=True)
+        for replica in self.replicas.values():
+            if replica is granted_on or ticket in replica.held:
+                replica.released.add(ticket)
         self._fulfill()
 
     def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
@@ -336,6 +279,7 @@ class AdmissionQueue:
         replica.probes = probes
         replica.headroom = headroom
         replica.held = dict(held)
+        replica.released.intersection_update(held)
         replica.last_report = now
         if prefix is not None:
             replica.prefix.index.apply(prefix)
@@ -404,16 +348,6 @@ class AdmissionQueue:
     def _healthy_replicas(self) -> list[ReplicaKv]:
         return [r for r in self.replicas.values() if r.healthy]
 
-    @staticmethod
-    def _why_not_grantable(replica: ReplicaKv) -> str:
-        if not replica.healthy:
-            return "unhealthy or silent"
-        if not replica.routable:
-            return "starting or draining"
-        if not replica.grantable:
-            return "unreachable"
-        return "ready"
-
     def _check_fits_somewhere(self, need: int) -> None:
         replicas = self._healthy_replicas() or list(self.replicas.values())
         if not replicas:
@@ -426,35 +360,6 @@ class AdmissionQueue:
                 f"replica holds {largest.capacity} blocks ({largest.capacity * tokens} tokens); shorten the prompt "
                 f"or lower max_tokens"
             )
-
-    def _pick(self, need: int, ask: PrefixAsk | None = None) -> tuple[int, ReplicaKv, int] | None:
-        """The grantable replica with room for the request and the lowest routing cost (module doc), as (need
-        there, replica, prompt blocks it caches); None if no replica has room now."""
-        roomy = []
-        for replica in self.replicas.values():
-            if not replica.grantable:
-                continue
-            reported, inflight = replica.prefix.match(ask)
-            need_here = need - reported.pinned_blocks
-            if replica.free >= need_here:
-                roomy.append((replica, reported, inflight, need_here))
-        if not roomy:
-            return None
-        # Load balance first: a replica running many more sequences than the least busy one is passed over, however
-        # much of the prefix it holds (otherwise every request sharing a system prompt would pile onto one replica).
-        least = min(replica.num_sequences for replica, *_ in roomy)
-        limit = max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
-        best: tuple[tuple[int, int], int, ReplicaKv, int] | None = None
-        for replica, reported, inflight, need_here in roomy:
-            if replica.num_sequences > limit:
-                continue
-            # What routing counts on there: the blocks it reported cached, or those its grants in flight (or
-            # finished since its last report) are computing, whichever run is longer.
-            hit_blocks = max(reported.hit_blocks, inflight)
-            key = (hit_blocks if self.prefix_routing else 0, replica.free - need_here)
-            if best is None or key > best[0]:
-                best = (key, need_here, replica, hit_blocks)
-        return None if best is None else best[1:]
 
     def _grant(self, ticket: str, ask: PrefixAsk | None, need: int, replica: ReplicaKv, hit_blocks: int) -> str:
         replica.grants[ticket] = (need, self._clock())
@@ -476,7 +381,7 @@ class AdmissionQueue:
             if head.future.done():
                 self._waiters.popleft()
                 continue
-            choice = self._pick(head.need, head.ask)
+            choice = pick_replica(self.replicas.values(), head.need, head.ask, self.prefix_routing)
             if choice is None:
                 return
             self._waiters.popleft()

@@ -343,3 +343,32 @@ def test_prefix_affinity_never_piles_requests_onto_one_replica_while_another_idl
         assert queue.grant_of("t1").need == 2 and queue.grant_of("t3").need == 21  # 19 of its 21 blocks shared on a
 
     asyncio.run(run())
+
+
+def test_a_released_ticket_stops_counting_as_a_sequence_before_the_replica_reports_again() -> None:
+    async def run() -> None:
+        # a runs two conversations (c1, c3), b two others; b's are between turns. c1's and c3's last turns ended
+        # (released) after a's last report, which still names them; c3's next turn is already granted on a.
+        queue = make_queue({"a": 100, "b": 100})
+        history = list(range(300))
+        assert await queue.acquire("c1-turn1", 10, 1.0, ask=ask_for(history)) == "a"
+        assert await queue.acquire("c3-turn1", 10, 1.0, ask=ask_for(list(range(1000, 1300)))) == "b"
+        queue.report("b", 100, 32, {"c3-turn1": 10})
+        queue.release("c3-turn1")
+        queue.report("b", 100, 32, {})
+        writer = PrefixReporter(32, SEED)
+        for block in prompt_hashes(history, 32, SEED):
+            writer.set(block, PINNED)
+        cache_report(writer, queue, "a", 100, {"c1-turn1": 10, "c3-old": 10, "c3-next": 10})
+        queue.release("c1-turn1")  # the answer ended; its next turn comes before a's next report
+        queue.release("c3-old")  # never granted here (a queue restart): released all the same
+        assert queue.replicas["a"].num_sequences == 1  # c3-next, which a reported holding
+        assert await queue.acquire("c1-turn2", 10, 1.0, ask=ask_for(history + [1, 2])) == "a"
+        # A report computed before the release still names the ticket: it does not count again.
+        cache_report(writer, queue, "a", 100, {"c1-turn1": 10, "c3-next": 10})
+        assert queue.replicas["a"].num_sequences == 2
+        # Once a report leaves it out, the queue forgets the release (a set that does not grow).
+        cache_report(writer, queue, "a", 100, {"c3-next": 10})
+        assert queue.replicas["a"].released == set()
+
+    asyncio.run(run())
