@@ -44,6 +44,14 @@ class EngineRequest:
     target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
 
 
+@dataclass(frozen=True)
+class ReplicaQuery:
+    """Addresses a call other than generate() to one replica (the router sends it only there), e.g.
+    `handle.stats.remote(ReplicaQuery(replica_id))` for each id of KvAdmission.stats()["replicas"]."""
+
+    target_replica: str
+
+
 def replica_bundles(tp: int) -> list[dict[str, float]]:
     """The replica's own CPU bundle, then one GPU bundle per TP rank (DCP reuses the TP ranks: no extra GPUs).
     With tp = 1 the engine runs in the replica process, so its bundle holds the GPU."""
@@ -142,7 +150,10 @@ class EngineReplica:
                 # Cancellation (client gone) lands here too, even before the stream was iterated: abort frees the KV.
                 self.engine.abort(request.ticket)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, query: ReplicaQuery | None = None) -> dict[str, Any]:
+        """This replica's engine stats, KV report and id; `query` only addresses the call (the router's)."""
+        if query is not None and query.target_replica != self.replica_id:
+            raise ValueError(f"stats() addressed to replica {query.target_replica} reached {self.replica_id}")
         stats = self.engine.stats().as_dict()
         stats.update(self._kv_report())
         stats["replica_id"] = self.replica_id

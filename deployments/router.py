@@ -4,7 +4,8 @@ It runs in every caller process (each ingress replica). A request carries its KV
 normally, the replica the admission queue granted it (`target_replica`): the router sends it only there. A
 request without a grant (a direct handle call) goes to a replica whose reported free KV, minus what this router
 has sent it since that report, holds the request, the most free first. Either way the replica re-checks and may
-refuse.
+refuse. Other calls go to any replica, or, given a `ReplicaQuery` (deployments/replica.py), to the one it names:
+stats() of every replica, which Serve's own choice among idle replicas does not reach one by one.
 
 When no candidate can take a request (its granted replica is not, or not yet, among the routable replicas; no
 replica reports enough free KV), Serve's routing loop tries again. That loop sleeps between attempts only when
@@ -18,6 +19,18 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+
+def target_of(pending_request: PendingRequest | None) -> str | None:
+    """The replica a call is addressed to: the target_replica of its first argument that names one (an
+    EngineRequest's grant, or a ReplicaQuery for stats()); None when the router may choose."""
+    if pending_request is None:
+        return None
+    for value in list(pending_request.args) + list(pending_request.kwargs.values()):
+        target = getattr(value, "target_replica", None)
+        if target is not None:
+            return target
+    return None
 
 
 def request_of(pending_request: PendingRequest | None) -> Any | None:
@@ -81,11 +94,12 @@ class KvAwareRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # see the module docstring: never a tight loop
             if pending_request.future.done():
                 return [candidate_replicas]  # the caller gave up: Serve's loop drops it before choosing
+        target = target_of(pending_request)
+        if target is not None:  # a granted request, or a call addressed to one replica
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         request = request_of(pending_request)
         if request is None:
             return [candidate_replicas]  # not a generate() call (stats, health): any replica
-        if request.target_replica is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == request.target_replica]]
         return rank_by_free_kv(candidate_replicas, request.kv_blocks, self._sent_blocks)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

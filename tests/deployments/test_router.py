@@ -13,7 +13,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments.replica import EngineRequest
+from deployments.replica import EngineRequest, ReplicaQuery
 from deployments.router import KvAwareRouter
 from engine.sampling_params import SamplingParams
 
@@ -132,5 +132,25 @@ def test_an_ungranted_request_goes_to_the_most_free_kv_net_of_what_was_sent() ->
         router.on_request_routed(pending(4, None), first.replica_id, None)  # a: 10 - 4 = 6 left by this router
         second = await asyncio.wait_for(router._choose_replica_for_request(pending(4, None)), timeout=2.0)
         assert second.replica_id.unique_id == "b"
+
+    asyncio.run(run())
+
+
+def test_a_call_addressed_by_replica_query_reaches_that_replica_and_no_other() -> None:
+    """stats() of every replica: Serve's own choice among idle replicas may send every call to the same one (its
+    tie-break), so each call names its replica, whatever their free KV or queues."""
+    async def run() -> None:
+        router = CountingRouter()
+        router.update_replicas([FakeReplica("a", free_blocks=100), FakeReplica("b", free_blocks=1, queue_len=5)])
+        metadata = RequestMetadata(request_id="s", internal_request_id="s")
+        for target in ["b", "a", "b", "b"]:
+            call = PendingRequest(args=[ReplicaQuery(target)], kwargs={}, metadata=metadata)
+            replica = await asyncio.wait_for(router._choose_replica_for_request(call), timeout=2.0)
+            assert replica.replica_id.unique_id == target
+        gone = asyncio.create_task(router._choose_replica_for_request(
+            PendingRequest(args=[], kwargs={"query": ReplicaQuery("c")}, metadata=metadata)))
+        await asyncio.sleep(0.2)
+        assert not gone.done()  # never another replica in its place
+        gone.cancel()
 
     asyncio.run(run())

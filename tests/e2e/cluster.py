@@ -81,19 +81,38 @@ class ServeCluster:
 
 def handle_calls(ray_address: str, env: dict[str, str], deployment: str, method: str, calls: int = 1,
                  app: str = APP_NAME) -> list[Any]:
-    """`calls` answers of deployment.method() through a Serve handle, from a separate driver process (with several
-    replicas, repeated calls reach each of them)."""
+    """`calls` answers of deployment.method() through a Serve handle, from a separate driver process (Serve picks the
+    replica of each call: to reach every engine replica, every_replica_stats)."""
     script = (
         "import json, ray; from ray import serve; "
         f"ray.init(address={ray_address!r}, log_to_driver=False); "
         f"h = serve.get_deployment_handle({deployment!r}, app_name={app!r}); "
         f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) for _ in range({calls})]))"
     )
+    return _driver_json(script, env)
+
+
+def _driver_json(script: str, env: dict[str, str]) -> Any:
+    """Runs a driver script (in the repository root) and returns the JSON it prints after "STATS"."""
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
                             cwd=Path(__file__).resolve().parents[2])
     line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
     assert line is not None, result.stderr[-2000:]
     return json.loads(line[len("STATS"):])
+
+
+def every_replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> list[dict[str, Any]]:
+    """EngineReplica.stats() of each replica the admission queue knows, each call addressed to its replica
+    (ReplicaQuery), from a separate driver process."""
+    script = (
+        "import json, ray; from ray import serve; from deployments.replica import ReplicaQuery; "
+        f"ray.init(address={ray_address!r}, log_to_driver=False); "
+        f"ids = serve.get_deployment_handle('KvAdmission', app_name={app!r}).stats.remote().result(timeout_s=60)"
+        "['replicas']; "
+        f"h = serve.get_deployment_handle('EngineReplica', app_name={app!r}); "
+        "print('STATS' + json.dumps([h.stats.remote(ReplicaQuery(i)).result(timeout_s=60) for i in ids]))"
+    )
+    return _driver_json(script, env)
 
 
 def replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import handle_calls, serve_cluster, tiny_app_args
+from tests.e2e.cluster import every_replica_stats, handle_calls, serve_cluster, tiny_app_args
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
@@ -25,12 +25,10 @@ TOKENS_PER_BLOCK = 16  # tp=1: block_size 16 x dcp 1
 
 
 def replica_counters(cluster: Any) -> dict[str, dict[str, int]]:
-    """Every engine replica's prefix counters, by replica id (calls repeat until both answered)."""
-    seen: dict[str, dict[str, int]] = {}
-    for stats in handle_calls(f"127.0.0.1:{cluster.settings.ray_port}", cluster.env, "EngineReplica", "stats", 12):
-        seen[stats["replica_id"]] = {k: stats[k] for k in ("prefix_cache_queries", "prefix_cache_hits",
-                                                           "tokens_computed", "kv_blocks_cached")}
-    return seen
+    """Every engine replica's prefix counters, by replica id (a stats() call addressed to each)."""
+    return {stats["replica_id"]: {k: stats[k] for k in ("prefix_cache_queries", "prefix_cache_hits",
+                                                        "tokens_computed", "kv_blocks_cached")}
+            for stats in every_replica_stats(f"127.0.0.1:{cluster.settings.ray_port}", cluster.env)}
 
 
 async def completion(client: Any, prompt: list[int]) -> list[int]:
@@ -74,19 +72,20 @@ def test_conversations_return_to_the_replica_holding_their_history(tmp_path: Pat
 
         # The router's view: of the prompt blocks that could be cached, the share the granted replica had cached.
         # Every turn after the first finds its whole previous turn (prompt + answer) there, except the partial last
-        # block: with 4 turns that is above 60% of all prompt blocks (first turns included, which hit nothing).
+        # block: 75% of all prompt blocks (first turns included, which hit nothing). A turn sent away from its
+        # history costs 14-18 points of 256: the bounds allow one (a dispatch timeout under load), never two.
         queried = after["prefix_query_blocks"] - before["prefix_query_blocks"]
         hit = after["prefix_hit_blocks"] - before["prefix_hit_blocks"]
         assert queried == sum(
             (CONTEXT + t * (USER + ANSWER) + USER - 1) // TOKENS_PER_BLOCK for t in range(TURNS)) * CONVERSATIONS
         print(f"router prefix-hit share: {hit}/{queried} blocks = {hit / queried:.0%}")
-        assert hit / queried > 0.6
+        assert hit / queried > 0.66
         # The replicas' own count: the prompt tokens they served from their caches, the same share.
         queries = sum(c["prefix_cache_queries"] for c in counters.values())
         hits = sum(c["prefix_cache_hits"] for c in counters.values())
         print(f"replica prefix hit rate: {hits}/{queries} tokens = {hits / queries:.0%}")
         assert queries == CONVERSATIONS * sum(CONTEXT + t * (USER + ANSWER) + USER for t in range(TURNS))
-        assert hits / queries > 0.6
+        assert hits / queries > 0.63  # 70.6% when every turn returns; one away: 64-65%, two: at most 60%
 
         # The same long prompt again: it computes only what is not cached (fewer tokens than its prompt).
         last = histories[0]
