@@ -89,7 +89,8 @@ class VllmEngine:
             )
             # vLLM's engine core (and its workers) must not outlive this process, however it ends.
             self._reaper = EngineCoreReaper()
-            self._reaper.watch([pid for pid in descendants(os.getpid()) if pid not in before])
+            not_vllms = before | process_services()
+            self._reaper.watch([pid for pid in descendants(os.getpid()) if pid not in not_vllms])
         except BaseException:
             if self._events is not None:
                 self._events.close()
@@ -340,10 +341,47 @@ class VllmEngine:
             raise EngineDeadError(f"the vLLM engine is dead: {err!r}") from err
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.llm.shutdown)
-        await asyncio.to_thread(self._reaper.close)
-        if self._events is not None:
-            await asyncio.to_thread(self._events.close)
+        """vLLM's own shutdown with a grace that fits its engine core's teardown; whatever that leaves (or a failure
+        of vLLM's force-kill path) the reaper ends."""
+        try:
+            await asyncio.to_thread(self.llm.shutdown, process_shutdown_grace_s())
+        except Exception as err:  # noqa: BLE001 - the reaper below ends what vLLM's shutdown left
+            logger.warning("vLLM's shutdown failed (%r); ending its remaining processes", err)
+        finally:
+            await asyncio.to_thread(self._reaper.close)
+            if self._events is not None:
+                await asyncio.to_thread(self._events.close)
+
+
+# vLLM's engine core, on SIGTERM, waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) for its workers to exit, then this long
+# again after sending them SIGTERM (multiproc_executor._ensure_worker_termination), before it exits itself.
+_VLLM_WORKER_SIGTERM_WAIT_S = 4.0
+_ENGINE_CORE_EXIT_S = 5.0  # the engine core's own exit after its workers': its queues, ZeroMQ, the interpreter
+
+
+def process_shutdown_grace_s() -> float:
+    """How long vLLM's process manager waits for the engine core to exit after SIGTERM before it force-kills it.
+
+    vLLM's default, 5 s, is shorter than the engine core's own teardown of its workers: a tp=2 engine on CPU took
+    4.3-5.0 s to exit on an idle 2-core machine and longer on a loaded one. It was then force-killed mid-teardown,
+    and vLLM's force-kill (kill_process_tree) raised psutil.NoSuchProcess for a worker that exited between being
+    listed and being named, so the shutdown failed with the engine core not yet killed. A process that exits on time
+    ends the wait at once; this only bounds a stuck one."""
+    from vllm import envs
+
+    return envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _VLLM_WORKER_SIGTERM_WAIT_S + _ENGINE_CORE_EXIT_S
+
+
+def process_services() -> set[int]:
+    """Processes below this one that vLLM's start may have started but that serve the whole process, not vLLM's
+    engine: multiprocessing's resource tracker (started by the first spawn). It ignores SIGTERM and cleans up the
+    process's shared memory and semaphores after the process exits, so the reaper must not end it: it used to, with
+    SIGKILL after the grace period, which added 5 s to every shutdown and left multiprocessing to relaunch it
+    ("resource_tracker: process died unexpectedly ... Some resources might leak")."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)  # noqa: SLF001 - no public accessor
+    return {pid} if pid is not None else set()
 
 
 def to_vllm_sampling_params(params: SamplingParams) -> Any:

@@ -202,9 +202,13 @@ def test_bad_requests_are_value_errors_before_queueing(engine, prompt, max_token
 def test_health_and_stats(engine) -> None:
     loop, client = engine
     loop.run_until_complete(client.check_health())
+    before = client.stats().generation_tokens
+    # Its own request: the counters must move without relying on the module's other tests having run first.
+    tokens, _ = loop.run_until_complete(_collect(client, PROMPTS[1], SamplingParams(max_tokens=3, temperature=0),
+                                                 "stats-probe"))
     stats = client.stats()
     assert stats.healthy and stats.backend == client.backend
-    assert stats.tp == 1 and stats.dcp == 1 and stats.generation_tokens > 0
+    assert stats.tp == 1 and stats.dcp == 1 and stats.generation_tokens >= before + len(tokens) == before + 3
     assert stats.as_dict()["kv_capacity_tokens"] == stats.kv_capacity_tokens
 
 

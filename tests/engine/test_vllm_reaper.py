@@ -128,3 +128,69 @@ def test_a_killed_vllm_replica_leaves_no_engine_core(tmp_path: Path) -> None:
         for pid in started:
             if start_time(pid) is not None:
                 os.kill(pid, signal.SIGKILL)
+
+
+
+# A replica's engine shut down while vLLM's force-kill path fails as its race does (kill_process_tree raising
+# psutil.NoSuchProcess for a worker that exited after being listed, before it kills the engine core); the grace is
+# forced to 0 so that path runs. A fresh process, so that vLLM's start is what starts multiprocessing's tracker.
+VLLM_FAILING_SHUTDOWN = """
+import asyncio, os, sys
+import psutil, vllm.v1.utils
+from multiprocessing import resource_tracker
+from engine import vllm_engine
+from engine.args import EngineArgs
+from engine.protocol import start_engine
+from engine.vllm_reaper import descendants, start_time
+
+def racing_kill_process_tree(pid):
+    print("FORCED", pid, flush=True)
+    raise psutil.NoSuchProcess(pid + 1_000_000)
+
+async def main():
+    engine = start_engine(EngineArgs(sys.argv[1], backend="vllm", dtype="float32", device="cpu", block_size=32,
+                                     kv_cache_memory_bytes=1 << 20, max_model_len=1024, enable_prefix_caching=False))
+    tracker = resource_tracker._resource_tracker._pid
+    print("PIDS", tracker, engine._reaper.watcher_pid, *descendants(os.getpid()), flush=True)
+    vllm_engine.process_shutdown_grace_s = lambda: 0.0
+    vllm.v1.utils.kill_process_tree = racing_kill_process_tree
+    await engine.shutdown()
+    print("SHUT DOWN", engine._reaper.watcher_pid, start_time(tracker) is not None, flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.vllm
+def test_a_failing_vllm_shutdown_still_ends_its_processes_and_spares_the_resource_tracker(tmp_path: Path) -> None:
+    """VllmEngine.shutdown() neither raises vLLM's force-kill failure nor leaves the engine core and its worker
+    behind (the reaper ends them), and it leaves multiprocessing's resource tracker, which serves the whole process
+    and cleans up after it, alone."""
+    from engine.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny", seed=0)
+    script = tmp_path / "replica.py"
+    script.write_text(VLLM_FAILING_SHUTDOWN)
+    replica = subprocess.Popen([sys.executable, str(script), str(model)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    started: list[int] = []
+    try:
+        assert replica.stdout is not None
+        lines: dict[str, list[str]] = {}
+        for line in replica.stdout:  # vLLM logs to stdout too
+            word, _, rest = line.partition(" ")
+            if word in ("PIDS", "FORCED", "SHUT"):
+                lines[word] = rest.split()
+        assert replica.wait(60) == 0
+        tracker, watcher, *descendants_ = (int(p) for p in lines["PIDS"])
+        started = [pid for pid in descendants_ if pid not in (tracker, watcher)]
+        assert len(started) >= 2, lines["PIDS"]  # the engine core and its worker
+        assert "FORCED" in lines, "vLLM's force-kill path did not run: the test no longer exercises it"
+        assert lines["SHUT"] == ["DOWN", "None", "True"], lines["SHUT"]  # returned; watcher closed; tracker alive
+        assert _gone_within(started, 10), {pid: start_time(pid) for pid in started}
+    finally:
+        replica.kill()
+        for pid in started:
+            if start_time(pid) is not None:
+                os.kill(pid, signal.SIGKILL)
