@@ -32,6 +32,12 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
+# How long a stopping replica waits for the admission queue to forget it. When the whole app is deleted the queue is
+# stopped beside it, and a handle call to a deployment that is going away waits for a replica forever: unbounded, it
+# held every stopping replica (and its GPUs) for its whole graceful_shutdown_timeout_s (drain_timeout_s, 120 s).
+# Without the call the queue still forgets the replica, once its reports stop (replica_ttl_s).
+REMOVE_FROM_QUEUE_TIMEOUT_S = 5.0
+
 
 @dataclass
 class EngineRequest:
@@ -260,8 +266,9 @@ class EngineReplica:
                 task.cancel()
         if getattr(self, "admission", None) is not None and hasattr(self, "replica_id"):
             try:
-                await self.admission.remove_replica.remote(self.replica_id)
-            except Exception:  # noqa: BLE001 - the app is going away
+                await asyncio.wait_for(self.admission.remove_replica.remote(self.replica_id),
+                                       REMOVE_FROM_QUEUE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - the queue is gone or going away (the app is deleted): nothing to tell
                 pass
         engine = getattr(self, "engine", None)
         if engine is not None:
