@@ -124,6 +124,7 @@ class AdmissionQueue:
         self.num_rejected_full = 0
         self.num_refusals = 0
         self.num_unreachable = 0
+        self.num_leaked = 0  # grants dropped by leak reconciliation (their caller never released them)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -287,6 +288,7 @@ class AdmissionQueue:
         for ticket, (_, granted_at) in list(replica.grants.items()):
             if ticket not in held and now - granted_at > self.leak_grace_s:
                 self._drop_grant(ticket)  # granted long ago, never arrived or never released: the caller died
+                self.num_leaked += 1
         replica.external = sum(blocks for ticket, blocks in held.items() if ticket not in replica.grants)
         self._fulfill()
 
@@ -329,6 +331,7 @@ class AdmissionQueue:
             "num_rejected_full": self.num_rejected_full,
             "num_refusals": self.num_refusals,
             "num_unreachable": self.num_unreachable,
+            "num_leaked": self.num_leaked,
             "prefix_query_blocks": self.num_prefix_query_blocks,
             "prefix_hit_blocks": self.num_prefix_hit_blocks,
             "replicas": {
@@ -393,10 +396,12 @@ class KvAdmission:
     """The app's admission queue as a one-replica deployment: the ingress acquires and releases, engine replicas
     report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
 
-    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True) -> None:
+    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True,
+                 leak_grace_s: float = 30.0) -> None:
         self.metrics = AdmissionMetrics()
-        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, on_event=self.metrics.on_event,
-                                    prefix_routing=prefix_routing, on_routed=self.metrics.on_routed)
+        self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, leak_grace_s=leak_grace_s,
+                                    on_event=self.metrics.on_event, prefix_routing=prefix_routing,
+                                    on_routed=self.metrics.on_routed)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:

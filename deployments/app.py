@@ -80,7 +80,7 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     # run this layout here), instead of a replica that fails to start again and again.
     validate_engine_args(args.engine_args(), args.device or _cluster_device())
     admission = KvAdmission.options(name="KvAdmission").bind(
-        args.max_queued_requests, prefix_routing=args.prefix_routing)
+        args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s)
     engine = engine_deployment(args).bind(args, admission)
     ingress = serve.deployment(
         OpenAIIngress,

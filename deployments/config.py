@@ -96,6 +96,10 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]
         10.0, gt=0, description="longest wait for a granted replica to take a request; past it the grant goes back "
         "and the request waits at the head of the queue again"
     )
+    grant_leak_grace_s: float = Field(
+        30.0, gt=0, description="a grant that its replica has not reported holding this long after it was given, "
+        "and that nobody released, is dropped (its caller, an ingress replica, died): its KV counts free again"
+    )
     # ---- serving ----
     api_keys: list[SecretStr] = Field(
         default_factory=list, description="keys clients must send as `Authorization: Bearer <key>` on /v1 routes; "
