@@ -176,6 +176,10 @@ class ServeHead:
     head: subprocess.Popen[bytes]
 
     @property
+    def api(self) -> local_cluster.ServeApi:
+        return local_cluster.ServeApi(self.settings.dashboard_port, Path(self.env["RAY_AUTH_TOKEN_PATH"]))
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.settings.http_port}"
 
@@ -192,11 +196,8 @@ class ServeHead:
         """The one engine replica's id (Serve's REST API) and its KV counts from /health (capacity, num_grants):
         /health itself names no replica."""
         counts = httpx.get(f"{self.base_url}/health", timeout=30).json()
-        token = Path(self.env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
-        details = httpx.get(f"http://127.0.0.1:{self.settings.dashboard_port}/api/serve/applications/",
-                            headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
-        replicas = [r for r in details["applications"]["dcpserve"]["deployments"]["EngineReplica"]["replicas"]
-                    if r["state"] == "RUNNING"]
+        app = self.api.application("dcpserve")
+        replicas = [r for r in app["deployments"]["EngineReplica"]["replicas"] if r["state"] == "RUNNING"]
         if len(replicas) != 1 or counts.get("replicas") != 1:
             raise SystemExit(f"{label}: expected one engine replica; Serve lists {len(replicas)}, /health {counts}")
         return replicas[0]["replica_id"], {"capacity": counts["kv_capacity_blocks"], "num_grants": counts["num_grants"]}
@@ -207,7 +208,7 @@ class ServeHead:
         subprocess.run([local_cluster.ray_bin("serve"), "shutdown", "-y", "--address", address], env=self.env,
                        check=True, capture_output=True, timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
-        while local_cluster.serve_status(self.settings, self.env).get("applications"):
+        while self.api.details().get("applications"):
             if time.monotonic() > deadline:
                 raise SystemExit(f"Serve still lists applications {timeout_s:.0f}s after `serve shutdown`")
             time.sleep(1)

@@ -34,6 +34,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+
+bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
+
 from bench.docs_section import DocsSection  # noqa: E402
 from bench.engine_sweep import SWEEP_COLUMNS, context_sweep, sweep_notes  # noqa: E402
 from bench.engine_timing import (  # noqa: E402

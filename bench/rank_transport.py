@@ -31,6 +31,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+
+bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
+
 import ray  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 

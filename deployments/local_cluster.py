@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,8 +103,26 @@ def ensure_tiny_model(state_dir: Path, model: str = "tiny") -> Path:
     return write(model_dir, log=lambda line: say(f"  {line}"))
 
 
+# Ray on one machine binds to loopback only when this is 0: otherwise `ray start --node-ip-address 127.0.0.1` (and
+# ray.init) resolve 127.0.0.1 to the machine's routable address, and the GCS, the raylet, the client server and the
+# dashboard and runtime-env agents listen there or on every interface (Ray's services.resolve_ip_for_localhost; the
+# variable is the one macOS and Windows use for single-machine Ray). It must be set before ray is imported.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def bind_ray_to_loopback() -> None:
+    """Makes the Ray that this process starts or joins listen on 127.0.0.1 only (LOOPBACK_ENV). Call it before
+    importing ray: Ray reads the variable once, at import."""
+    os.environ.update(LOOPBACK_ENV)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and constants.ENABLE_RAY_CLUSTER:
+        raise RuntimeError("ray was imported before bind_ray_to_loopback(): call it first, or set "
+                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment")
+
+
 def ray_env(state_dir: Path) -> dict[str, str]:
-    """Token auth with this cluster's own token file (never the user's ~/.ray/auth_token)."""
+    """The environment of this cluster's Ray processes and CLI calls: token auth with this cluster's own token file
+    (never the user's ~/.ray/auth_token), and loopback only (LOOPBACK_ENV)."""
     token_path = state_dir / "ray_auth_token"
     if not token_path.is_file():
         token_path.write_text(secrets.token_hex(32))
@@ -111,6 +130,7 @@ def ray_env(state_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_ADDRESS": ""})
+    env.update(LOOPBACK_ENV)
     return env
 
 
@@ -137,6 +157,9 @@ def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path) -> 
         "--metrics-export-port", str(free_port()),
         "--disable-usage-stats",
     ]
+    # The metrics ports of the autoscaler monitor and the dashboard are fixed by default (44217, 44227): two heads on
+    # one machine would collide. Ray reads them from these variables only.
+    env = {**env, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
     log = open(settings.state_dir / "ray_head.log", "wb")  # noqa: SIM115 - lives as long as the head
     say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, temp dir {temp_dir}); "
         f"log: {log.name}")
@@ -174,43 +197,88 @@ def write_config(settings: LocalSettings, model_dir: Path) -> Path:
     return out
 
 
-def serve_status(settings: LocalSettings, env: dict[str, str]) -> dict:
-    result = subprocess.run(
-        [ray_bin("serve"), "status", "--address", f"http://127.0.0.1:{settings.dashboard_port}"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )
-    if result.returncode != 0:
-        return {}
-    return yaml.safe_load(result.stdout) or {}
+@dataclass(frozen=True)
+class ServeApi:
+    """Serve's REST API on the head's dashboard (what `serve deploy` and `serve status` call), with the cluster's
+    token: the applications' states in-process, without a CLI subprocess per poll."""
+
+    dashboard_port: int
+    token_path: Path
+
+    def _request(self, method: str, body: dict | None = None, timeout_s: float = 30) -> dict:
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.dashboard_port}/api/serve/applications/", method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.token_path.read_text().strip()}",
+                     "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            text = reply.read().decode()
+        return json.loads(text) if text.strip() else {}
+
+    def details(self) -> dict:
+        """GET /api/serve/applications/: Serve's ServeInstanceDetails ({} of applications before Serve starts)."""
+        return self._request("GET")
+
+    def deploy(self, config: dict) -> None:
+        """PUT /api/serve/applications/: the declarative config (exactly what `serve deploy` sends). Applications
+        it does not name are deleted."""
+        self._request("PUT", config, timeout_s=120)
+
+    def application(self, name: str) -> dict:
+        return (self.details().get("applications") or {}).get(name, {})
+
+
+def app_progress(app: dict) -> str:
+    """One line of an application's state: its status and each deployment's replica states."""
+    parts = []
+    for name, deployment in (app.get("deployments") or {}).items():
+        states: dict[str, int] = {}
+        for replica in deployment.get("replicas", []):
+            states[replica["state"]] = states.get(replica["state"], 0) + 1
+        parts.append(f"{name}: {deployment.get('status')} {states}")
+    return f"{app.get('status', 'NOT_STARTED')} " + "; ".join(parts)
+
+
+def wait_until_running(api: ServeApi, app_name: str, timeout_s: float, head: subprocess.Popen[bytes] | None = None,
+                       log: Path | None = None, progress: Callable[[str], None] = say) -> None:
+    """Polls Serve's API until the application is RUNNING, saying each change of its state; SystemExit when it
+    fails to deploy (with Serve's message), when the head exits, or after timeout_s (with the last state)."""
+    start = time.monotonic()
+    last = ""
+    while True:
+        if head is not None and head.poll() is not None:
+            raise SystemExit(f"the Ray head exited ({head.returncode}); see {log}")
+        try:
+            app = api.application(app_name)
+        except OSError as err:  # the dashboard restarting, or busy: ask again
+            app = {"status": f"NOT_STARTED (Serve's API: {err})"}
+        line = app_progress(app)
+        if line != last:
+            progress(f"{line} ({time.monotonic() - start:.0f}s)")
+            last = line
+        if app.get("status") == "RUNNING":
+            return
+        if app.get("status") == "DEPLOY_FAILED":
+            raise SystemExit(f"deploy failed: {app.get('message', '')}")
+        if time.monotonic() - start > timeout_s:
+            raise SystemExit(f"the app was not RUNNING within {timeout_s:.0f}s; last state: {line}")
+        time.sleep(0.5)
 
 
 def deploy_and_wait(settings: LocalSettings, env: dict[str, str], config_path: Path,
                     head: subprocess.Popen[bytes]) -> None:
+    """`serve deploy` (the CLI users run), then Serve's API until every application in the config is RUNNING."""
     address = f"http://127.0.0.1:{settings.dashboard_port}"
     say(f"serve deploy {config_path}")
     subprocess.run([ray_bin("serve"), "deploy", str(config_path), "--address", address], env=env, check=True)
+    api = ServeApi(settings.dashboard_port, Path(env["RAY_AUTH_TOKEN_PATH"]))
     deadline = time.monotonic() + settings.deploy_timeout_s
-    start = time.monotonic()
-    last = ""
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise SystemExit(f"the Ray head exited ({head.returncode}); see {settings.state_dir / 'ray_head.log'}")
-        status = serve_status(settings, env)
-        apps = status.get("applications", {})
-        app = next(iter(apps.values()), {})
-        app_status = app.get("status", "NOT_STARTED")
-        parts = [f"{name}: {info.get('status')} {info.get('replica_states', {})}"
-                 for name, info in app.get("deployments", {}).items()]
-        line = f"{app_status} ({time.monotonic() - start:.0f}s) " + "; ".join(parts)
-        if line.split("(")[0] + "; ".join(parts) != last:
-            say(line)
-            last = line.split("(")[0] + "; ".join(parts)
-        if app_status == "RUNNING":
-            return
-        if app_status == "DEPLOY_FAILED":
-            raise SystemExit(f"deploy failed: {app.get('message', '')}")
-        time.sleep(2)
-    raise SystemExit(f"the app was not RUNNING within {settings.deploy_timeout_s:.0f}s")
+    for app in yaml.safe_load(config_path.read_text())["applications"]:
+        wait_until_running(api, app["name"], max(deadline - time.monotonic(), 0), head,
+                           settings.state_dir / "ray_head.log")
 
 
 def print_banner(settings: LocalSettings, model_name: str) -> None:

@@ -7,6 +7,8 @@ dcp consecutive TP ranks (docs/dcp.md).
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -74,6 +76,64 @@ class ParallelState:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+class Rendezvous:
+    """Rank 0's end of a worker group's rendezvous: a TCP socket listening on one address, from the moment the port
+    is chosen until the group's store takes it over.
+
+    torch's TCPStore, left to itself, binds its server to every interface ("::"), whatever host the init_method
+    names; handed this socket (master_listen_fd) it serves on the address the cluster uses, loopback on a local
+    cluster. Holding the port from the start also leaves no window in which another group on the host takes it."""
+
+    def __init__(self, host: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock: socket.socket | None = socket.create_server((host, 0), family=family, backlog=128)
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+
+    @property
+    def init_method(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    def take_fd(self) -> int:
+        """The listening socket's descriptor, handed over once: the store owns (and closes) it from then on."""
+        if self._sock is None:
+            raise RuntimeError("this rendezvous socket was already handed to a store")
+        sock, self._sock = self._sock, None
+        return sock.detach()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def parse_tcp_init_method(init_method: str) -> tuple[str, int]:
+    """("host", port) of "tcp://host:port" (an IPv6 host in brackets)."""
+    prefix = "tcp://"
+    host, sep, port = init_method.removeprefix(prefix).rpartition(":")
+    if not init_method.startswith(prefix) or not sep or not host or not port.isdigit():
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    return host.strip("[]"), int(port)
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of the network interface that holds this IPv4 address (Linux), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(reply[20:24]) == address:
+            return name
+    return None
+
+
 def init_parallel_state(
     tp_size: int,
     tp_rank: int,
@@ -82,18 +142,29 @@ def init_parallel_state(
     init_method: str,
     backend: str,
     timeout_s: float = 300.0,
+    rendezvous: Rendezvous | None = None,
+    local_address: str | None = None,
 ) -> ParallelState:
     """Joins this worker group's process group (one per group: its own init_method address and port) and builds
-    the DCP subgroups. Every rank must call it with the same arguments except tp_rank."""
+    the DCP subgroups. Every rank must call it with the same arguments except tp_rank, `rendezvous` (rank 0's
+    listening socket for the group's store, whose init_method every rank is given) and `local_address` (this
+    rank's node address: gloo's connections between ranks listen there rather than wherever the host name
+    resolves, unless GLOO_SOCKET_IFNAME is set)."""
     if tp_size == 1:
         return ParallelState.single(num_kv_heads)
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        world_size=tp_size,
-        rank=tp_rank,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    if backend == "gloo" and local_address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_with_address(local_address)
+        if interface is not None:
+            # Read by every ProcessGroupGloo torch creates in this process (the world and the DCP groups); this rank
+            # actor's process exists for this group alone.
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    host, port = parse_tcp_init_method(init_method)
+    timeout = timedelta(seconds=timeout_s)
+    if rendezvous is not None and tp_rank != 0:
+        raise ValueError(f"only TP rank 0 hosts the rendezvous; rank {tp_rank} was given one")
+    store = dist.TCPStore(host, port, world_size=tp_size, is_master=tp_rank == 0, timeout=timeout,
+                          master_listen_fd=None if rendezvous is None else rendezvous.take_fd())
+    dist.init_process_group(backend=backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout)
     dcp_group = None
     if dcp_size > 1:
         # new_group is collective: every rank creates every DCP group, keeps its own.

@@ -3,8 +3,8 @@
 Layout: with GPUs in the cluster, one bundle of {GPU: 1} per rank in a STRICT_PACK placement group (DCP adds no
 GPUs: it reuses the TP ranks); the group may be given (a Serve replica's own placement group, whose first
 bundles belong to the replica) or created here. On a cluster without GPU resources the ranks run as CPU
-actors. Each group picks its own rendezvous address and port (rank 0's node, a free port), so several groups
-share a host.
+actors. Each group picks its own rendezvous address and port (rank 0's node address as Ray reports it, a port rank 0
+listens on from the moment it is chosen), so several groups share a host, and nothing listens beyond that address.
 
 Steps do not go through Ray tasks. Once the ranks hold their KV cache, each runs one long call, `serve_steps`, on a
 thread of its own (the actor's "steps" concurrency group), connected to the driver by an authenticated TCP step
@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import pickle
 import selectors
-import socket
 import threading
 import time
 import traceback
@@ -81,13 +80,16 @@ class RankWorker:
         self.rank = rank
         self.runner: Any = None
         self.parallel: Any = None
+        self.rendezvous: Any = None  # engine.parallel.Rendezvous, on rank 0 between rendezvous_address and init
 
     def rendezvous_address(self) -> str:
-        """tcp://this-node:free-port, for rank 0 to host the group's rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        """tcp://this-node:port for the group's rendezvous, which this rank (0) hosts: the port listens on this
+        node's address (as Ray reports it: 127.0.0.1 on a local cluster) from now until init() hands it to the
+        group's store."""
+        from engine.parallel import Rendezvous
+
+        self.rendezvous = Rendezvous(ray.util.get_node_ip_address())
+        return self.rendezvous.init_method
 
     def init(self, init_method: str, cpu_threads: int) -> int:
         """Joins the process group, loads this rank's weights; returns the KV pages this rank could hold."""
@@ -108,7 +110,10 @@ class RankWorker:
             num_kv_heads=self.config.model_config.num_key_value_heads,
             init_method=init_method,
             backend="nccl" if use_cuda else "gloo",
+            rendezvous=self.rendezvous,
+            local_address=ray.util.get_node_ip_address(),
         )
+        self.rendezvous = None
         self.runner = ModelRunner(self.config, self.parallel, device)
         return self.runner.available_blocks()
 
