@@ -1,0 +1,86 @@
+"""Sessions' dispatch of a choice to its replica (deployments/sessions.py), with a stand-in for the engine handle."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import types
+from typing import Any
+
+from ray.serve import context as serve_context
+
+from deployments.sessions import Sessions
+
+
+class _RecordingEngine:
+    """The engine deployment's handle: each generate() call records the Serve request context it was made in."""
+
+    def __init__(self) -> None:
+        self.internal_ids: list[str] = []
+
+    def options(self, **_: Any) -> _RecordingEngine:
+        return self
+
+    @property
+    def generate(self) -> Any:
+        return types.SimpleNamespace(remote=self._remote)
+
+    def _remote(self, request: Any) -> Any:
+        self.internal_ids.append(serve_context._get_serve_request_context()._internal_request_id)
+
+        async def stream() -> Any:
+            yield {"accepted": True}
+
+        return types.SimpleNamespace(__anext__=stream().__anext__, cancel=lambda: None)
+
+
+def test_the_choices_of_one_request_are_dispatched_as_calls_of_their_own() -> None:
+    """Serve's router keeps pending calls in a dict by their internal request id, which a child call inherits from
+    its HTTP request: the choices of one request (n > 1, batched prompts), dispatched together, shared one entry and
+    all but one waited out dispatch_timeout_s. Each dispatch must carry an id of its own."""
+    engine = _RecordingEngine()
+    sessions = object.__new__(Sessions)  # _dispatch reads only the engine handle and the dispatch timeout
+    sessions.engine = engine
+    sessions.args = types.SimpleNamespace(dispatch_timeout_s=5.0)
+
+    async def run() -> None:
+        parent = dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="http-request")
+        serve_context._serve_request_context.set(parent)
+        results = await asyncio.gather(*(sessions._dispatch(types.SimpleNamespace(), "r") for _ in range(4)))
+        assert all(stream is not None for stream, _, _ in results)
+        assert serve_context._get_serve_request_context()._internal_request_id == "http-request"  # restored
+
+    asyncio.run(run())
+    assert len(set(engine.internal_ids)) == 4 and "http-request" not in engine.internal_ids, engine.internal_ids
+
+
+def test_the_release_of_a_grant_runs_outside_its_request_so_a_disconnect_cannot_cancel_it() -> None:
+    """Serve cancels the calls a cancelled request made (a client disconnect cancels its HTTP request): a release
+    made in the request's context was cancelled with it, and the grant leaked until the queue's leak reconciliation.
+    The release runs in a fresh context, and a cancelled request does not cancel it."""
+    seen: list[str] = []
+    released = asyncio.Event()
+
+    async def release(ticket: str) -> None:
+        seen.append(serve_context._get_serve_request_context()._internal_request_id)
+        await asyncio.sleep(0.05)  # still running when the request's task is cancelled below
+        released.set()
+
+    sessions = object.__new__(Sessions)
+    sessions.admission = types.SimpleNamespace(release=types.SimpleNamespace(remote=release))
+    sessions._background = set()
+
+    async def run() -> None:
+        async def request() -> None:
+            serve_context._serve_request_context.set(dataclasses.replace(
+                serve_context._get_serve_request_context(), _internal_request_id="http-request"))
+            sessions._release("ticket-1")
+            await asyncio.sleep(10)
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away
+        await asyncio.wait_for(released.wait(), timeout=5)
+
+    asyncio.run(run())
+    assert seen == [""], seen  # no request context: Serve ties nothing to the request it came from
