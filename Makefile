@@ -2,10 +2,22 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Two workers: the Triton interpreter is single-threaded Python, so the suite scales with cores.
-PYTEST_ARGS ?= -n auto --dist loadgroup
+# Extra pytest arguments for every tier, e.g. PYTEST_ARGS='-x -k prefix'.
+PYTEST_ARGS ?=
 
-.PHONY: test install bench-kernels clean test-vllm
+# The suite's tiers, by the markers tests/conftest.py gives each test from the fixtures it uses (README, "Test"):
+# - fast: unit, kernel, engine and deployment tests that need no cluster. One xdist worker per core: the Triton
+#   interpreter is single-threaded Python, so these scale with cores.
+# - cluster: everything on the session's one Ray head (`ray`: the engine's multi-rank tests; `e2e`: an app deployed
+#   on it; `faults`: processes of the head killed, run last), in one process, after the fast tier and never beside
+#   it: the end-to-end tests wait on conditions, but a core taken by the Triton interpreter or a gloo group beside
+#   them only makes them slower.
+FAST_TIER := not ray and not e2e and not faults
+CLUSTER_TIER := ray or e2e or faults
+PYTEST_FAST := -m "$(FAST_TIER)" -n auto
+PYTEST_CLUSTER := -m "$(CLUSTER_TIER)" -n 0
+
+.PHONY: test test-fast install bench-kernels clean test-vllm
 
 # The stamp file re-runs the install when pyproject.toml changes or a top-level package appears (the editable
 # install's finder lists packages by name).
@@ -28,8 +40,16 @@ $(CLIENTS_VENV)/.installed: Makefile
 	$(CLIENTS_VENV)/bin/python -m pip install --quiet guidellm==0.8.1 'lm-eval[api]==0.4.13' accelerate
 	@touch $@
 
+# Both tiers run even when the first fails; the exit status is the first failure's.
 test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@rc=0; \
+	$(PY) -m pytest $(PYTEST_FAST) $(PYTEST_ARGS) || rc=$$?; \
+	$(PY) -m pytest $(PYTEST_CLUSTER) $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
+	exit $$rc
+
+# The inner loop: the fast tier alone (no Ray head, no app).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_FAST) $(PYTEST_ARGS)
 
 bench-kernels: $(VENV)/.installed
 	$(PY) bench/kernels.py
@@ -48,8 +68,13 @@ $(VLLM_VENV)/.installed: pyproject.toml $(wildcard */__init__.py)
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 
+# The vLLM tests in the same two tiers: the engine's (vLLM in this process) first, then the apps on the session's Ray
+# head, never beside them.
 test-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m pytest -m vllm $(PYTEST_ARGS)
+	@rc=0; \
+	$(VPY) -m pytest -m "vllm and ($(FAST_TIER))" -n auto $(PYTEST_ARGS) || rc=$$?; \
+	$(VPY) -m pytest -m "vllm and ($(CLUSTER_TIER))" -n 0 $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache

@@ -6,6 +6,12 @@ DCPSERVE_VERIFY_PREFIX_HITS=1 (engine.engine.VERIFY_PREFIX_HITS_ENV) makes every
 cached block's token ids and compare them on every prefix cache hit, so a hash collision or a block named for the
 wrong tokens fails the test (PrefixCacheCorruption) instead of serving another prefix's KV. Set here, at import,
 so engines in processes the tests start (a `ray start` cluster's replicas) inherit it too; a value set outside wins.
+
+Ray: one head for the whole session (`ray_head`, tests/e2e/cluster.py), on loopback only; the engine's Ray tests
+(`ray_cluster`) and every e2e and dashboard module use it, each module deploying its app and deleting it after.
+Tiers (markers, set here from what a test uses, so none is forgotten): `e2e` (an app on the head), `ray` (the head
+alone: the engine's multi-rank tests), `faults` (kills processes of the head: run after every other test on it), the
+rest needing no cluster (`make test-fast`).
 """
 
 from __future__ import annotations
@@ -18,15 +24,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.engine.VERIFY_PREFIX_HITS_ENV; see above
 
+from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+
+bind_ray_to_loopback()  # before anything imports ray: every Ray this session starts or joins listens on 127.0.0.1
+# Ray reads its auth mode once, at import: the session's head (tests/e2e/cluster.py) uses token auth.
+os.environ["RAY_AUTH_MODE"] = "token"
+
 import pytest  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `vllm` run the real vLLM backend: `make test-vllm` runs them in .venv-vllm; elsewhere they skip."""
+    """Marks each test by the cluster it uses (module docstring), runs the `faults` tests after every other test
+    that uses the head, and skips `vllm` tests where vLLM is not installed (`make test-vllm` runs them)."""
     import importlib.util
 
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if "ray_head" in fixtures or "ray_cluster" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("ray"))  # one xdist worker holds the head
+            item.add_marker(pytest.mark.ray if "ray_cluster" in fixtures else pytest.mark.e2e)
+    items.sort(key=lambda item: item.get_closest_marker("faults") is not None)  # stable: otherwise in order
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm")
@@ -41,28 +61,19 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - yields the ray module
-    """A Ray cluster of this test session's own (4 logical GPUs on CPU machines), stopped at the end.
+def ray_head(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - yields tests.e2e.cluster.RayHead
+    """The session's Ray head (4 logical GPUs on CPU machines, the real count where there are GPUs), with this
+    process joined as its driver; stopped at the end of the session."""
+    from tests.e2e.cluster import ray_head as start_ray_head
 
-    Tests that use it carry @pytest.mark.xdist_group("ray") so one xdist worker runs them all on one cluster.
-    """
-    import tempfile
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 4
+    with start_ray_head(tmp_path_factory.mktemp("ray-head"), num_gpus=gpus) as head:
+        yield head
 
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_head):  # noqa: ANN001, ANN201 - the session's head; yields the ray module
+    """Ray, joined to the session's head: the engine's multi-rank tests create their worker groups on it."""
     import ray
 
-    # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
-    temp_dir = tempfile.mkdtemp(prefix="dcpray-", dir="/tmp")
-    # Logical GPUs on CPU machines; the real count where there are GPUs (tests needing more skip themselves).
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 4
-    ray.init(
-        address="local",
-        num_cpus=8,
-        num_gpus=gpus,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    return ray

@@ -1,24 +1,30 @@
-"""A Ray head of the test's own (`ray start`, loopback, logical GPUs, token auth) with the app `serve deploy`ed on it.
+"""The Ray head of a test session and the apps deployed on it, for tests/e2e, tests/dashboards and the engine's Ray
+tests.
 
-The e2e modules share this instead of each building a cluster: `serve_cluster(state_dir, app_args)` yields a
-`ServeCluster` (HTTP base URL, the dashboard's Serve REST API for replica states) and stops exactly the Ray
-processes it started, whatever happens. Built on deployments/local_cluster.py, the same code `make serve` runs.
+`ray_head(state_dir)` starts one head (`ray start`, loopback only, logical GPUs, token auth, ports of its own; the
+same code as `make serve`, deployments/local_cluster.py), joins this process to it as a Ray driver and, on exit,
+stops exactly the processes it started. tests/conftest.py holds it as the session fixture `ray_head`: one head for
+the whole session. `deploy_app(head, app_args)` deploys the app onto it through Serve's REST API (what `serve
+deploy` calls; `via_cli=True` runs the CLI itself), waits until Serve's API says RUNNING, and on exit deletes the app
+and waits until its replicas have given back every GPU, so the next module's app finds the head as the first did.
+
+Handle calls (stats of a replica, the admission queue's view, grants the test itself holds) go straight from this
+process, which is a driver of the head.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
 import shutil
 import subprocess
-import sys
 import tempfile
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from deployments import local_cluster
@@ -29,6 +35,10 @@ APP_NAME = "dcpserve"
 # The tiny model at TP=2 x DCP=2 with 256 KiB of KV per rank: 512 B per token -> 512 tokens per rank, x dcp 2 =
 # 1024 tokens = 32 logical blocks of 32 tokens.
 CAPACITY_BLOCKS = 32
+
+# Every Ray process of a test session: Ray exports metrics every second (10 s by default: too slow for the dashboard
+# test's Prometheus), Serve's handles push autoscaling metrics often.
+SESSION_ENV = {"RAY_metrics_report_interval_ms": "1000"}
 
 
 def tiny_app_args(served_model_name: str, **overrides: Any) -> dict[str, Any]:
@@ -48,114 +58,273 @@ def tiny_app_args(served_model_name: str, **overrides: Any) -> dict[str, Any]:
     return args
 
 
+@dataclass
+class RayHead:
+    """One running head: its ports, environment and temp dir, the tiny model, and this process as its driver."""
+
+    settings: local_cluster.LocalSettings
+    env: dict[str, str]  # RAY_AUTH_MODE=token with this head's own token file, loopback only
+    temp_dir: Path  # Ray's temp dir (session logs under session_latest/logs)
+    model_dir: Path  # the tiny Llama, written once for the session
+    process: subprocess.Popen[bytes]
+    num_gpus: int
+    deployed: list[str] = field(default_factory=list)  # served model names, in the order they were deployed
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.settings.ray_port}"
+
+    @property
+    def api(self) -> local_cluster.ServeApi:
+        return local_cluster.ServeApi(self.settings.dashboard_port, Path(self.env["RAY_AUTH_TOKEN_PATH"]))
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def processes(self) -> list[int]:
+        """Pids of every process of this head (its own session: `ray start` began one) and of this driver."""
+        pids = [os.getpid()]
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.getsid(int(entry.name)) == self.process.pid:
+                        pids.append(int(entry.name))
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return pids
+
+    def listening_sockets(self) -> list[tuple[int, str, str, int]]:
+        """(pid, process name, address, port) of every TCP socket a process of this head (or this driver) listens
+        on."""
+        import psutil
+
+        found = []
+        for pid in self.processes():
+            try:
+                process = psutil.Process(pid)
+                name = " ".join(process.cmdline())[:100] or process.name()
+                for connection in process.net_connections(kind="inet"):
+                    if connection.status == psutil.CONN_LISTEN:
+                        found.append((pid, name, connection.laddr.ip, connection.laddr.port))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return found
+
+
+def non_loopback_listeners(head: RayHead) -> list[tuple[int, str, str, int]]:
+    """The listening sockets of the head's processes that are reachable from another machine."""
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    return [s for s in head.listening_sockets() if s[2] not in loopback]
+
+
+def serve_inter_deployment_grpc_ports(head: RayHead) -> dict[int, int]:
+    """pid -> port of the inter-deployment gRPC server of every running Serve replica on the head. Ray 2.60 starts one
+    in each replica, bound to "[::]:0" in its code (ray/serve/_private/replica.py, `_on_initialized`) with no setting
+    to move it (ray-project/ray#64544): the one listener of the cluster that cannot be kept on loopback. Read from
+    each replica actor, so that a test tells that server from anything else."""
+    import ray
+
+    found = {}
+    for app in (head.api.details().get("applications") or {}).values():
+        for deployment in app["deployments"].values():
+            for replica in deployment["replicas"]:
+                if replica["state"] == "RUNNING":
+                    actor = ray.get_actor(replica["actor_name"], namespace="serve")
+                    port = actor.__ray_call__.remote(lambda a: a._replica_impl._internal_grpc_port)
+                    found[int(replica["pid"])] = int(ray.get(port, timeout=60))
+    return found
+
+
+@contextlib.contextmanager
+def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = None) -> Iterator[RayHead]:
+    """Starts a head on free ports (state under `state`, Ray's temp dir short under /tmp), joins this process to it
+    as a driver, and stops the head (its own process group only) and leaves it on exit.
+
+    Ray reads RAY_AUTH_MODE once, when it is imported: set here if ray is not imported yet (tests/conftest.py sets
+    it at import); the token file is the head's own, set when the head is up."""
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
+    os.environ["RAY_AUTH_MODE"] = "token"
+    local_cluster.bind_ray_to_loopback()  # this driver too listens on loopback only
+    import ray
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        raise RuntimeError("ray was imported before RAY_AUTH_MODE=token was set: this process cannot join a head "
+                           "with token auth; set RAY_AUTH_MODE=token before importing ray")
+    state.mkdir(parents=True, exist_ok=True)
+    model_dir = write_tiny_model(state / "model")
+    settings = local_cluster.LocalSettings(
+        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
+        dashboard_port=local_cluster.free_port(), num_gpus=num_gpus, state_dir=state,
+        config=state / "serve_config.yaml", deploy_timeout_s=240,
+    )
+    env = local_cluster.ray_env(state)
+    env.update(SESSION_ENV)
+    env.update(extra_env or {})
+    # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
+    temp_dir = Path(tempfile.mkdtemp(prefix="dcpray-", dir="/tmp"))
+    process = local_cluster.start_head(settings, env, temp_dir)
+    head = RayHead(settings, env, temp_dir, model_dir, process, num_gpus)
+    try:
+        local_cluster.wait_for_dashboard(settings, process)
+        # The driver authenticates with the head's token: this process's environment names it while the head runs.
+        os.environ["RAY_AUTH_TOKEN_PATH"] = env["RAY_AUTH_TOKEN_PATH"]
+        os.environ.pop("RAY_ADDRESS", None)
+        AuthenticationTokenLoader.instance().reset_cache()
+        ray.init(address=head.address, log_to_driver=False, namespace="dcpserve-tests")
+        yield head
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        local_cluster.stop_head(process)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def serve_config(head: RayHead, app_args: dict[str, Any], runtime_env: dict[str, Any] | None = None,
+                 app_name: str = APP_NAME) -> dict[str, Any]:
+    """A serve deploy config of the app with these args on this head (its HTTP port, the session's tiny model)."""
+    app: dict[str, Any] = {"name": app_name, "route_prefix": "/", "import_path": "deployments.app:build_app",
+                           "args": {"model": str(head.model_dir), **app_args}}
+    if runtime_env:
+        app["runtime_env"] = runtime_env
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": head.settings.http_port},
+            "applications": [app]}
+
+
 @dataclass(frozen=True)
 class ServeCluster:
-    """One running head with the app deployed: where to send requests and how to ask Serve about replicas."""
+    """The app running on the session's head: where to send requests, and what to ask Serve and the app itself."""
 
+    head: RayHead
     url: str  # http://127.0.0.1:<port>, the app's route prefix is /
-    settings: local_cluster.LocalSettings
-    env: dict[str, str]  # RAY_AUTH_MODE=token with this cluster's own token file
-    model_dir: Path
-    temp_dir: Path  # Ray's temp dir (session logs under session_latest/logs)
+    app_name: str = APP_NAME  # Serve's application name, also the `application` label of the app's metrics
 
-    def engine_stats(self) -> dict[str, Any]:
-        """EngineReplica.stats() through a Serve handle, from a separate driver (the test process stays off it)."""
-        return replica_stats(f"127.0.0.1:{self.settings.ray_port}", self.env)
+    @property
+    def settings(self) -> local_cluster.LocalSettings:
+        return self.head.settings
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.head.env
+
+    @property
+    def model_dir(self) -> Path:
+        return self.head.model_dir
+
+    @property
+    def temp_dir(self) -> Path:
+        return self.head.temp_dir
 
     def serve_details(self) -> dict[str, Any]:
         """GET /api/serve/applications/ on the dashboard (ServeInstanceDetails), with this cluster's token."""
-        token = Path(self.env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
-        reply = httpx.get(f"http://127.0.0.1:{self.settings.dashboard_port}/api/serve/applications/",
-                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
-        reply.raise_for_status()
-        return reply.json()
+        return self.head.api.details()
 
     def replica_states(self, deployment: str = "EngineReplica") -> dict[str, int]:
         """How many replicas of `deployment` are in each state (RUNNING, STARTING, STOPPING, ...)."""
-        app = self.serve_details().get("applications", {}).get(APP_NAME, {})
+        app = self.serve_details().get("applications", {}).get(self.app_name, {})
         counts: dict[str, int] = {}
         for replica in app.get("deployments", {}).get(deployment, {}).get("replicas", []):
             counts[replica["state"]] = counts.get(replica["state"], 0) + 1
         return counts
 
+    def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60) -> Any:
+        """deployment.method(*args) through a Serve handle from this driver (blocking: not inside an event loop;
+        use asyncio.to_thread there)."""
+        from ray import serve
 
-def handle_calls(ray_address: str, env: dict[str, str], deployment: str, method: str, calls: int = 1,
-                 app: str = APP_NAME) -> list[Any]:
-    """`calls` answers of deployment.method() through a Serve handle, from a separate driver process (Serve picks the
-    replica of each call: to reach every engine replica, every_replica_stats)."""
-    script = (
-        "import json, ray; from ray import serve; "
-        f"ray.init(address={ray_address!r}, log_to_driver=False); "
-        f"h = serve.get_deployment_handle({deployment!r}, app_name={app!r}); "
-        f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) for _ in range({calls})]))"
-    )
-    return _driver_json(script, env)
+        handle = serve.get_deployment_handle(deployment, app_name=self.app_name)
+        return getattr(handle, method).remote(*args).result(timeout_s=timeout_s)
 
+    def engine_stats(self) -> dict[str, Any]:
+        """EngineReplica.stats() of the one engine replica (any replica, when there are several)."""
+        return self.call("EngineReplica", "stats")
 
-def _driver_json(script: str, env: dict[str, str]) -> Any:
-    """Runs a driver script (in the repository root) and returns the JSON it prints after "STATS"."""
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
-                            cwd=Path(__file__).resolve().parents[2])
-    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
-    assert line is not None, result.stderr[-2000:]
-    return json.loads(line[len("STATS"):])
+    def admission_stats(self) -> dict[str, Any]:
+        """KvAdmission.stats(): the queue's counters and its view of each replica's KV."""
+        return self.call("KvAdmission", "stats")
 
+    def every_replica_stats(self) -> list[dict[str, Any]]:
+        """EngineReplica.stats() of each replica the admission queue knows, each call addressed to its replica
+        (ReplicaQuery): Serve's own choice among idle replicas may send every unaddressed call to one of them."""
+        from deployments.replica import ReplicaQuery
 
-def every_replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> list[dict[str, Any]]:
-    """EngineReplica.stats() of each replica the admission queue knows, each call addressed to its replica
-    (ReplicaQuery), from a separate driver process."""
-    script = (
-        "import json, ray; from ray import serve; from deployments.replica import ReplicaQuery; "
-        f"ray.init(address={ray_address!r}, log_to_driver=False); "
-        f"ids = serve.get_deployment_handle('KvAdmission', app_name={app!r}).stats.remote().result(timeout_s=60)"
-        "['replicas']; "
-        f"h = serve.get_deployment_handle('EngineReplica', app_name={app!r}); "
-        "print('STATS' + json.dumps([h.stats.remote(ReplicaQuery(i)).result(timeout_s=60) for i in ids]))"
-    )
-    return _driver_json(script, env)
+        return [self.call("EngineReplica", "stats", ReplicaQuery(replica_id))
+                for replica_id in self.admission_stats()["replicas"]]
 
-
-def replica_stats(ray_address: str, env: dict[str, str], app: str = APP_NAME) -> dict[str, Any]:
-    """EngineReplica.stats() through a Serve handle, from a separate driver process."""
-    return handle_calls(ray_address, env, "EngineReplica", "stats", 1, app)[0]
+    @contextlib.contextmanager
+    def held_kv(self, blocks: int, ticket: str = "test-held-kv") -> Iterator[str]:
+        """Holds `blocks` KV blocks of the admission queue's grants with a ticket of the test's own, so that KV
+        pressure is the test's doing, not a long request's that may end early; yields the replica it holds them on.
+        The app must give such grants time: its grant_leak_grace_s must outlast the block (the replica never
+        reports a ticket it never got)."""
+        reply = self.call("KvAdmission", "acquire", ticket, blocks, 30.0)
+        assert "error" not in reply, reply
+        try:
+            yield reply["replica_id"]
+        finally:
+            self.call("KvAdmission", "release", ticket)
 
 
-def serve_config(app_args: dict[str, Any]) -> dict[str, Any]:
-    """A serve deploy config of the app with these args (write_config fills in the model path and HTTP port)."""
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "deployments.app:build_app",
-                          "args": dict(app_args)}],
-    }
+@contextlib.contextmanager
+def deploy_app(head: RayHead, app_args: dict[str, Any], runtime_env: dict[str, Any] | None = None,
+               deploy_timeout_s: float = 240, via_cli: bool = False, app_name: str = APP_NAME
+               ) -> Iterator[ServeCluster]:
+    """Deploys the app on the head and waits until it is RUNNING (Serve's API); on exit deletes it and waits until
+    Serve lists no application and the head's GPUs are all free again."""
+    config = serve_config(head, app_args, runtime_env, app_name)
+    head.deployed.append(str(app_args.get("served_model_name")))
 
+    def progress(line: str) -> None:
+        print(f"[deploy {app_args.get('served_model_name')}] {line}", flush=True)
 
-@contextmanager
-def serve_cluster(
-    state: Path,
-    app_args: dict[str, Any],
-    num_gpus: int = 4,
-    extra_env: dict[str, str] | None = None,
-    deploy_timeout_s: float = 240,
-) -> Iterator[ServeCluster]:
-    """Writes the tiny model, starts a head on free ports, deploys the app and waits for RUNNING; stops the head
-    (its own process group only) on exit. `extra_env` reaches every Ray process (e.g. Serve's push intervals)."""
-    model_dir = write_tiny_model(state / "model")
-    (state / "serve_config.yaml").write_text(yaml.safe_dump(serve_config(app_args)))
-    settings = local_cluster.LocalSettings(
-        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
-        dashboard_port=local_cluster.free_port(), num_gpus=num_gpus, state_dir=state,
-        config=state / "serve_config.yaml", deploy_timeout_s=deploy_timeout_s,
-    )
-    env = local_cluster.ray_env(state)
-    env.update(extra_env or {})
-    # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
-    temp_dir = Path(tempfile.mkdtemp(prefix="dcpe2e-", dir="/tmp"))
-    head = local_cluster.start_head(settings, env, temp_dir)
+    if via_cli:
+        path = head.settings.state_dir / f"serve_config.{len(head.deployed)}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        subprocess.run([local_cluster.ray_bin("serve"), "deploy", str(path), "--address",
+                        f"http://127.0.0.1:{head.settings.dashboard_port}"], env=head.env, check=True)
+    else:
+        head.api.deploy(config)
     try:
-        local_cluster.wait_for_dashboard(settings, head)
-        local_cluster.deploy_and_wait(settings, env, local_cluster.write_config(settings, model_dir), head)
-        yield ServeCluster(f"http://127.0.0.1:{settings.http_port}", settings, env, model_dir, temp_dir)
+        local_cluster.wait_until_running(head.api, app_name, deploy_timeout_s, head.process,
+                                         head.settings.state_dir / "ray_head.log", progress)
+        yield ServeCluster(head, f"http://127.0.0.1:{head.settings.http_port}", app_name)
     finally:
-        local_cluster.stop_head(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if head.alive():
+            delete_apps(head)
+
+
+def delete_apps(head: RayHead, timeout_s: float = 60) -> None:
+    """Deletes every application (a config with none, as `serve deploy` of an empty list does) and waits until
+    Serve lists none and every GPU of the head is free (the replicas' placement groups are gone). An idle app goes in
+    seconds; the bound is well below the engine replicas' drain_timeout_s (120 s), so a replica that cannot stop
+    until Serve kills it (as one did, waiting on the deleted admission queue) fails here."""
+    import ray
+
+    head.api.deploy({"proxy_location": "HeadOnly",
+                     "http_options": {"host": "127.0.0.1", "port": head.settings.http_port}, "applications": []})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = head.api.details().get("applications") or {}
+        free_gpus = ray.available_resources().get("GPU", 0)
+        if not apps and free_gpus >= head.num_gpus:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{timeout_s:.0f}s after the apps were deleted: Serve lists "
+                                 f"{ {name: app.get('status') for name, app in apps.items()} }, {free_gpus} of "
+                                 f"{head.num_gpus} GPUs free")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def serve_cluster(state: Path, app_args: dict[str, Any], num_gpus: int = 4, extra_env: dict[str, str] | None = None,
+                  deploy_timeout_s: float = 240) -> Iterator[ServeCluster]:
+    """A head of its own with the app deployed (bench/soak.py runs standalone with it); `extra_env` reaches every Ray
+    process."""
+    with ray_head(state, num_gpus, extra_env) as head, deploy_app(head, app_args,
+                                                                   deploy_timeout_s=deploy_timeout_s) as cluster:
+        yield cluster
