@@ -1,16 +1,18 @@
 """The metrics, the Grafana dashboard and the alert rules against a real Prometheus on loopback.
 
 One app per engine backend (native: TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens; vLLM, in `make
-test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, on a Ray head this
-module starts (deployments/local_cluster.py, as `make serve` and tests/e2e do), and Prometheus started the way
-`make observe` starts it (deployments/observe.py), with the project's scrape config pointed at this cluster's
-service-discovery file. A bounded load makes every metric move: a normal stream, a never-fits 400, a long
-request that fills the KV, a queued request that times out (429), one refused by a full queue (429), one that
-waits and is admitted when the long request's client goes away, then one prompt twice (a prefix cache hit) and one
-as large as the KV (evictions). Then: every panel's every query parses and returns data, promtool accepts the config
-and the rules, every metric in docs/metrics.md exists (with its documented type in what Ray exports), every metric the
-dashboard uses is documented or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's
-stats() (the prefix routing counts, the admission queue's) at a quiet moment.
+test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, deployed on the
+session's Ray head (tests/e2e/cluster.py) under an application name of its own, so that every query below can select
+this app's series by their `application` label; Prometheus started the way `make observe` starts it
+(deployments/observe.py), with the project's scrape config pointed at the head's service-discovery file. A bounded
+load makes every metric move: a normal stream, a never-fits 400, and, while the test itself holds the whole KV (a
+grant of its own, ServeCluster.held_kv), a queued request that times out (429), one refused by a full queue (429)
+and one that waits and is admitted when the test lets go; then one prompt twice (a prefix cache hit, the second
+sent once the admission queue knows the replica caches it) and one as large as the KV (evictions). Then: every
+panel's every query parses and returns data, promtool accepts the config and the rules, every metric in
+docs/metrics.md exists (with its documented type in what Ray exports), every metric the dashboard uses is documented
+or Ray's own, and the KV and prefix cache numbers Prometheus reports equal the engine's stats() (the prefix routing
+counts, the admission queue's) at a quiet moment.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,8 +32,7 @@ import pytest
 import yaml
 
 from deployments import local_cluster, observe
-from engine.tiny_model import write_tiny_model
-from tests.e2e.cluster import CAPACITY_BLOCKS, handle_calls, replica_stats, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, ServeCluster, deploy_app, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"
@@ -45,7 +45,7 @@ if shutil.which("prometheus") is None and not os.environ.get("CI"):
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 MODEL = "tiny-observe"
-APP = "dcpserve"
+APP = "dcpserve-observe"  # the `application` label of this app's series: earlier apps on the head have their own
 
 
 @dataclass(frozen=True)
@@ -56,41 +56,42 @@ class Backend:
     app_args: dict
     capacity_blocks: int
     never_fits_prompt: int  # prompt tokens of the request that can never run
-    long_max_tokens: int  # the request that holds (nearly) all the KV long enough for the queue to time out
     outcomes: tuple[str, ...]  # admission outcomes the scenario produces
 
 
 _COMMON = dict(
-    admission="full",  # the scenario's requests hold their whole KV, so the queue waits and times out on cue
+    admission="full",  # the requests of the scenario hold their whole KV while they run
     max_queued_requests=1,
-    queue_timeout_s=12,  # the long request outlives it; a loaded machine still frees its KV in time
+    queue_timeout_s=12,
     retry_after_s=1,
+    grant_leak_grace_s=600,  # the test's own grant is never reported by the replica: it must outlast the module
 )
 NATIVE = Backend("native", tiny_app_args(MODEL, **_COMMON), CAPACITY_BLOCKS, never_fits_prompt=1500,
-                 long_max_tokens=1000,
                  outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_never_fits"))
 # vLLM: tp=2 dcp=1 (its CPU attention cannot shard KV), pages of 32 tokens, and a pool that holds one max_model_len
 # request (vLLM's minimum), so the request that never fits is one past max_model_len (the ingress' 400, before
-# admission). vLLM decodes the tiny model much faster: its long request is 8,000 tokens to outlive the queue timeout.
+# admission).
 VLLM = Backend(
     "vllm",
     tiny_app_args(MODEL, backend="vllm", decode_context_parallel_size=1, block_size=32, max_model_len=8192,
                   kv_cache_memory_bytes=257 * 16384, **_COMMON),
-    capacity_blocks=256, never_fits_prompt=8200, long_max_tokens=8000,
+    capacity_blocks=256, never_fits_prompt=8200,
     outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout"),
 )
 
 
 @dataclass
 class Stack:
-    """The app's URL, Prometheus' URL, and what it takes to reach the cluster."""
+    """The app on the session's head, and the Prometheus scraping it."""
 
     backend: Backend
-    http: str
+    cluster: ServeCluster
     prometheus: str
     prometheus_config: Path
-    ray_env: dict[str, str]
-    ray_address: str
+
+    @property
+    def http(self) -> str:
+        return self.cluster.url
 
 
 def prompt_tokens(count: int) -> list[int]:
@@ -111,45 +112,29 @@ def evicting_prompt(backend: Backend) -> list[int]:
 
 @pytest.fixture(scope="module", params=[pytest.param(NATIVE, id="native"),
                                         pytest.param(VLLM, id="vllm", marks=pytest.mark.vllm)])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, ray_head, tmp_path_factory: pytest.TempPathFactory  # noqa: ANN001
+          ) -> Iterator[Stack]:
     backend: Backend = request.param
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("CI is set but prometheus is not installed: .ci/run installs it before `make test`")
     state = tmp_path_factory.mktemp("observe")
-    model_dir = write_tiny_model(state / "model")
-    config = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
-                          "args": dict(backend.app_args)}],
-    }
-    (state / "serve_config.yaml").write_text(yaml.safe_dump(config))
-    settings = local_cluster.LocalSettings(
-        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
-        dashboard_port=local_cluster.free_port(), num_gpus=4, state_dir=state,
-        config=state / "serve_config.yaml", deploy_timeout_s=240,
-    )
-    env = local_cluster.ray_env(state)
-    env["RAY_metrics_report_interval_ms"] = "1000"  # Ray exports every 10 s by default: too slow for a test
-    temp_dir = Path(tempfile.mkdtemp(prefix="dcpobs-", dir="/tmp"))  # Ray's socket paths must stay short
-    head = local_cluster.start_head(settings, env, temp_dir)
-    prometheus = None
-    try:
-        local_cluster.wait_for_dashboard(settings, head)
-        local_cluster.deploy_and_wait(settings, env, local_cluster.write_config(settings, model_dir), head)
-        prometheus_config = observe.write_config(temp_dir, state / "prometheus")
+    with deploy_app(ray_head, backend.app_args, app_name=APP) as cluster:
+        prometheus_config = observe.write_config(ray_head.temp_dir, state / "prometheus")
         port = local_cluster.free_port()
         prometheus = observe.start_prometheus(binary, prometheus_config, port, state / "prometheus" / "data",
                                               state / "prometheus" / "prometheus.log")
-        observe.wait_ready(port, prometheus)
-        yield Stack(backend, f"http://127.0.0.1:{settings.http_port}", f"http://127.0.0.1:{port}", prometheus_config,
-                    env, f"127.0.0.1:{settings.ray_port}")
-    finally:
-        if prometheus is not None:
+        try:
+            observe.wait_ready(port, prometheus)
+            yield Stack(backend, cluster, f"http://127.0.0.1:{port}", prometheus_config)
+        finally:
             observe.stop(prometheus)
-        local_cluster.stop_head(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def of_app(name: str, **labels: str) -> str:
+    """A selector of this app's series of `name` (by its `application` label), with these labels too."""
+    matchers = ", ".join(f'{key}="{value}"' for key, value in {"application": APP, **labels}.items())
+    return f"{name}{{{matchers}}}"
 
 
 def query(stack: Stack, expr: str) -> dict:
@@ -178,7 +163,8 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def drive_load(stack: Stack) -> dict[str, int]:
-    """Every outcome at least once; returns the HTTP status of each scenario."""
+    """Every outcome at least once; returns the HTTP status of each scenario. The KV pressure is the test's own grant
+    of the whole KV: what waits, times out or is refused follows from it, not from how fast anything decodes."""
     statuses: dict[str, int] = {}
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json={
@@ -191,45 +177,42 @@ def drive_load(stack: Stack) -> dict[str, int]:
             "model": MODEL, "prompt": prompt_tokens(stack.backend.never_fits_prompt), "max_tokens": 16}).status_code
 
     async def contention() -> None:
-        # The long request holds all 32 blocks natively ((3 + 1000) / 32, about 17 s of decode even on a quiet
-        # machine), 251 of 256 with vLLM ((3 + 8000) / 32); each later one needs 13 ((380 + 20) / 32).
-        need_13 = {"model": MODEL, "prompt": prompt_tokens(380), "max_tokens": 20, "ignore_eos": True}
+        need_13 = {"model": MODEL, "prompt": prompt_tokens(380), "max_tokens": 20, "ignore_eos": True}  # (380+20)/32
         async with httpx.AsyncClient(base_url=stack.http, timeout=120) as http:
-            async with http.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "def hello", "max_tokens": stack.backend.long_max_tokens,
-                    "ignore_eos": True,
-                    "stream": True}) as long:
-                statuses["long"] = long.status_code
-                lines = long.aiter_lines()
-                while not (await lines.__anext__()).startswith("data:"):
-                    pass
+            async def queued(n: int) -> None:
+                await wait_until(lambda: http.get("/health"), lambda health: health["queued"] == n,
+                                 f"{n} request(s) wait in the admission queue")
+
+            # The test holds the whole KV (its handle calls block: off the event loop).
+            held = stack.cluster.held_kv(stack.backend.capacity_blocks)
+            await asyncio.to_thread(held.__enter__)
+            try:
                 times_out = asyncio.create_task(http.post("/v1/completions", json=need_13))
-                await asyncio.sleep(1.0)  # it waits in the queue of one: the next is refused at once
+                await queued(1)  # it waits in the queue of one: the next is refused at once
                 statuses["queue_full"] = (await http.post("/v1/completions", json=need_13)).status_code
-                statuses["timeout"] = (await times_out).status_code  # 12 s queue_timeout_s
+                statuses["timeout"] = (await times_out).status_code  # queue_timeout_s: nothing was released
                 waits = asyncio.create_task(http.post("/v1/completions", json=need_13))
-                await asyncio.sleep(0.5)
-            # The long request's client went away: its KV is freed and the waiting request is admitted.
+                await queued(1)
+            finally:
+                await asyncio.to_thread(held.__exit__, None, None, None)
+            # The test let go of the KV: the waiting request is admitted.
             admitted = await waits
             statuses["queued_then_admitted"] = admitted.status_code
             if admitted.status_code != 200:
                 statuses["queued_then_admitted_body"] = admitted.text
 
     asyncio.run(contention())
-    if statuses.get("queued_then_admitted") != 200:
-        # What held the KV when the waiting request gave up: the queue's view (grants, external, free per replica)
-        # and the replica's own ledger, so a failure here says which side did not let go of the long request.
-        statuses["admission_then"] = json.dumps(admission_stats(stack)["replicas"])
-        engine = engine_stats(stack)
-        statuses["replica_then"] = json.dumps({k: engine.get(k) for k in (
-            "kv_held_blocks", "kv_free_blocks", "num_held", "num_running", "num_waiting", "num_pending")})
 
-    # Prefix caching: the same prompt twice, one after the other. The pause lets the replica's KV reports (every
-    # kv_report_period_s, 0.25 s) tell the admission queue what it caches before the second request is routed.
+    # Prefix caching: the same prompt twice, the second once the replica's KV report (every kv_report_period_s) has
+    # told the admission queue that it caches the first's blocks.
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         repeated = {"model": MODEL, "prompt": REPEATED_PROMPT, "max_tokens": 4}
         statuses["prefix_first"] = http.post("/v1/completions", json=repeated).status_code
-        time.sleep(2.0)
+        if prefix_caching(stack):
+            asyncio.run(wait_until(
+                lambda: asyncio.to_thread(admission_stats, stack),
+                lambda queue: all(r["cached_prefix_blocks"] >= 11 for r in queue["replicas"].values()),
+                "the admission queue knows the repeated prompt's 11 blocks are cached"))
         statuses["prefix_repeated"] = http.post("/v1/completions", json=repeated).status_code
         if prefix_caching(stack):
             statuses["prefix_evicting"] = http.post("/v1/completions", json={
@@ -237,13 +220,27 @@ def drive_load(stack: Stack) -> dict[str, int]:
     return statuses
 
 
+async def wait_until(read, done, what: str, timeout_s: float = 60.0):  # noqa: ANN001, ANN201
+    """Awaits read() until done(its result); AssertionError with the last result after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = await read()
+        if isinstance(seen, httpx.Response):
+            seen = seen.json()
+        if done(seen):
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting until {what}; last seen: {seen}")
+        await asyncio.sleep(0.1)
+
+
 def engine_stats(stack: Stack) -> dict:
-    return replica_stats(stack.ray_address, stack.ray_env, APP)
+    return stack.cluster.engine_stats()
 
 
 def admission_stats(stack: Stack) -> dict:
-    """KvAdmission.stats() (the queue's own counts) through a Serve handle, from a separate driver process."""
-    return handle_calls(stack.ray_address, stack.ray_env, "KvAdmission", "stats", 1, APP)[0]
+    """KvAdmission.stats(): the queue's own counts."""
+    return stack.cluster.admission_stats()
 
 
 def prefix_caching(stack: Stack) -> bool:
@@ -267,22 +264,22 @@ def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
 def loaded(stack: Stack) -> Stack:
     statuses = drive_load(stack)
     caching = prefix_caching(stack)
-    assert statuses == {"stream": 200, "chat": 200, "never_fits": 400, "long": 200, "queue_full": 429,
+    assert statuses == {"stream": 200, "chat": 200, "never_fits": 400, "queue_full": 429,
                         "timeout": 429, "queued_then_admitted": 200, "prefix_first": 200, "prefix_repeated": 200,
                         **({"prefix_evicting": 200} if caching else {})}, statuses
     # Samples of everything, and the counters' latest values (Ray exports every second, Prometheus scrapes every 5).
-    expected = [f'ray_dcpserve_admission_requests_total{{outcome="{o}"}} > 0'
-                for o in stack.backend.outcomes]
-    expected += [f"{name}_count > 0" if kind == "histogram" else name for name, kind in documented_metrics().items()]
-    expected += ['ray_dcpserve_http_responses_total{status_code="429"} >= 2']
+    expected = [f'{of_app("ray_dcpserve_admission_requests_total", outcome=o)} > 0' for o in stack.backend.outcomes]
+    expected += [f'{of_app(name + "_count")} > 0' if kind == "histogram" else of_app(name)
+                 for name, kind in documented_metrics().items()]
+    expected += [f'{of_app("ray_dcpserve_http_responses_total", status_code="429")} >= 2']
     if caching:
         # The repeated prompt's 11 blocks: served from the replica's cache, and routed to the replica caching them;
         # the evicting prompt's evictions.
-        expected += ["ray_dcpserve_prefix_cache_hit_tokens_total >= 352",
-                     "ray_dcpserve_prefix_cache_evictions_total > 0",
-                     "ray_dcpserve_admission_prefix_hit_blocks_total >= 11",
-                     'ray_dcpserve_admission_prefix_routed_requests_total{prefix_hit="true"} >= 1',
-                     'ray_dcpserve_admission_prefix_routed_requests_total{prefix_hit="false"} >= 1']
+        expected += [f'{of_app("ray_dcpserve_prefix_cache_hit_tokens_total")} >= 352',
+                     f'{of_app("ray_dcpserve_prefix_cache_evictions_total")} > 0',
+                     f'{of_app("ray_dcpserve_admission_prefix_hit_blocks_total")} >= 11',
+                     f'{of_app("ray_dcpserve_admission_prefix_routed_requests_total", prefix_hit="true")} >= 1',
+                     f'{of_app("ray_dcpserve_admission_prefix_routed_requests_total", prefix_hit="false")} >= 1']
     missing = wait_for(stack, expected, timeout_s=60)
     assert not missing, f"no data in Prometheus for: {missing}"
     return stack
@@ -319,13 +316,13 @@ def test_every_documented_metric_moves_and_has_its_type(loaded: Stack) -> None:
     for name, kind in documented.items():
         if kind != "gauge" and name not in at_zero:
             series = f"{name}_count" if kind == "histogram" else name
-            value = sum(float(s["value"][1]) for s in query(loaded, series)["result"])
+            value = sum(float(s["value"][1]) for s in query(loaded, of_app(series))["result"])
             assert value > 0, (name, value)
-    assert query(loaded, 'ray_dcpserve_admission_queue_wait_seconds_sum > 11')["result"]  # the 12 s timeout waited
+    assert query(loaded, f'{of_app("ray_dcpserve_admission_queue_wait_seconds_sum")} > 11')["result"]  # 12 s waited
     dcp = loaded.backend.app_args.get("decode_context_parallel_size", 1)
     if dcp > 1:
-        assert query(loaded, 'ray_dcpserve_engine_dcp_exchange_seconds_sum > 0')["result"]  # the DCP exchanges
-    layout = query(loaded, "ray_dcpserve_layout_info")["result"][0]["metric"]
+        assert query(loaded, f'{of_app("ray_dcpserve_engine_dcp_exchange_seconds_sum")} > 0')["result"]  # exchanges
+    layout = query(loaded, of_app("ray_dcpserve_layout_info"))["result"][0]["metric"]
     assert (layout["tp"], layout["dcp"], layout["kv_heads"], layout["duplication_removed"]) == (
         "2", str(dcp), "1", str(dcp))
 
@@ -376,12 +373,12 @@ def test_promtool_accepts_config_and_rules_and_every_alert_parses(loaded: Stack)
 
 
 def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # quiet: nothing held, queued or running
-        health = httpx.get(f"{loaded.http}/health", timeout=30).json()
-        if health["queued"] == 0 and health["kv_free_blocks"] == loaded.backend.capacity_blocks:
-            break
-        time.sleep(0.5)
+    async def health() -> dict:  # quiet: nothing held or queued
+        async with httpx.AsyncClient(base_url=loaded.http, timeout=30) as http:
+            return (await http.get("/health")).json()
+
+    asyncio.run(wait_until(health, lambda h: h["queued"] == 0 and h["kv_free_blocks"] == loaded.backend.capacity_blocks,
+                           "the app is quiet"))
     stats = engine_stats(loaded)
     assert stats["num_running"] == 0 and stats["kv_capacity_tokens"] == loaded.backend.capacity_blocks * 32
     assert stats["backend"] == loaded.backend.name
@@ -400,7 +397,7 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
         "ray_dcpserve_prefix_cache_evictions_total": stats["prefix_cache_evictions"],
     }
     # A gauge reaches Prometheus within a gauge period + Ray's export + a scrape: poll until they agree.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     seen: dict[str, float | None] = {}
     while time.monotonic() < deadline:
         seen = {}
@@ -415,9 +412,9 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
     queue = admission_stats(loaded)
     routing = {"ray_dcpserve_admission_prefix_query_blocks_total": float(queue["prefix_query_blocks"]),
                "ray_dcpserve_admission_prefix_hit_blocks_total": float(queue["prefix_hit_blocks"])}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        seen = {name: sum(float(r["value"][1]) for r in query(loaded, name)["result"]) for name in routing}
+        seen = {name: sum(float(r["value"][1]) for r in query(loaded, of_app(name))["result"]) for name in routing}
         if seen == routing:
             break
         time.sleep(2)

@@ -23,23 +23,25 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
+from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
 
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 MODEL = "tiny-limits"
 KEYS = ("first-key-0123456789", "second-key-abcdefghij")
 AUTH = {"Authorization": f"Bearer {KEYS[1]}"}
 BODY_LIMIT = 64 * 1024
 REQUEST_TIMEOUT_S = 4.0
+# The leak grace outlasts the deadline test's wait: only the ingress' own release can free the KV there.
 APP_ARGS = tiny_app_args(MODEL, api_keys_env="DCPSERVE_TEST_API_KEYS", max_request_body_bytes=BODY_LIMIT,
-                         request_timeout_s=REQUEST_TIMEOUT_S)
+                         request_timeout_s=REQUEST_TIMEOUT_S, grant_leak_grace_s=600)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
-    extra_env = {"DCPSERVE_TEST_API_KEYS": ",".join(KEYS)}
-    with serve_cluster(tmp_path_factory.mktemp("limits"), APP_ARGS, extra_env=extra_env) as running:
+def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+    # The keys reach the ingress replicas through the app's runtime_env, as an operator would set them.
+    runtime_env = {"env_vars": {"DCPSERVE_TEST_API_KEYS": ",".join(KEYS)}}
+    with deploy_app(ray_head, APP_ARGS, runtime_env=runtime_env) as running:
         yield running
 
 
@@ -109,7 +111,8 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_kv(cluster
         reply = http.post("/v1/completions", json=long_request)
         took = time.monotonic() - start
         error = assert_openai_error(reply, 504, f"request_timeout_s={REQUEST_TIMEOUT_S:g}")
-        assert error["code"] == "request_timeout" and REQUEST_TIMEOUT_S <= took < REQUEST_TIMEOUT_S + 5, took
+        # Not before its deadline; well before the 1,800 tokens it asked for would have ended.
+        assert error["code"] == "request_timeout" and REQUEST_TIMEOUT_S <= took < REQUEST_TIMEOUT_S + 60, took
         events = []
         with http.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
             assert stream.status_code == 200
@@ -117,11 +120,12 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_kv(cluster
         assert events[-1] == "data: [DONE]"
         last = json.loads(events[-2][len("data: "):])
         assert last["error"]["code"] == "request_timeout", last
-        assert len(events) > 3  # it streamed tokens before the deadline
-        deadline = time.monotonic() + 5
+        assert len(events) >= 3  # a token event at least, then the error event and [DONE]
+        deadline = time.monotonic() + 60
         while (health := http.get("/health").json())["kv_granted_blocks"] + health["kv_external_blocks"]:
-            assert time.monotonic() < deadline, health  # the KV is freed, not left to leak reconciliation
+            assert time.monotonic() < deadline, health  # the KV is freed by the ingress, not by leak reconciliation
             time.sleep(0.25)
+    assert cluster.admission_stats()["num_leaked"] == 0
 
 
 @pytest.fixture(scope="module")

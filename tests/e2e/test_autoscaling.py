@@ -1,4 +1,4 @@
-"""Autoscaling by concurrent sequences through `serve deploy` on a cluster this module starts (tests/e2e/cluster.py).
+"""Autoscaling by concurrent sequences on the session's Ray head (tests/e2e/cluster.py).
 
 TP=2 x DCP=2 replicas on 4 logical GPUs, so at most 2 replicas fit; autoscaling 1..2 with a target of 1 sequence
 per replica and short delays. Three long streams (the official openai client) raise the deployment to 2 running
@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
+from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
 
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 MODEL = "tiny-autoscale"
 NUM_STREAMS = 3  # > 2 sequences: desired = ceil(3 / 1) = 3, clamped to max_replicas = 2
@@ -38,8 +38,8 @@ APP_ARGS = tiny_app_args(
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
-    with serve_cluster(tmp_path_factory.mktemp("autoscale"), APP_ARGS) as running:
+def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+    with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 
 
@@ -60,7 +60,7 @@ async def _wait_for_replicas(cluster: ServeCluster, done: Callable[[dict[str, in
 
 
 async def _wait_for_health(cluster: ServeCluster, done: Callable[[dict], bool], what: str,
-                           timeout_s: float = 30.0) -> None:
+                           timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as http:
         while not done(health := (await http.get("/health")).json()):

@@ -1,4 +1,4 @@
-"""Faults under load on a cluster of the test's own (tests/e2e/cluster.py, tests/e2e/faults.py): a TP rank, a whole
+"""Faults under load on the session's Ray head (tests/e2e/cluster.py, tests/e2e/faults.py; these run last): a TP rank, a whole
 engine replica, the admission queue and the ingress are each SIGKILLed (by the pid the cluster's own APIs report)
 while streaming and non-streaming clients run. Every request ends (an answer or a clear error, never a hang), the
 app heals by itself (Serve replaces what died), new requests succeed, and no KV stays held afterwards.
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e import faults
-from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
+from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
 
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 MODEL = "tiny-faults"
 APP_ARGS = tiny_app_args(MODEL, kv_cache_memory_bytes=1024 * 1024, health_check_period_s=2, queue_timeout_s=30,
@@ -24,8 +24,8 @@ END_TIMEOUT_S = 90.0  # every request in flight at the fault has ended by then
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
-    with serve_cluster(tmp_path_factory.mktemp("faults"), APP_ARGS) as running:
+def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+    with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 
 

@@ -18,19 +18,20 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.e2e.cluster import CAPACITY_BLOCKS, ServeCluster, serve_cluster, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, ServeCluster, deploy_app, tiny_app_args
 
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 MODEL = "tiny-preempt"
-APP_ARGS = tiny_app_args(MODEL, admission="usage", kv_headroom=0.05)
+# The leak grace outlasts the disconnect test's wait: only the ingress' own release can free a grant there.
+APP_ARGS = tiny_app_args(MODEL, admission="usage", kv_headroom=0.05, grant_leak_grace_s=600)
 PROMPTS = [[(11 * i + 5 * j) % 400 + 20 for j in range(60)] for i in range(3)]
 MAX_TOKENS = 450  # 3 x (60 + 450) = 1530 tokens > 1024: the streams cannot all hold their KV at the end
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
-    with serve_cluster(tmp_path_factory.mktemp("preempt"), APP_ARGS) as running:
+def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+    with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 
 
@@ -82,10 +83,11 @@ def test_streams_outgrowing_the_kv_are_preempted_and_complete(cluster: ServeClus
     assert chat_finish == "length" and chat_tokens > 16 * 10, (chat_tokens, chat_finish)
 
 
-def test_streaming_clients_that_disconnect_free_their_kv_at_once(cluster: ServeCluster) -> None:
-    """Six streams closed right after their first chunk: within 2 s the queue holds no grant for them and the
-    replica's ledger (reported every 0.25 s) holds nothing, every round (a generator left to the garbage collector
-    once kept them for up to the queue's 30 s leak reconciliation)."""
+def test_streaming_clients_that_disconnect_free_their_kv(cluster: ServeCluster) -> None:
+    """Six streams closed right after their first chunk, three rounds: afterwards the queue holds no grant and the
+    replica's ledger (reported every 0.25 s) holds nothing, and every grant was released by the ingress (the leak
+    grace of 600 s is far past the 60 s wait: a release that never comes, as when a generator left to the garbage
+    collector or a cancelled release kept them until leak reconciliation, fails here)."""
     import httpx
 
     def held(health: dict) -> int:
@@ -104,15 +106,12 @@ def test_streaming_clients_that_disconnect_free_their_kv_at_once(cluster: ServeC
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
             await asyncio.gather(*(one(http, i) for i in range(6)))
             closed = time.monotonic()
-            clean = 0
-            while time.monotonic() - closed < 10:
-                health = (await http.get("/health")).json()
-                clean = clean + 1 if held(health) == 0 else 0
-                if clean == 3:  # three polls in a row (> one ledger report period) with nothing held
-                    return time.monotonic() - closed
+            while held(health := (await http.get("/health")).json()):
+                if time.monotonic() - closed > 60:
+                    raise AssertionError(f"KV still held 60 s after the clients left: {health}")
                 await asyncio.sleep(0.2)
-            raise AssertionError(f"KV still held 10 s after the clients left: {health}")
+            return time.monotonic() - closed
 
-    for _ in range(3):
-        freed_s = asyncio.run(round_trip())
-        assert freed_s < 2.5, freed_s
+    freed = [asyncio.run(round_trip()) for _ in range(3)]
+    print(f"KV free {', '.join(f'{s:.1f}' for s in freed)} s after the clients left")
+    assert cluster.admission_stats()["num_leaked"] == 0

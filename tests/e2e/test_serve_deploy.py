@@ -1,9 +1,10 @@
-"""The real app through `ray start` + `serve deploy` on a cluster this module starts, driven by the openai client.
+"""The real app through `serve deploy` (the CLI) on the session's Ray head, driven by the openai client.
 
 One small deployment (TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens, a queue of 2) serves every test:
 OpenAI completions / chat / streams, greedy output vs engine.LLM, bad input, KV admission (queued requests admitted
-in FIFO order, 429 + Retry-After, never-fits 400, no over-commit), and a killed client freeing its KV. The cluster
-comes from tests/e2e/cluster.py.
+in FIFO order, 429 + Retry-After, never-fits 400, no over-commit), a killed client freeing its KV, and nothing of the
+cluster listening beyond loopback. KV pressure is made by grants the test holds itself (ServeCluster.held_kv), never
+by a long request that should still be running. The head comes from tests/e2e/cluster.py.
 """
 
 from __future__ import annotations
@@ -17,26 +18,39 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.tiny_model import write_tiny_model
-from tests.e2e.cluster import CAPACITY_BLOCKS, serve_cluster, tiny_app_args
+from tests.e2e.cluster import (
+    CAPACITY_BLOCKS,
+    ServeCluster,
+    deploy_app,
+    non_loopback_listeners,
+    serve_inter_deployment_grpc_ports,
+    tiny_app_args,
+)
 
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 MODEL = "tiny-e2e"
 # admission "full": the FIFO, never-fits and capacity scenarios below count prompt + max_tokens per request
-# (tests/e2e/test_preemption.py covers "usage").
-APP_ARGS = tiny_app_args(MODEL, admission="full", max_queued_requests=2, queue_timeout_s=20, retry_after_s=2)
+# (tests/e2e/test_preemption.py covers "usage"). Grants the test holds are never reported by the replica: the
+# leak grace outlasts the module. A queued request waits for the test's releases: a queue timeout far past them.
+APP_ARGS = tiny_app_args(MODEL, admission="full", max_queued_requests=2, queue_timeout_s=120, retry_after_s=2,
+                         grant_leak_grace_s=600)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serve_cluster(tmp_path_factory.mktemp("serve"), APP_ARGS) as cluster:
-        yield cluster.url
+def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+    with deploy_app(ray_head, APP_ARGS, via_cli=True) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
-def model_dir(server: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("llm") / "model")  # byte-identical to the served one
+def server(cluster: ServeCluster) -> str:
+    return cluster.url
+
+
+@pytest.fixture(scope="module")
+def model_dir(cluster: ServeCluster) -> Path:
+    return cluster.model_dir
 
 
 def client(server: str):  # noqa: ANN201 - openai.OpenAI
@@ -135,96 +149,118 @@ def test_never_fits_is_400_at_once(server: str) -> None:
     assert f"holds {CAPACITY_BLOCKS} blocks" in message and "needs 48 KV blocks" in message
 
 
-# The burst: 0 and 1 run (15 + 14 of 32 blocks), 2 and 3 (13 each) fit nowhere and fill the queue of 2, 4..6
-# overflow. 0 and 1 decode longer than 2 and 3, so 2 is admitted when 1 finishes and 3 only when 0 or 2 finishes
-# after that: the queued requests' admissions are whole requests apart, so their order is observable, not a race.
-BURST_MAX_TOKENS = (100, 60, 20, 20, 20, 20, 20)
+# The burst: the test holds all 32 blocks itself (19 + 13). Requests 0 and 1 (13 blocks each: (380 + 20) / 32) fit
+# nowhere and fill the queue of 2; 2..4 overflow at once. Releasing the 13 admits 0, the head of the line; 1 needs
+# 0's blocks (the test keeps its 19 until the end), so it starts only once 0 has finished. Every order below follows
+# from the grants the test holds, not from how fast anything decodes.
+BURST_REQUESTS = 5
+BURST_MAX_TOKENS = 20
 BURST_PROMPT_TOKENS = 380
+HELD = {"held-19": 19, "held-13": 13}
 
 
-async def _wait_until(check, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001 - async () -> bool
+async def _wait_until(check, what: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001 - async () -> object
     deadline = time.monotonic() + timeout_s
-    while not await check():
+    while not (seen := await check()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting until {what}")
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting until {what}; last seen: {seen!r}")
         await asyncio.sleep(0.05)
 
 
-def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(server: str) -> None:
+def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(cluster: ServeCluster) -> None:
     samples: list[dict] = []
-    events: list[dict] = [{"i": i} for i in range(len(BURST_MAX_TOKENS))]
-    started = [asyncio.Event() for _ in BURST_MAX_TOKENS]  # set when the response headers arrive
+    events: list[dict] = [{"i": i} for i in range(BURST_REQUESTS)]
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
         event = events[i]
-        body = {"model": MODEL, "prompt": long_prompt(BURST_PROMPT_TOKENS, i), "max_tokens": BURST_MAX_TOKENS[i],
+        body = {"model": MODEL, "prompt": long_prompt(BURST_PROMPT_TOKENS, i), "max_tokens": BURST_MAX_TOKENS,
                 "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            async with http.stream("POST", "/v1/completions", json=body) as reply:
-                event["status"], event["headers"] = reply.status_code, reply.headers
-                started[i].set()
-                if reply.status_code != 200:
-                    event["body"] = json.loads(await reply.aread())
-                    return
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if chunk.get("choices") and "first_token" not in event:
-                        event["first_token"] = time.monotonic()
-                    if chunk.get("usage"):
-                        event["completion_tokens"] = chunk["usage"]["completion_tokens"]
-                event["done"] = time.monotonic()
-        finally:
-            started[i].set()
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            event["status"], event["headers"] = reply.status_code, reply.headers
+            if reply.status_code != 200:
+                event["body"] = json.loads(await reply.aread())
+                return
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices") and "first_token" not in event:
+                    event["first_token"] = time.monotonic()
+                if chunk.get("usage"):
+                    event["completion_tokens"] = chunk["usage"]["completion_tokens"]
+            event["done"] = time.monotonic()
 
     async def watch(http: httpx.AsyncClient, stop: asyncio.Event) -> None:
         while not stop.is_set():
             samples.append((await http.get("/health")).json())
             await asyncio.sleep(0.1)
 
-    async def run() -> None:
-        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+    async def call(method: str, *args: object) -> object:
+        return await asyncio.to_thread(cluster.call, "KvAdmission", method, *args)
+
+    async def run() -> dict[str, float]:
+        marks: dict[str, float] = {}
+        for ticket, blocks in HELD.items():
+            assert "error" not in await call("acquire", ticket, blocks, 30.0)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch(http, stop))
 
             async def queued(n: int) -> bool:
                 return (await http.get("/health")).json()["queued"] == n
 
-            # One at a time, each once the server visibly holds the previous one: arrival order = submit order.
             tasks = []
-            for i in range(len(BURST_MAX_TOKENS)):
+            for i in range(BURST_REQUESTS):
                 tasks.append(asyncio.create_task(one(http, i)))
-                if i < 2:
-                    await asyncio.wait_for(started[i].wait(), timeout=30)  # admitted: its stream has begun
-                elif i < 4:
-                    await _wait_until(lambda n=i - 1: queued(n), f"request {i} waits in the admission queue")
+                if i < 2:  # one at a time, each once the queue visibly holds it: arrival order = submit order
+                    await _wait_until(lambda n=i + 1: queued(n), f"request {i} waits in the admission queue")
                 else:
-                    await asyncio.wait_for(tasks[i], timeout=30)  # the queue is full: an immediate answer
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+                    await asyncio.wait_for(tasks[i], timeout=60)  # the queue is full: an answer at once
+            assert not tasks[0].done() and not tasks[1].done()  # nothing could be granted: they still wait
+            marks["released_13"] = time.monotonic()
+            await call("release", "held-13")
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+            await call("release", "held-19")
             stop.set()
             await watcher
+        return marks
 
-    asyncio.run(run())
+    marks = asyncio.run(run())
     statuses = [event.get("status") for event in events]
-    assert statuses == [200] * 4 + [429] * 3, statuses  # exactly one response each: 2 ran, 2 waited, 3 overflowed
-    for event in events[4:]:
+    assert statuses == [200] * 2 + [429] * 3, (statuses, events)  # exactly one answer each: 2 waited, 3 overflowed
+    for event in events[2:]:
         assert event["headers"]["Retry-After"] == "2" and event["body"]["error"]["type"] == "rate_limit_error"
-    for event, max_tokens in zip(events[:4], BURST_MAX_TOKENS):
-        assert event["completion_tokens"] == max_tokens and "first_token" in event, event
-    # FIFO: the queued requests start and finish in arrival order, and 2 only after a running request finished.
-    waited, later = events[2], events[3]
-    assert waited["first_token"] < later["first_token"] and waited["done"] < later["done"], events[:4]
-    # (the grant is released as 1's last chunk goes out, a few ms before its stream ends: 0.5 s of slack; admitted
-    # at once, 2 would have started seconds earlier)
-    assert waited["first_token"] > min(events[0]["done"], events[1]["done"]) - 0.5, events[:4]
+        assert "max_queued_requests=2" in event["body"]["error"]["message"], event["body"]
+    for event in events[:2]:
+        assert event["completion_tokens"] == BURST_MAX_TOKENS and "first_token" in event, event
+    # FIFO: the head of the line starts once the test's release made room for it, and the next only after it ended.
+    head, second = events[0], events[1]
+    assert marks["released_13"] < head["first_token"] < second["first_token"], events[:2]
     assert samples, "no /health samples"
     for sample in samples:  # one replica: the app-wide counts are its own
         assert sample["kv_granted_blocks"] + sample["kv_external_blocks"] <= sample["kv_capacity_blocks"] == \
             CAPACITY_BLOCKS
+    assert cluster.admission_stats()["num_leaked"] == 0  # every grant was released by its holder
 
 
-def test_killed_client_frees_its_kv(server: str) -> None:
+def test_nothing_of_the_cluster_listens_beyond_loopback(cluster: ServeCluster) -> None:
+    """With the app running (its ingress, admission queue, a tp=2 replica with its rank actors, their process group
+    and its store), no process of the head, nor this driver, listens on an address another machine could reach, but
+    for the one listener Ray offers no setting for: each Serve replica's inter-deployment gRPC server, which Ray 2.60
+    binds to "[::]:0" (docs/operations.md, "Network")."""
+    sockets = cluster.head.listening_sockets()
+    assert len(sockets) > 10, sockets  # the check sees the cluster's listeners: GCS, raylet, agents, proxy, ranks
+    assert any(port == cluster.settings.http_port for *_, port in sockets), sockets
+    grpc = serve_inter_deployment_grpc_ports(cluster.head)
+    assert len(grpc) == 3, grpc  # the ingress, the admission queue, the engine replica
+    assert sorted((pid, port) for pid, _, _, port in non_loopback_listeners(cluster.head)) == sorted(grpc.items()), \
+        (non_loopback_listeners(cluster.head), grpc)
+
+
+def test_killed_client_frees_its_kv(cluster: ServeCluster) -> None:
+    """A client that closes its connection mid-stream: the request is aborted and its grant released by the ingress
+    (the app's leak grace of 600 s is far past the wait below, so only that release can free it)."""
+    server = cluster.url
     with httpx.Client(base_url=server, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={
                 "model": MODEL, "prompt": "def hello", "max_tokens": 900, "ignore_eos": True, "stream": True}) as r:
@@ -233,10 +269,8 @@ def test_killed_client_frees_its_kv(server: str) -> None:
             assert next(line for line in lines if line.startswith("data:"))
             assert health(server)["kv_granted_blocks"] > 0  # 900 + 3 tokens held while it streams
         # The connection is closed mid-stream: the request must be aborted and its KV freed.
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        counts = health(server)
-        if counts["kv_free_blocks"] == CAPACITY_BLOCKS:
-            break
+    deadline = time.monotonic() + 60
+    while (counts := health(server))["kv_free_blocks"] != CAPACITY_BLOCKS:
+        assert time.monotonic() < deadline, f"KV still held 60 s after the client left: {counts}"
         time.sleep(0.25)
-    assert counts["kv_free_blocks"] == CAPACITY_BLOCKS, counts
+    assert cluster.admission_stats()["num_leaked"] == 0

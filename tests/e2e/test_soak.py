@@ -11,15 +11,14 @@ from collections.abc import Iterator
 import pytest
 
 from bench import soak
-from tests.e2e.cluster import ServeCluster, serve_cluster
+from tests.e2e.cluster import ServeCluster, deploy_app
 
-pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
-    with serve_cluster(tmp_path_factory.mktemp("soak"), soak.app_args(),
-                       extra_env={"DCPSERVE_SOAK_API_KEYS": soak.KEY}) as running:
+def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+    with deploy_app(ray_head, soak.app_args(), runtime_env={"env_vars": {"DCPSERVE_SOAK_API_KEYS": soak.KEY}}) as running:
         yield running
 
 
