@@ -1,22 +1,44 @@
-"""The dcpserve command line, run as a user would (the installed console script)."""
+"""The dcpserve command line: each command run as a user would (the installed console script), and the checks of
+its arguments and the planner's output through the same entry point in this process (`cli`): the same parsing,
+output and exit status, without a new interpreter importing torch for each of them."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import shutil
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cluster.cli import main
 from tests.cluster.model_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3
 
 
 def dcpserve(*args: str) -> subprocess.CompletedProcess[str]:
+    """The installed console script, in a process of its own."""
     exe = shutil.which("dcpserve") or str(Path(sys.executable).parent / "dcpserve")
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """cluster.cli.main, the console script's entry point, in this process: a SystemExit with a message ends with
+    status 1 and the message on stderr, as the interpreter ends the script."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+                code = 1
+    return subprocess.CompletedProcess(["dcpserve", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_layout_prints_the_worked_example() -> None:
@@ -34,7 +56,7 @@ def test_layout_prints_the_worked_example() -> None:
     (("--tokens", "-1", "--dcp", "2"), "--tokens must be >= 0, got -1"),
 ])
 def test_layout_rejects_bad_values_clearly(args, message) -> None:
-    result = dcpserve("layout", *args)
+    result = cli("layout", *args)
     assert result.returncode != 0
     assert message in result.stderr
 
@@ -101,7 +123,7 @@ def test_plan_for_the_tiny_model(tiny_model: TinyModelRun) -> None:
 def test_plan_for_a_70b_config(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_70B_CONFIG))
-    result = dcpserve("plan", "--model", str(config), "--gpu-memory", "80GiB", "--context", "128k")
+    result = cli("plan", "--model", str(config), "--gpu-memory", "80GiB", "--context", "128k")
     assert result.returncode == 0, result.stderr
     assert "70.55B parameters" in result.stdout
     one = next(line for line in result.stdout.splitlines() if line.split()[:2] == ["1", "1"])
@@ -122,7 +144,7 @@ def write_config(directory: Path, config: dict[str, object]) -> Path:
 
 def test_plan_reads_a_deepseek_v2_lite_directory_as_mla(tmp_path: Path) -> None:
     model = write_config(tmp_path / "DeepSeek-V2-Lite-Chat", DEEPSEEK_V2_LITE)
-    result = dcpserve("plan", "--model", str(model), "--gpus-per-node", "8", "--gpu-memory", "141GB",
+    result = cli("plan", "--model", str(model), "--gpus-per-node", "8", "--gpu-memory", "141GB",
                       "--context", "128k", "--block-size", "64")
     assert result.returncode == 0, result.stderr
     assert "DeepseekV2ForCausalLM, 15.71B parameters" in result.stdout
@@ -139,12 +161,12 @@ def test_plan_reads_a_deepseek_v2_lite_directory_as_mla(tmp_path: Path) -> None:
 def test_plan_says_when_deepseek_v3_weights_do_not_fit(tmp_path: Path) -> None:
     model = write_config(tmp_path / "DeepSeek-V3", DEEPSEEK_V3)
     common = ("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k", "--block-size", "64")
-    bf16 = dcpserve(*common)
+    bf16 = cli(*common)
     assert bf16.returncode == 0, bf16.stderr
     assert "671.03B parameters" in bf16.stdout
     assert all(cells[-4:] == ["weights", "do", "not", "fit"] for cells in plan_rows(bf16.stdout).values())
     assert "no layout fits the weights" in bf16.stdout and "--weight-dtype float8 plans them as shipped" in bf16.stdout
-    fp8 = dcpserve(*common, "--weight-dtype", "float8")
+    fp8 = cli(*common, "--weight-dtype", "float8")
     assert fp8.returncode == 0, fp8.stderr
     rows = plan_rows(fp8.stdout)
     assert rows[(4, 4)][-4:] == ["weights", "do", "not", "fit"]
@@ -154,7 +176,7 @@ def test_plan_says_when_deepseek_v3_weights_do_not_fit(tmp_path: Path) -> None:
 
 def test_plan_names_tp_sizes_an_mla_model_cannot_use(tmp_path: Path) -> None:
     model = write_config(tmp_path / "v2-lite", DEEPSEEK_V2_LITE)
-    result = dcpserve("plan", "--model", str(model), "--gpus-per-node", "32", "--gpu-memory", "141GB",
+    result = cli("plan", "--model", str(model), "--gpus-per-node", "32", "--gpu-memory", "141GB",
                       "--context", "128k")
     assert result.returncode == 0, result.stderr
     assert (16, 16) in plan_rows(result.stdout)
@@ -163,7 +185,7 @@ def test_plan_names_tp_sizes_an_mla_model_cannot_use(tmp_path: Path) -> None:
 
 def test_plan_refuses_an_mla_architecture_it_cannot_count(tmp_path: Path) -> None:
     model = write_config(tmp_path / "minicpm3", {**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"]})
-    result = dcpserve("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k")
+    result = cli("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k")
     assert result.returncode != 0
     assert "dcpserve plan:" in result.stderr and "have kv_lora_rank" in result.stderr
 
@@ -179,13 +201,13 @@ def test_plan_refuses_an_mla_architecture_it_cannot_count(tmp_path: Path) -> Non
 ])
 def test_plan_rejects_bad_values_clearly(tiny_model: TinyModelRun, args: tuple[str, ...], message: str) -> None:
     directory, _ = tiny_model
-    result = dcpserve("plan", "--model", str(directory), *args)
+    result = cli("plan", "--model", str(directory), *args)
     assert result.returncode != 0
     assert message in result.stderr
 
 
 def test_plan_without_a_model_config(tmp_path: Path) -> None:
-    result = dcpserve("plan", "--model", str(tmp_path), "--gpu-memory", "80GiB", "--context", "128k")
+    result = cli("plan", "--model", str(tmp_path), "--gpu-memory", "80GiB", "--context", "128k")
     assert result.returncode != 0
     assert "dcpserve plan: no config.json at" in result.stderr
 
@@ -218,6 +240,6 @@ def test_generate_takes_the_engine_args_flags(tiny_model: TinyModelRun) -> None:
 ])
 def test_generate_rejects_bad_engine_args_clearly(tiny_model: TinyModelRun, args: tuple[str, ...], message: str) -> None:
     directory, _ = tiny_model
-    result = dcpserve("generate", "--model", str(directory), "--prompt", "hi", *args)
+    result = cli("generate", "--model", str(directory), "--prompt", "hi", *args)
     assert result.returncode != 0
     assert message in result.stderr
