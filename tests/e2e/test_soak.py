@@ -6,6 +6,7 @@ over-commit is seen, every bad input gets an OpenAI-shaped 4xx and no app proces
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +26,12 @@ def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.clu
 def test_a_short_soak_with_every_fault_loses_nothing(cluster: ServeCluster) -> None:
     report = soak.run(cluster, minutes=1.0, burst_size=12, burst_period_s=30.0)
     print("\n".join(soak.table(report, 1.0)))
-    assert len(report.outcomes) > 20 and report.disconnects > 0 and sum(report.bad_inputs.values()) > 20
+    # Every kind of traffic ran (how much of each depends on the machine's pace: printed above), every request of
+    # every burst was recorded, and soak.healthy: nothing lost or hung, no KV held after the drain, no over-commit,
+    # every bad input answered as it should be, idle processes idle, every fault injected and recovered from.
+    kinds = collections.Counter(outcome.kind for outcome in report.outcomes)
+    assert kinds["burst"] == 12 * len(report.burst_checks) >= 12, kinds
+    assert kinds["stream"] and kinds["json"] and kinds["chat"], kinds
+    assert report.disconnects and sum(report.bad_inputs.values()) >= len(soak.BAD_INPUTS), report
     assert [fault for fault, _, _ in report.recoveries] == list(soak.FAULTS)
     assert soak.healthy(report) == []
