@@ -7,17 +7,18 @@ PYTEST_ARGS ?=
 
 # The suite's tiers, by the markers tests/conftest.py gives each test from the fixtures it uses (README, "Test"):
 # - fast: unit, kernel, engine and deployment tests that need no cluster. One xdist worker per core: the Triton
-#   interpreter is single-threaded Python, so these scale with cores.
+#   interpreter is single-threaded Python, so these scale with cores; work stealing, so that a worker left with the
+#   interpreter's longest cases at the end hands some to one that is done.
 # - cluster: everything on the session's one Ray head (`ray`: the engine's multi-rank tests; `e2e`: an app deployed
 #   on it; `faults`: processes of the head killed, run last), in one process, after the fast tier and never beside
 #   it: the end-to-end tests wait on conditions, but a core taken by the Triton interpreter or a gloo group beside
 #   them only makes them slower.
 FAST_TIER := not ray and not e2e and not faults
 CLUSTER_TIER := ray or e2e or faults
-PYTEST_FAST := -m "$(FAST_TIER)" -n auto
+PYTEST_FAST := -m "$(FAST_TIER)" -n auto --dist worksteal
 PYTEST_CLUSTER := -m "$(CLUSTER_TIER)" -n 0
 
-.PHONY: test test-fast install bench-kernels clean test-vllm
+.PHONY: test test-fast install venvs bench-kernels clean test-vllm
 
 # The stamp file re-runs the install when pyproject.toml changes or a top-level package appears (the editable
 # install's finder lists packages by name).
@@ -72,9 +73,13 @@ $(VLLM_VENV)/.installed: pyproject.toml $(wildcard */__init__.py)
 # head, never beside them.
 test-vllm: $(VLLM_VENV)/.installed
 	@rc=0; \
-	$(VPY) -m pytest -m "vllm and ($(FAST_TIER))" -n auto $(PYTEST_ARGS) || rc=$$?; \
+	$(VPY) -m pytest -m "vllm and ($(FAST_TIER))" -n auto --dist worksteal $(PYTEST_ARGS) || rc=$$?; \
 	$(VPY) -m pytest -m "vllm and ($(CLUSTER_TIER))" -n 0 $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
 	exit $$rc
+
+# Every venv the suites use, built side by side (`make -j3 venvs`, as .ci/run does): most of their time is waiting on
+# downloads and unpacking wheels, which overlap.
+venvs: $(VENV)/.installed $(CLIENTS_VENV)/.installed $(VLLM_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache
