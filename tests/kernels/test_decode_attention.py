@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, TEST_DTYPES, paged_decode_attention_split, poisoned
+from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, attention_params, paged_decode_attention_split, poisoned
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 # (dcp_size, block_size, interleave, num_kv_heads, group = q heads per kv head, head_dim)
@@ -33,9 +33,7 @@ def hostile_lengths(block_size: int, dcp_size: int) -> list[int]:
     return [0, 1, logical - 1, logical + 1, 1328, 2 * logical]
 
 
-@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
-@pytest.mark.parametrize("dtype", TEST_DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-B{}-I{}-kv{}-g{}-d{}".format(*c))
+@pytest.mark.parametrize(("case", "dtype", "impl"), attention_params(CASES, ATTENTION_IMPLS))
 def test_sharded_decode_matches_dense(case, dtype, impl, device) -> None:
     dcp_size, block_size, interleave, num_kv_heads, group, head_dim = case
     ops = IMPLS[impl]

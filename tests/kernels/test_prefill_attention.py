@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import dcp_local_seq_lens
-from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, TEST_DTYPES, poisoned
+from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, attention_params, poisoned
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 # (dcp_size, block_size, interleave, num_kv_heads, group, head_dim)
@@ -51,9 +51,7 @@ def check_against_dense(spec, full_k, full_v, q, out, lse, scale, dtype) -> None
         row += n
 
 
-@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
-@pytest.mark.parametrize("dtype", TEST_DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-B{}-I{}-kv{}-g{}-d{}".format(*c))
+@pytest.mark.parametrize(("case", "dtype", "impl"), attention_params(CASES, ATTENTION_IMPLS))
 def test_context_on_every_rank_plus_local_new_part(case, dtype, impl, device) -> None:
     """The engine's DCP path: N context-only partials + one new-token partial, one combine."""
     spec, full_k, full_v, q, new_k, new_v, shards, starts = build(case, dtype, impl, device)
