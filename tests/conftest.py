@@ -29,6 +29,11 @@ from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
 bind_ray_to_loopback()  # before anything imports ray: every Ray this session starts or joins listens on 127.0.0.1
 # Ray reads its auth mode once, at import: the session's head (tests/e2e/cluster.py) uses token auth.
 os.environ["RAY_AUTH_MODE"] = "token"
+# Nothing in a test process may start a Ray of its own by calling into Ray unconnected (Ray's auto-init, also read
+# at import): after the session head's ray.shutdown(), a Serve handle's metrics thread still calls ray.wait, and
+# auto-init then started a fresh local Ray under /tmp/ray whose GCS never came up, 30 s per try, several tries per
+# pytest process. Code that needs Ray connects to a head explicitly (ray_head, engine.ray_executor).
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402
 
