@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments import protocol
+from engine.protocol import RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -29,27 +30,27 @@ class Choice:
     need: int  # KV blocks admission counts for it
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish: str | None = None
     num_output: int = 0
 
-    def add(self, delta: dict[str, Any]) -> None:
-        self.text.append(delta["new_text"])
-        self.token_ids += delta["new_token_ids"]
-        self.logprobs += delta.get("logprobs") or []
-        if delta.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = delta["prompt_logprobs"]
-        self.num_output = delta["num_output_tokens"]
-        if delta["finished"]:
-            self.finish = delta["finish_reason"]
+    def add(self, delta: RequestDelta) -> None:
+        self.text.append(delta.new_text)
+        self.token_ids += delta.new_token_ids
+        self.logprobs += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.num_output = delta.num_output_tokens
+        if delta.finished:
+            self.finish = delta.finish_reason
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(entry["logprob"] for entry in self.logprobs)
+        return sum(entry.logprob for entry in self.logprobs)
 
 
-async def collect(choice: Choice, session: AsyncIterator[dict[str, Any]]) -> Choice:
+async def collect(choice: Choice, session: AsyncIterator[RequestDelta]) -> Choice:
     async for delta in session:
         choice.add(delta)
     return choice
@@ -67,15 +68,15 @@ class Tokens:
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def entry(self, logprob: dict[str, Any] | None, token_id: int, k: int) -> protocol.LogprobEntry:
+    def entry(self, logprob: TokenLogprob | None, token_id: int, k: int) -> protocol.LogprobEntry:
         """(name, logprob, top-k alternatives); logprob None (the first prompt token has none) gives (name, None,
         None)."""
         if logprob is None:
             return self.name(token_id), None, None
-        top = [(self.name(t), lp) for t, lp in list(logprob["top"])[:k]]
-        return self.name(token_id), logprob["logprob"], top
+        top = [(self.name(t), lp) for t, lp in logprob.top[:k]]
+        return self.name(token_id), logprob.logprob, top
 
-    def vllm_prompt_logprobs(self, prompt_ids: list[int], entries: list[dict[str, Any] | None]) -> list[Any]:
+    def vllm_prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprob | None]) -> list[Any]:
         """vLLM's prompt_logprobs shape: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
         out: list[Any] = []
         for token_id, entry in zip(prompt_ids, entries):
@@ -83,8 +84,8 @@ class Tokens:
                 out.append(None)
                 continue
             item = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": self.name(t)}
-                    for r, (t, lp) in enumerate(entry["top"])}
-            item[str(token_id)] = {"logprob": entry["logprob"], "rank": entry["rank"],
+                    for r, (t, lp) in enumerate(entry.top)}
+            item[str(token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
                                    "decoded_token": self.name(token_id)}
             out.append(item)
         return out

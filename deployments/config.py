@@ -127,6 +127,11 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]
         "caches the longest run of the request's prompt, and among equal runs the one with the most free KV; false: "
         "the most free KV alone"
     )
+    stream_interval_s: float = Field(
+        0.05, ge=0, description="a replica sends each request's first token at once, then at most one stream item per "
+        "this interval carrying every token since (and the last at once): fewer Ray stream items under load; 0: one "
+        "item per engine step"
+    )
     routing_stats_period_s: float = Field(1.0, gt=0, description="how often replicas report KV to the routers")
     kv_report_period_s: float = Field(0.5, gt=0, description="how often replicas reconcile KV with the admission queue")
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health checks (they ping every TP rank)")

@@ -32,7 +32,7 @@ from deployments.http_edge import ApiError, api, authorize, read_body, validatio
 from deployments.metrics import IngressMetrics
 from deployments.sessions import Sessions
 from engine.block_manager import admission_blocks
-from engine.protocol import model_limits
+from engine.protocol import RequestDelta, model_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -195,7 +195,7 @@ class OpenAIIngress:
                                       params, self._check(ids, params)))
         return planned
 
-    async def _admit(self, planned: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+    async def _admit(self, planned: list[Choice]) -> list[AsyncIterator[RequestDelta]]:
         """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
         their grants back and the first error is the answer."""
         sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
@@ -229,7 +229,7 @@ class OpenAIIngress:
         return JSONResponse(protocol.completion_body(
             request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
 
-    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncIterator[dict[str, Any]]],
+    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncIterator[RequestDelta]],
                    request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]]) -> AsyncIterator[str]:
         """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
         final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension)."""
@@ -268,37 +268,37 @@ class OpenAIIngress:
                     remaining -= 1
                     continue
                 choice = planned[k]
-                outputs[k] = 0 if score_only else delta["num_output_tokens"]
+                outputs[k] = 0 if score_only else delta.num_output_tokens
                 if not chat and body.echo and k not in echoed:
                     # The prompt first: its text and (with logprobs) its tokens' logprobs, from the first delta.
                     echoed.add(k)
                     logprobs = None
                     if body.logprobs is not None:
-                        prompt_lp = delta.get("prompt_logprobs") or [None] * len(choice.prompt_ids)
+                        prompt_lp = delta.prompt_logprobs or [None] * len(choice.prompt_ids)
                         logprobs = protocol.completion_logprobs(
                             [tokens.entry(lp, t, body.logprobs) for t, lp in zip(choice.prompt_ids, prompt_lp)])
                     yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
                         choice.index, choice.prompt_text or "", None, logprobs)))
-                finish = delta["finish_reason"] if delta["finished"] else None
+                finish = delta.finish_reason if delta.finished else None
                 if score_only:
                     if finish is not None:
                         yield event(protocol.completion_chunk(request_id, self.model_name,
                                                               protocol.completion_choice(choice.index, "", "length")))
                     continue
-                if not delta["new_text"] and finish is None and not delta.get("logprobs"):
+                if not delta.new_text and finish is None and not delta.logprobs:
                     continue
                 k_top = body.logprobs if not chat else (body.top_logprobs or 0)
                 entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
-                           zip(delta["new_token_ids"], delta.get("logprobs") or [])]
+                           zip(delta.new_token_ids, delta.logprobs or [])]
                 if chat:
                     logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
                     yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
-                                                    {"content": delta["new_text"]} if delta["new_text"] else {},
+                                                    {"content": delta.new_text} if delta.new_text else {},
                                                     finish, logprobs))
                 else:
                     logprobs = protocol.completion_logprobs(entries) if body.logprobs is not None else None
                     yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
-                        choice.index, delta["new_text"], finish, logprobs)))
+                        choice.index, delta.new_text, finish, logprobs)))
             if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 used = protocol.usage(prompt_tokens, sum(outputs))

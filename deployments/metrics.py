@@ -126,6 +126,9 @@ class ReplicaMetrics:
                                 "logical KV blocks holding a cached prefix block (in use or evictable)")
         self.accepted = _counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
                                  ("admission",))
+        self.stream_items = _counter("dcpserve_stream_items",
+                                     "stream items this replica sent to the ingress (one carries every token since the last)")
+        self.stream_tokens = _counter("dcpserve_stream_tokens", "generated tokens this replica sent to the ingress")
         self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
         self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",
                                    "time of one step in the DCP exchange (max over ranks; 0 without DCP)",
@@ -138,6 +141,8 @@ class ReplicaMetrics:
             _EngineCount(self.prefix_evictions, lambda stats: stats.prefix_cache_evictions),
         )
         _start_at_zero(self.accepted, {"admission": admission})
+        _start_at_zero(self.stream_items)
+        _start_at_zero(self.stream_tokens)
         copies = tp // num_kv_heads if tp > num_kv_heads else 1  # ranks holding one KV head
         self._layout_tags = {"tp": str(tp), "dcp": str(dcp), "kv_heads": str(num_kv_heads),
                              "kv_head_copies": str(copies // dcp), "duplication_removed": str(dcp)}
@@ -265,7 +270,7 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_http_responses", "dcpserve_prompt_tokens", "dcpserve_generation_tokens",
         "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
         "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",
-        "dcpserve_admission_prefix_routed_requests",
+        "dcpserve_admission_prefix_routed_requests", "dcpserve_stream_items", "dcpserve_stream_tokens",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

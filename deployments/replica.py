@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -27,7 +28,7 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
-from engine.protocol import EngineClient, EngineStats
+from engine.protocol import EngineClient, EngineStats, RequestDelta, merge_deltas
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -50,12 +51,93 @@ class EngineRequest:
     target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
 
 
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The first message of generate(): the replica took the request; RequestDelta items follow."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The first and only message of generate(): the request does not fit the replica's free KV now."""
+
+    replica_id: str
+    free_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The first and only message of generate(): the request can never run here (the client's error)."""
+
+    replica_id: str
+    message: str
+
+
+Admission = Accepted | Refused | Rejected
+
+
 @dataclass(frozen=True)
 class ReplicaQuery:
     """Addresses a call other than generate() to one replica (the router sends it only there), e.g.
     `handle.stats.remote(ReplicaQuery(replica_id))` for each id of KvAdmission.stats()["replicas"]."""
 
     target_replica: str
+
+
+async def batched_deltas(stream: AsyncIterator[RequestDelta], interval_s: float) -> AsyncIterator[RequestDelta]:
+    """One request's deltas, merged (engine.protocol.merge_deltas) so that after the first at most one comes per
+    interval_s, carrying every delta since; the finishing one comes at once. interval_s = 0: as they come.
+
+    A task of its own reads the engine's stream, so waiting out the interval never cancels a read of it; closing
+    this generator cancels that task, which ends the engine's stream (and aborts its request, if unfinished)."""
+    if interval_s <= 0:
+        async for delta in stream:
+            yield delta
+        return
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Queue[RequestDelta | BaseException | None] = asyncio.Queue()  # None: the stream ended
+    ended = asyncio.Event()  # the finishing delta, an error or the end is in `ready`
+
+    async def read() -> None:
+        try:
+            async for delta in stream:
+                ready.put_nowait(delta)
+                if delta.finished:
+                    ended.set()
+            ready.put_nowait(None)
+        except Exception as err:  # noqa: BLE001 - re-raised to the reader of this generator
+            ready.put_nowait(err)
+        ended.set()
+
+    reader = loop.create_task(read())
+    try:
+        next_at = loop.time()  # the first delta goes at once
+        while True:
+            items = [await ready.get()]
+            wait = next_at - loop.time()
+            if wait > 0 and not ended.is_set():
+                try:
+                    await asyncio.wait_for(ended.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+            while not ready.empty():
+                items.append(ready.get_nowait())
+            deltas = [item for item in items if isinstance(item, RequestDelta)]
+            if deltas:
+                yield merge_deltas(deltas)
+                next_at = loop.time() + interval_s
+            last = items[-1]
+            if isinstance(last, BaseException):
+                raise last
+            if last is None or (deltas and deltas[-1].finished):
+                return
+    finally:
+        reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            pass
 
 
 def replica_bundles(tp: int) -> list[dict[str, float]]:
@@ -102,6 +184,9 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admission = admission
         self.admission_queued = 0
+        # Stream items sent to the ingress and the generated tokens they carried, since the replica started.
+        self.num_stream_items = 0
+        self.num_stream_tokens = 0
         # Where the admission queue's copy of this replica's prefix cache stands (its last reply says).
         self._prefix_position: tuple[str | None, int] = (None, 0)
         # Controller probes (routing stats, health checks) seen, and when the last one came (time.monotonic()).
@@ -120,37 +205,40 @@ class EngineReplica:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest):  # noqa: ANN201 - async generator of dicts
-        """Yields {"accepted": True}, {"refused": True, "free_blocks": n} (no room now) or {"rejected": message}
-        (it can never run here), then one dict per RequestDelta."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Admission | RequestDelta]:
+        """Yields Accepted, Refused (no room now) or Rejected (it can never run here), then, once accepted, the
+        request's deltas: the first at once, then at most one per stream_interval_s carrying every delta since."""
         from engine.protocol import KvFull
 
-        need = self.engine.admission_need(request.prompt_token_ids, request.sampling_params.max_tokens)
-        if need != request.kv_blocks:
-            # Normal with prefix caching when the queue's copy of the cache is a report behind: the replica's count
-            # decides (it refuses what does not fit, and its next report corrects the queue).
-            logger.debug("ticket %s: the queue counted %d blocks, the replica counts %d", request.ticket,
-                         request.kv_blocks, need)
         if self.engine.has_request(request.ticket):  # an earlier dispatch of this ticket is still here
-            yield {"refused": True, "free_blocks": self.engine.kv_ledger().free_blocks, "replica_id": self.replica_id}
+            yield Refused(self.replica_id, self.engine.kv_ledger().free_blocks)
             return
         try:
-            stream = self.engine.submit(sampling_params=request.sampling_params,
-                                        prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
-                                        check_kv=True)
+            stream = await self.engine.submit(sampling_params=request.sampling_params,
+                                              prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
+                                              check_kv=True)
         except KvFull as full:
-            yield {"refused": True, "free_blocks": full.free_blocks, "replica_id": self.replica_id}
+            # Normal with prefix caching when the queue's copy of the cache is a report behind: the replica's count
+            # decides (its next report corrects the queue).
+            logger.debug("ticket %s: the queue counted %d blocks, the replica needs %d of %d free", request.ticket,
+                         request.kv_blocks, full.need, full.free_blocks)
+            yield Refused(self.replica_id, full.free_blocks)
             return
         except ValueError as err:  # never fits this engine, or bad token ids: the client's error, not a retry
-            yield {"rejected": str(err), "replica_id": self.replica_id}
+            yield Rejected(self.replica_id, str(err))
             return
         finished = False
         try:
             self.metrics.accepted.inc(tags={"admission": self.args.admission})
-            yield {"accepted": True, "replica_id": self.replica_id}
-            async for delta in stream:
+            yield Accepted(self.replica_id)
+            async for delta in batched_deltas(stream, self.args.stream_interval_s):
                 finished = delta.finished
-                yield asdict(delta)
+                self.num_stream_items += 1
+                self.num_stream_tokens += len(delta.new_token_ids)
+                self.metrics.stream_items.inc()
+                if delta.new_token_ids:
+                    self.metrics.stream_tokens.inc(len(delta.new_token_ids))
+                yield delta
         finally:
             if not finished:
                 # Cancellation (client gone) lands here too, even before the stream was iterated: abort frees the KV.
@@ -163,6 +251,8 @@ class EngineReplica:
         stats = self.engine.stats().as_dict()
         stats.update(self._kv_report())
         stats["replica_id"] = self.replica_id
+        stats["stream_items"] = self.num_stream_items
+        stats["stream_tokens"] = self.num_stream_tokens
         return stats
 
     # ---- reports --------------------------------------------------------------------------------------------
@@ -230,7 +320,7 @@ class EngineReplica:
         while True:
             try:
                 ledger = self.engine.kv_ledger()
-                prefix = self.engine.prefix_report(*self._prefix_position)
+                prefix = await self.engine.prefix_report(*self._prefix_position)
                 reply = await self.admission.report.remote(
                     self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                     self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,

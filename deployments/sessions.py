@@ -20,9 +20,9 @@ from deployments.config import AppArgs
 from deployments.http_edge import ApiError
 from deployments.metrics import IngressMetrics
 from deployments.prefix_routing import PrefixAsk
-from deployments.replica import EngineRequest
+from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected
 from engine.prefix_cache import prompt_hashes
-from engine.protocol import ModelLimits
+from engine.protocol import ModelLimits, RequestDelta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -63,8 +63,9 @@ class Sessions:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
-                   need: int) -> AsyncIterator[dict[str, Any]]:
-        """Admits the request (first, empty yield once a replica accepted it), then yields its deltas.
+                   need: int) -> AsyncIterator[RequestDelta]:
+        """Admits the request (first yield, a delta without tokens, once a replica accepted it), then yields its
+        deltas.
         Its finally frees everything, whichever way the request ends."""
         loop = asyncio.get_running_loop()
         arrived = loop.time()
@@ -102,8 +103,8 @@ class Sessions:
                 stream, first, problem = await self._dispatch(request, replica_id)
                 if stream is not None:
                     break
-                if first is not None:  # refused: it holds less free KV than the queue knew
-                    await self.admission.refused.remote(ticket, replica_id, int(first.get("free_blocks", 0)))
+                if isinstance(first, Refused):  # it holds less free KV than the queue knew
+                    await self.admission.refused.remote(ticket, replica_id, first.free_blocks)
                 else:  # not reached in time, or the call failed: the grant goes back, the request to the head
                     logger.warning("ticket %s: granted replica %s %s; re-queued at the head", ticket, replica_id,
                                    problem)
@@ -113,7 +114,7 @@ class Sessions:
                     await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
                 returned.append(f"replica {replica_id} {problem}")
             self.metrics.prompt_tokens.inc(len(token_ids))
-            yield {}
+            yield RequestDelta(ticket, [], "", False, None, len(token_ids), 0)  # admitted: no tokens yet
             request_deadline = arrived + self.args.request_timeout_s
             while True:
                 try:
@@ -124,15 +125,15 @@ class Sessions:
                     raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
                                    f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
                 now = loop.time()
-                if delta["new_token_ids"]:
+                if delta.new_token_ids:
                     # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
                     (self.metrics.itl if num_generated else self.metrics.ttft).observe(now - last_token_at)
-                    num_generated += len(delta["new_token_ids"])
+                    num_generated += len(delta.new_token_ids)
                     last_token_at = now
-                if delta["finished"]:
+                if delta.finished:
                     self.metrics.e2e.observe(now - arrived)
                 yield delta
-                if delta["finished"]:
+                if delta.finished:
                     finished = True
                     break
         except ApiError:
@@ -157,7 +158,7 @@ class Sessions:
         hashes = prompt_hashes(token_ids, self.tokens_per_block, self.prefix_hash_seed)
         return PrefixAsk(tuple(hashes), self.tokens_per_block, self.prefix_hash_seed, len(token_ids))
 
-    async def _dispatch(self, request: EngineRequest, replica_id: str) -> tuple[Any, dict[str, Any] | None, str]:
+    async def _dispatch(self, request: EngineRequest, replica_id: str) -> tuple[Any, Admission | None, str]:
         """Sends a granted request to its replica and waits (at most dispatch_timeout_s) for its first message.
         Returns (stream, first, "") when the replica accepted it, (None, first, why) when it refused it, and
         (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
@@ -177,11 +178,14 @@ class Sessions:
         except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
             stream.cancel()
             return None, None, f"failed the call ({type(err).__name__}: {err})"
-        if first.get("accepted"):
+        if isinstance(first, Accepted):
             return stream, first, ""
-        if "rejected" in first:
-            raise ApiError(400, f"the engine refused the request: {first['rejected']}")
-        return None, first, f"refused it (it had {int(first.get('free_blocks', 0))} free KV blocks)"
+        if isinstance(first, Rejected):
+            raise ApiError(400, f"the engine refused the request: {first.message}")
+        if isinstance(first, Refused):
+            return None, first, f"refused it (it had {first.free_blocks} free KV blocks)"
+        stream.cancel()
+        return None, None, f"answered {type(first).__name__} instead of an admission"
 
     def _release(self, ticket: str) -> None:
         """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a

@@ -1,52 +1,55 @@
-"""asyncio front of an LLMEngine, for the serving layer.
+"""asyncio front of the engine core, for the serving layer.
 
-One background task owns the engine. Callers never touch it directly: generate() and abort() queue their
-change, and the task applies queued changes between steps, then runs step() in a worker thread (a step may
-block on the worker group, which must not stall the event loop). Token deltas go back through one
-asyncio.Queue per request. A generate() whose consumer goes away (client disconnect, cancellation) aborts its
-request, which frees its KV at the next step.
+The core (engine.core.EngineCore, a thread of its own) alone owns the LLMEngine: its scheduler, block manager,
+prefix cache and executor. This front, on the replica's event loop, only sends it typed inputs (add, abort, queries)
+and takes its output batches: token deltas go to one asyncio.Queue per request, admissions and query replies to the
+futures awaiting them, and each batch's snapshot becomes what kv_ledger() and stats() return. A stream whose
+consumer goes away (client disconnect, cancellation) aborts its request, which frees its KV at the core's next turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
+from engine.core import (
+    AbortRequest, AddRequest, Admission, CoreOutputs, CoreSnapshot, EngineCore, Query, QueryKind, Shutdown,
+    query_error, snapshot,
+)
 from engine.engine import LLMEngine
 from engine.prefix_cache import PrefixReport
 from engine.protocol import EngineDeadError, EngineStats, KvLedger, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-
-# How long the loop waits before stepping again after a step that could schedule nothing (unless an add or abort
-# wakes it first).
-IDLE_RETRY_S = 0.1
+# How long shutdown() waits for the core to finish its step and stop before it stops the executor under it.
+CORE_STOP_TIMEOUT_S = 30.0
 
 
 class AsyncEngine:
     """The native backend of the engine protocol (engine.protocol.EngineClient): streams token deltas per request
-    from a background engine loop."""
+    from the engine core."""
 
     backend = "native"
 
     def __init__(self, config: EngineConfig, on_step: Callable[[EngineStats], None] | None = None) -> None:
         """on_step(stats), when given, runs on the event loop after every engine step (the serving layer's metrics)."""
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config)  # the core's from start(): read here only its immutable config and tokenizer
         self.on_step = on_step
         self.config = config
+        self._core: EngineCore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
-        self._pending_adds: list[tuple[Request, str | None]] = []
-        self._pending_aborts: list[str] = []
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        self._admitting: dict[str, asyncio.Future[Admission]] = {}
+        self._replies: dict[int, asyncio.Future[object]] = {}
         self._ids = itertools.count()
-        self._stats: EngineStats = self.engine.stats()
+        self._query_ids = itertools.count()
+        self._snapshot: CoreSnapshot = snapshot(self.engine)  # the core has not started: this thread may read it
         self.dead_error: BaseException | None = None
 
     # ---- public API ------------------------------------------------------------------------------------------
@@ -57,10 +60,10 @@ class AsyncEngine:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.engine.kv_capacity_tokens
+        return self._snapshot.ledger.capacity_blocks * self._snapshot.ledger.tokens_per_block
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises RequestRejected if a request of this size could never be served here."""
+        """Raises RequestRejected if a request of this size could never be served here (config only)."""
         self.engine.scheduler.check_fits(num_prompt_tokens, max_tokens)
 
     async def generate(
@@ -72,10 +75,10 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         """Yields a RequestDelta per generated token until the request finishes. Invalid or never-fitting
         requests raise before anything is queued."""
-        async for delta in self.submit(prompt, sampling_params, prompt_token_ids, request_id):
+        async for delta in await self.submit(prompt, sampling_params, prompt_token_ids, request_id):
             yield delta
 
-    def submit(
+    async def submit(
         self,
         prompt: str | None = None,
         sampling_params: SamplingParams | None = None,
@@ -83,25 +86,33 @@ class AsyncEngine:
         request_id: str | None = None,
         check_kv: bool = False,
     ) -> AsyncIterator[RequestDelta]:
-        """Queues a request now, synchronously, and returns its stream of deltas. With check_kv it first checks the
-        KV ledger (pending requests included) and raises KvFull when the request's admission blocks do not fit, so
-        two submits can never both take the same free blocks. A caller that never iterates the stream must
-        abort(request_id). Invalid or never-fitting requests raise before anything is queued."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        """Hands a request to the core and returns its stream of deltas once the core took it. With check_kv the
+        core first checks its admission need against the ledger, in input order, and it raises KvFull when it does
+        not fit now. A caller that never iterates the stream must abort(request_id). Invalid or never-fitting
+        requests raise before anything is queued."""
+        self._check_alive()
         params = sampling_params or SamplingParams()
         prompt_token_ids = self.engine.prompt_token_ids(prompt, prompt_token_ids, params)
         self.check_request(len(prompt_token_ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt_token_ids, params)
-        if check_kv:
-            self.kv_ledger().require(self.engine.admission_need(request))
+        core = self._ensure_core()
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        admitted: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._queues[request_id] = queue
-        self._pending_adds.append((request, prompt))
-        self._ensure_loop()
+        self._admitting[request_id] = admitted
+        core.send(AddRequest(Request(request_id, prompt_token_ids, params), prompt, check_kv))
+        try:
+            admission = await admitted
+        except BaseException:
+            self.abort(request_id)  # cancelled while the core decided: whatever it decided, nobody will listen
+            raise
+        finally:
+            self._admitting.pop(request_id, None)
+        if admission.error is not None:
+            self._queues.pop(request_id, None)
+            raise admission.error
         return self._stream(request_id, queue)
 
     async def _stream(self, request_id: str,
@@ -129,112 +140,125 @@ class AsyncEngine:
     def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The blocks a request asks admission for under this engine's policy (block_manager.admission_blocks)."""
         return admission_blocks(self.config.scheduler.admission, num_prompt_tokens, max_tokens,
-                                self.engine.block_manager.tokens_per_block)
+                                self._snapshot.ledger.tokens_per_block)
 
-    def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
+    async def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
         """The blocks this request would add here now (admission_blocks less the cached prefix blocks held here)."""
-        return self.engine.admission_need(Request("", list(prompt_token_ids), SamplingParams(max_tokens=max_tokens)))
+        need = await self._query("admission_need", (list(prompt_token_ids), max_tokens))
+        assert isinstance(need, int)
+        return need
 
-    def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
-        return self.engine.prefix_report(reader_epoch, reader_version)
+    async def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
+        report = await self._query("prefix_report", (reader_epoch, reader_version))
+        assert report is None or isinstance(report, PrefixReport)
+        return report
+
+    async def call_in_core(self, fn: Callable[[LLMEngine], object]) -> object:
+        """fn(engine) on the core's thread between two steps, and its result: for tests and debugging tools, the
+        one way to look at or change the engine's state from outside."""
+        return await self._query("call", (fn,))
 
     def kv_ledger(self) -> KvLedger:
-        """The replica's KV ledger now: the scheduler's requests, requests queued for it, minus queued aborts."""
-        return self.engine.kv_ledger(pending=[request for request, _ in self._pending_adds],
-                                     exclude=set(self._pending_aborts))
+        """The replica's KV ledger as of the core's last output batch (every request it has taken, less those it
+        has finished or aborted)."""
+        return self._snapshot.ledger
+
+    def snapshot(self) -> CoreSnapshot:
+        """The core's last snapshot: ledger, stats and request states at one instant."""
+        return self._snapshot
 
     def abort(self, request_id: str) -> None:
-        """Stops a request (if still running) and frees its KV at the next loop turn. Idempotent."""
+        """Stops a request (if still running) and frees its KV at the core's next turn. Idempotent."""
         self._queues.pop(request_id, None)
-        if request_id in self._pending_aborts:
-            return
-        self._pending_aborts.append(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        if self._core is not None and self.dead_error is None:
+            self._core.send(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
-        """The engine's stats as of its last step, plus requests accepted but not yet handed to the scheduler."""
-        return dataclasses.replace(self._stats, num_pending=len(self._pending_adds), healthy=self.dead_error is None)
+        """The engine's stats as of the core's last output batch, plus requests sent to the core not yet taken."""
+        return dataclasses.replace(self._snapshot.stats, num_pending=len(self._admitting),
+                                   healthy=self.dead_error is None)
 
     async def check_health(self) -> None:
-        """Raises if the loop failed or a TP rank does not answer (the rank ping runs off the event loop)."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        """Raises if the core failed or a TP rank does not answer (the rank ping runs off the event loop; the
+        executor's check_health only pings the ranks and reads no state of the core's)."""
+        self._check_alive()
         await asyncio.to_thread(self.engine.executor.check_health)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        core = self._core
+        if core is not None and core.is_alive():
+            core.send(Shutdown())
+            await asyncio.to_thread(core.join, CORE_STOP_TIMEOUT_S)
+        # The executor last: with the core stopped (or stuck past the timeout in a step on a dead rank, which
+        # stopping the ranks ends) nothing else uses it.
         await asyncio.to_thread(self.engine.shutdown)
 
-    # ---- the loop ---------------------------------------------------------------------------------------------
+    # ---- the core --------------------------------------------------------------------------------------------
 
-    def _ensure_loop(self) -> None:
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
-        if self._loop_task is None or self._loop_task.done():
-            # A fresh, empty context: the loop belongs to the engine, not to the request that happened to start it.
-            # A copy of that request's context would carry Ray's async_task_id, so every worker-group call of
-            # every later step would be a child of that request, and cancelling it (client disconnect) would
-            # recursively cancel them and kill the engine with TaskCancelledError.
-            self._loop_task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
-        self._wakeup.set()
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        if self._core is not None and self._core.started and not self._core.is_alive():
+            raise EngineDeadError("the engine core's thread has ended")
 
-    def _apply_pending(self) -> None:
-        adds, self._pending_adds = self._pending_adds, []
-        aborts, self._pending_aborts = self._pending_aborts, []
-        for request, prompt in adds:
-            if request.request_id in aborts:
-                continue
-            try:
-                self.engine.add_request(prompt, request.sampling_params, request.prompt_token_ids, request.request_id)
-            except Exception as err:  # noqa: BLE001 - delivered to the caller that made the request
-                queue = self._queues.get(request.request_id)
-                if queue is not None:
-                    queue.put_nowait(err)
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
+    def _ensure_core(self) -> EngineCore:
+        if self._core is None:
+            loop = asyncio.get_running_loop()
+            self._loop = loop
 
-    async def _run(self) -> None:
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
+            def deliver(outputs: CoreOutputs) -> None:  # on the core's thread
+                loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+            self._core = EngineCore(self.engine, deliver)
+            self._core.start()
+        return self._core
+
+    async def _query(self, kind: QueryKind, args: tuple[Any, ...]) -> object:
+        self._check_alive()
+        core = self._ensure_core()
+        query_id = next(self._query_ids)
+        reply: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._replies[query_id] = reply
+        core.send(Query(query_id, kind, args))
         try:
-            while True:
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests() and not self.engine.scheduler.has_pending_finishes:
-                    self._stats = self.engine.stats()
-                    self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
-                        await self._wakeup.wait()
-                    continue
-                deltas = await asyncio.to_thread(self.engine.step)
-                if self.engine.last_step_idle:
-                    # Unfinished requests but nothing could be scheduled: wait for an add or abort (or a short
-                    # while) instead of stepping again at once, which would busy-loop a core and the GIL.
-                    self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
-                        try:
-                            await asyncio.wait_for(self._wakeup.wait(), IDLE_RETRY_S)
-                        except asyncio.TimeoutError:
-                            pass
-                    continue
-                self._stats = self.engine.stats()
-                if self.on_step is not None:
-                    self.on_step(self._stats)
-                for delta in deltas:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-                    elif not delta.finished:
-                        self._pending_aborts.append(delta.request_id)  # nobody is listening any more
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # noqa: BLE001 - every waiting caller must hear about it
-            self.dead_error = err
-            for queue in self._queues.values():
-                queue.put_nowait(EngineDeadError(f"the engine failed: {err!r}"))
-            raise
+            value = await reply
+        finally:
+            self._replies.pop(query_id, None)
+        error = query_error(value)
+        if error is not None:
+            raise error
+        return value
+
+    def _on_outputs(self, outputs: CoreOutputs) -> None:
+        """One batch from the core, on the event loop: the snapshot, then answers, then deltas."""
+        self._snapshot = outputs.snapshot
+        for admission in outputs.admissions:
+            future = self._admitting.get(admission.request_id)
+            if future is not None and not future.done():
+                future.set_result(admission)
+            elif admission.error is None:
+                self.abort(admission.request_id)  # its submitter was cancelled meanwhile
+        for query_id, value in outputs.replies:
+            reply = self._replies.get(query_id)
+            if reply is not None and not reply.done():
+                reply.set_result(value)
+        for delta in outputs.deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+            elif not delta.finished:
+                self.abort(delta.request_id)  # nobody is listening any more
+        if outputs.stepped and self.on_step is not None:
+            self.on_step(self.stats())
+        if outputs.error is not None:
+            self._fail(outputs.error)
+
+    def _fail(self, err: BaseException) -> None:
+        """The core died: every request in flight, every pending add and query ends with the error, at once."""
+        self.dead_error = err
+        dead = EngineDeadError(f"the engine failed: {err!r}")
+        for queue in self._queues.values():
+            queue.put_nowait(dead)
+        for future in [*self._admitting.values(), *self._replies.values()]:
+            if not future.done():
+                future.set_exception(dead)

@@ -1,7 +1,8 @@
 """The inner loop of one replica: step() = schedule -> execute -> update.
 
 LLMEngine owns the scheduler (and its block manager), the executor (in-process runner or Ray worker group)
-and per-request detokenization with stop strings. LLM (batch) and AsyncEngine (serving) drive it.
+and per-request detokenization with stop strings. It is not thread-safe: exactly one thread drives it, LLM's
+(batch) or the engine core's (engine.core, under AsyncEngine for serving).
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Collection, Iterable
-
 import torch
 
 from engine.block_manager import BlockManager
@@ -109,14 +108,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def kv_ledger(self, pending: Iterable[Request] = (), exclude: Collection[str] = ()) -> KvLedger:
-        """The KV ledger over the scheduler's unfinished requests plus `pending` ones not handed to it yet, without
-        the `exclude` ids (aborted, to be freed at the next step)."""
+    def probe_request(self, prompt_token_ids: list[int], max_tokens: int) -> Request:
+        """A request never queued, to ask what a prompt would need here (admission_need)."""
+        return Request("", list(prompt_token_ids), SamplingParams(max_tokens=max_tokens))
+
+    def kv_ledger(self) -> KvLedger:
+        """The KV ledger over the scheduler's unfinished requests."""
         scheduler = self.scheduler
-        per_request = {r.request_id: scheduler.committed_blocks(r) for r in scheduler.requests.values()
-                       if r.request_id not in exclude}
-        per_request.update({r.request_id: scheduler.committed_blocks(r) for r in pending
-                            if r.request_id not in exclude})
+        per_request = {r.request_id: scheduler.committed_blocks(r) for r in scheduler.requests.values()}
         return KvLedger(
             admission=scheduler.config.admission,
             capacity_blocks=self.block_manager.num_blocks,

@@ -152,8 +152,9 @@ class LLM:
         async def one(i: int) -> tuple[str, _Collected]:
             rid = f"req-{start}-{i}"
             collected = _Collected()
-            async for delta in self._vllm.submit(sampling_params=params_list[i], prompt_token_ids=token_lists[i],
-                                                 request_id=rid):
+            stream = await self._vllm.submit(sampling_params=params_list[i], prompt_token_ids=token_lists[i],
+                                             request_id=rid)
+            async for delta in stream:
                 collected.add(delta)
             return rid, collected
 

@@ -11,7 +11,7 @@ unit of the whole system.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -63,6 +63,26 @@ class RequestDelta:
     # Only on the request's first delta, when it asked for prompt_logprobs: one per prompt token; entry 0 is None,
     # entry i is prompt token i given the tokens before it.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
+    """Consecutive deltas of one request as one: their tokens, text and logprobs in order, the last one's counts and
+    finish, the prompt logprobs of the one that had them."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+    return RequestDelta(
+        request_id=last.request_id,
+        new_token_ids=[t for d in deltas for t in d.new_token_ids],
+        new_text="".join(d.new_text for d in deltas),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        logprobs=logprobs if any(d.logprobs is not None for d in deltas) else None,
+        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+    )
 
 
 @dataclass(frozen=True)
@@ -182,11 +202,12 @@ class EngineClient(Protocol):
     @property
     def tokenizer(self) -> Tokenizer | None: ...
 
-    def submit(self, sampling_params: SamplingParams, prompt_token_ids: list[int], request_id: str,
-               check_kv: bool = False) -> AsyncIterator[RequestDelta]:
-        """Queues a request now, synchronously, and returns its stream of deltas (token ids, text, finish reason).
-        Raises ValueError (never fits, bad token ids), KvFull (check_kv and the ledger cannot admit it now) or
-        EngineDeadError before anything is queued. A caller that never iterates the stream must abort()."""
+    async def submit(self, sampling_params: SamplingParams, prompt_token_ids: list[int], request_id: str,
+                     check_kv: bool = False) -> AsyncIterator[RequestDelta]:
+        """Hands a request to the engine and returns its stream of deltas (token ids, text, finish reason) once the
+        engine took it. Raises ValueError (never fits, bad token ids), KvFull (check_kv and the ledger cannot admit
+        it now) or EngineDeadError, and then nothing is queued. A caller that never iterates the stream must
+        abort()."""
         ...
 
     def abort(self, request_id: str) -> None:
@@ -199,19 +220,23 @@ class EngineClient(Protocol):
         """The logical blocks a new request asks admission for under this engine's policy."""
         ...
 
-    def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
+    async def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
         """The blocks this request would add here now: admission_blocks less the cached blocks of its prefix that
         requests here hold (shared, not added). What submit(check_kv=True) checks."""
         ...
 
-    def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
+    async def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
         """The prefix cache's changes since the reader's (epoch, version), or its whole state
         (engine.prefix_cache); None when prefix caching is off."""
         ...
 
-    def kv_ledger(self) -> KvLedger: ...
+    def kv_ledger(self) -> KvLedger:
+        """The ledger as of the engine's last change it reported: an immutable value."""
+        ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """The stats as of the engine's last step: an immutable value."""
+        ...
 
     async def check_health(self) -> None:
         """Raises if the engine (any rank) is dead."""

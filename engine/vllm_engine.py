@@ -143,13 +143,16 @@ class VllmEngine:
     def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
         return admission_blocks(self.admission, num_prompt_tokens, max_tokens, self.tokens_per_block)
 
-    def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
+    async def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
+        return self._admission_need(prompt_token_ids, max_tokens)
+
+    def _admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
         """The blocks this request would add here now: admission_blocks less the blocks of its cached prefix (the
         longest cached run before its last token) that requests held here reference, shared rather than added."""
         need = self.admission_blocks(len(prompt_token_ids), max_tokens)
         return need - (self.prefix.pinned_hits(prompt_token_ids) if self.prefix is not None else 0)
 
-    def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
+    async def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
         """vLLM's cached prefix blocks (as our hashes) since the reader's (epoch, version), or all of them; None
         when prefix caching is off."""
         return None if self.prefix is None else self.prefix.report(reader_epoch, reader_version)
@@ -159,9 +162,9 @@ class VllmEngine:
         check_fits(self.admission, num_prompt_tokens, max_tokens, self.max_model_len, self.num_blocks,
                    self.tokens_per_block)
 
-    def submit(self, sampling_params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-               request_id: str | None = None, check_kv: bool = False,
-               prompt: str | None = None) -> AsyncIterator[RequestDelta]:
+    async def submit(self, sampling_params: SamplingParams | None = None,
+                     prompt_token_ids: list[int] | None = None, request_id: str | None = None, check_kv: bool = False,
+                     prompt: str | None = None) -> AsyncIterator[RequestDelta]:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
@@ -172,7 +175,7 @@ class VllmEngine:
         if request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
         if check_kv:
-            self.kv_ledger().require(self.admission_need(prompt_token_ids, params.max_tokens))
+            self.kv_ledger().require(self._admission_need(prompt_token_ids, params.max_tokens))
         held = HeldRequest(len(prompt_token_ids), params.max_tokens, token_ids=list(prompt_token_ids))
         self._held[request_id] = held
         if self.prefix is not None:

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from deployments import protocol
 from deployments.choices import Choice, Tokens, completion_choices, pick_best
+from engine.protocol import RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -103,11 +104,10 @@ def test_fields_that_do_not_change_generation_are_accepted() -> None:
 
 def _choice(index: int, prompt_index: int, logprob: float, tokens: list[int]) -> Choice:
     choice = Choice(index, prompt_index, [3, 4], "ab", SamplingParams(), need=1)
-    choice.add({"new_text": "xy", "new_token_ids": tokens, "finished": True, "finish_reason": "length",
-                "num_output_tokens": len(tokens),
-                "logprobs": [{"token_id": t, "logprob": logprob, "rank": 1, "top": [(t, logprob), (0, -9.0)]}
-                             for t in tokens],
-                "prompt_logprobs": [None, {"token_id": 4, "logprob": -1.5, "rank": 2, "top": [(7, -0.5), (4, -1.5)]}]})
+    choice.add(RequestDelta(
+        "t", tokens, "xy", True, "length", 2, len(tokens),
+        logprobs=[TokenLogprob(t, logprob, 1, ((t, logprob), (0, -9.0))) for t in tokens],
+        prompt_logprobs=[None, TokenLogprob(4, -1.5, 2, ((7, -0.5), (4, -1.5)))]))
     return choice
 
 

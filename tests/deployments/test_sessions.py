@@ -9,6 +9,7 @@ from typing import Any
 
 from ray.serve import context as serve_context
 
+from deployments.replica import Accepted
 from deployments.sessions import Sessions
 
 
@@ -29,7 +30,7 @@ class _RecordingEngine:
         self.internal_ids.append(serve_context._get_serve_request_context()._internal_request_id)
 
         async def stream() -> Any:
-            yield {"accepted": True}
+            yield Accepted("r")
 
         return types.SimpleNamespace(__anext__=stream().__anext__, cancel=lambda: None)
 

@@ -91,7 +91,7 @@ def test_never_fits_raises_before_anything_is_queued(tiny: Path) -> None:
 def test_a_request_that_cannot_be_scheduled_does_not_busy_loop(tiny: Path) -> None:
     """Waiting requests that nothing can run (here: every KV block held elsewhere) make the loop wait for an add,
     an abort or IDLE_RETRY_S, not step again at once; the request runs as soon as KV frees up."""
-    from engine.async_engine import IDLE_RETRY_S
+    from engine.core import IDLE_RETRY_S
     from engine.request import Request
 
     async def main() -> None:
@@ -114,11 +114,56 @@ def test_a_request_that_cannot_be_scheduled_does_not_busy_loop(tiny: Path) -> No
             await asyncio.sleep(1.0)
             assert not first.done()
             assert steps <= 1.0 / IDLE_RETRY_S + 3, steps  # a busy loop steps thousands of times a second
-            blocks.free(holder)
+            await engine.call_in_core(lambda _: blocks.free(holder))  # the core's state: changed on its thread
             delta = await asyncio.wait_for(first, timeout=5.0)
             assert delta.new_token_ids
             async for _ in stream:
                 pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tiny: Path) -> None:
+    """A step that raises kills the engine core: each stream in flight ends with EngineDeadError at once (not at a
+    timeout), the health check and every later submit or query raise it, and nothing is left waiting."""
+    from engine.protocol import EngineDeadError
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineArgs(tiny).create_engine_config())
+        step = engine.engine.step
+        steps = 0
+
+        def failing_step():  # noqa: ANN202
+            nonlocal steps
+            steps += 1
+            if steps == 5:
+                raise RuntimeError("a rank went away")
+            return step()
+
+        engine.engine.step = failing_step  # type: ignore[method-assign]
+        params = SamplingParams(temperature=1.0, seed=4, max_tokens=400, ignore_eos=True)
+        try:
+            streams = [await engine.submit(f"prompt {i}", params) for i in range(4)]
+
+            async def drain(stream) -> BaseException | None:  # noqa: ANN001 - an async iterator of deltas
+                try:
+                    async for _ in stream:
+                        pass
+                except BaseException as err:  # noqa: BLE001 - the error is what the test looks at
+                    return err
+                return None
+
+            errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), timeout=10)
+            assert all(isinstance(e, EngineDeadError) and "a rank went away" in str(e) for e in errors), errors
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+            with pytest.raises(EngineDeadError):
+                await engine.submit("after", params)
+            with pytest.raises(EngineDeadError):
+                await engine.admission_need([1, 2, 3], 4)
+            assert not engine.stats().healthy and engine.stats().num_pending == 0
         finally:
             await engine.shutdown()
 

@@ -72,8 +72,9 @@ async def _collect(client: EngineClient, prompt: list[int], params: SamplingPara
                    check_kv: bool = False) -> tuple[list[int], str | None]:
     tokens: list[int] = []
     reason = None
-    async for delta in client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=request_id,
-                                     check_kv=check_kv):
+    stream = await client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=request_id,
+                                 check_kv=check_kv)
+    async for delta in stream:
         tokens += delta.new_token_ids
         if delta.finished:
             reason = delta.finish_reason
@@ -127,22 +128,26 @@ def test_kv_ledger_in_logical_blocks(engine) -> None:
 
 def test_kv_full_refuses_and_nothing_is_lost(engine) -> None:
     """Requests that fill the ledger are held at their full commitment; one more is refused with KvFull before it
-    is queued; when they finish, the ledger is empty and the refused one is accepted."""
+    is queued; when they finish, the ledger is empty and the refused one is accepted. Each prompt starts with a
+    token of its own, so no two share a cached prefix block (the engine steps between two submits)."""
     loop, client = engine
     capacity = client.kv_ledger().capacity_blocks
     per_request = 8  # blocks: 200 prompt + 56 max_tokens = 256 tokens
-    prompt = list(range(20, 220))
+    num_fill = capacity // per_request
+    prompts = [[300 + i] + list(range(21, 220)) for i in range(num_fill + 1)]
+    prompt = prompts[-1]
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=56, ignore_eos=True)
 
     async def run() -> None:
         streams = []
-        for i in range(capacity // per_request):
-            streams.append(client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=f"fill-{i}",
-                                         check_kv=True))
+        for i in range(num_fill):
+            streams.append(await client.submit(sampling_params=params, prompt_token_ids=prompts[i],
+                                               request_id=f"fill-{i}", check_kv=True))
         ledger = client.kv_ledger()
         assert ledger.committed_blocks == len(streams) * per_request
         with pytest.raises(KvFull) as refused:
-            client.submit(sampling_params=params, prompt_token_ids=prompt, request_id="one-more", check_kv=True)
+            await client.submit(sampling_params=params, prompt_token_ids=prompt, request_id="one-more",
+                                check_kv=True)
         assert refused.value.need == per_request and refused.value.free_blocks == capacity % per_request
         assert not client.has_request("one-more")
 
@@ -162,9 +167,9 @@ def test_abort_frees_the_request_inside_the_engine(engine) -> None:
     loop, client = engine
 
     async def run() -> None:
-        stream = client.submit(sampling_params=SamplingParams(temperature=1.0, seed=1, max_tokens=500,
-                                                              ignore_eos=True),
-                               prompt_token_ids=list(range(50, 90)), request_id="to-abort")
+        stream = await client.submit(sampling_params=SamplingParams(temperature=1.0, seed=1, max_tokens=500,
+                                                                    ignore_eos=True),
+                                     prompt_token_ids=list(range(50, 90)), request_id="to-abort")
         seen = 0
         async for delta in stream:
             seen += len(delta.new_token_ids)
@@ -175,7 +180,8 @@ def test_abort_frees_the_request_inside_the_engine(engine) -> None:
         assert stats.kv_blocks_used == 0 or client.backend == "vllm"  # vLLM's usage figure lags one stat record
         assert not client.has_request("to-abort")
         # Never iterated: abort() alone frees it.
-        client.submit(sampling_params=SamplingParams(max_tokens=5), prompt_token_ids=[1, 2, 3], request_id="never")
+        await client.submit(sampling_params=SamplingParams(max_tokens=5), prompt_token_ids=[1, 2, 3],
+                            request_id="never")
         client.abort("never")
         await _settle(client)
 
@@ -197,9 +203,8 @@ def test_an_abort_stops_generation_long_before_the_request_would_end(backend: st
         client = start_engine(args)
         try:
             before = client.stats().generation_tokens
-            stream = client.submit(sampling_params=SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens,
-                                                                  ignore_eos=True),
-                                   prompt_token_ids=[5, 6, 7], request_id="long")
+            params = SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens, ignore_eos=True)
+            stream = await client.submit(sampling_params=params, prompt_token_ids=[5, 6, 7], request_id="long")
             seen = 0
             async for delta in stream:
                 seen += len(delta.new_token_ids)
@@ -226,8 +231,8 @@ def test_bad_requests_are_value_errors_before_queueing(engine, prompt, max_token
 
     async def run() -> None:
         with pytest.raises(ValueError, match=match):
-            client.submit(sampling_params=SamplingParams(max_tokens=max_tokens), prompt_token_ids=prompt,
-                          request_id="bad")
+            await client.submit(sampling_params=SamplingParams(max_tokens=max_tokens), prompt_token_ids=prompt,
+                                request_id="bad")
         assert not client.has_request("bad") and not client.kv_ledger().per_request
 
     loop.run_until_complete(run())

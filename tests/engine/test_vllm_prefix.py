@@ -173,8 +173,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 async def _collect(client, prompt: list[int], request_id: str,  # noqa: ANN001 - a VllmEngine
                    params: SamplingParams = GREEDY) -> list[int]:
-    return [t async for d in client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=request_id)
-            for t in d.new_token_ids]
+    stream = await client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=request_id)
+    return [t async for d in stream for t in d.new_token_ids]
 
 
 async def _until(condition, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
@@ -200,13 +200,13 @@ def test_a_repeated_prompt_is_served_from_the_cache_and_reported_by_our_hashes(c
 
     async def run() -> None:
         index = PrefixIndex()
-        index.apply(client.prefix_report(None, 0))
+        index.apply(await client.prefix_report(None, 0))
         before = client.stats()
         assert before.prefix_caching
         first = await _collect(client, prompt, "first")
         # 100 prompt + 3 fed-back outputs = 103 computed tokens: exactly the prompt's 3 full blocks are cached.
         await _until(lambda: set(expected) <= set(client.prefix.cached_hashes()), "the first request's blocks")
-        report = client.prefix_report(index.epoch, index.version)
+        report = await client.prefix_report(index.epoch, index.version)
         assert not report.full and report.tokens_per_block == BLOCK_SIZE and report.seed == _seed(tiny)
         assert report.changes == {h: CACHED for h in expected}
         index.apply(report)
@@ -217,7 +217,7 @@ def test_a_repeated_prompt_is_served_from_the_cache_and_reported_by_our_hashes(c
         stats = client.stats()
         assert stats.prefix_cache_hits - before.prefix_cache_hits == 3 * BLOCK_SIZE  # the second one's 3 blocks
         assert stats.kv_blocks_cached >= 3
-        index.apply(client.prefix_report(index.epoch, index.version))
+        index.apply(await client.prefix_report(index.epoch, index.version))
         assert {h: index.blocks.get(h) for h in expected} == {h: CACHED for h in expected}
 
     loop.run_until_complete(run())
@@ -236,20 +236,20 @@ def test_a_concurrent_request_sharing_a_prefix_sees_it_pinned_and_the_ledger_cou
 
     async def run() -> None:
         before = client.stats()
-        stream_a = client.submit(sampling_params=long, prompt_token_ids=a, request_id="a", check_kv=True)
+        stream_a = await client.submit(sampling_params=long, prompt_token_ids=a, request_id="a", check_kv=True)
         await stream_a.__anext__()  # a's prefill is done; it decodes on (600 tokens) while b comes and goes
         await _until(lambda: set(shared) <= set(client.prefix.cached_hashes()), "a's prompt blocks")
         index = PrefixIndex()
-        index.apply(client.prefix_report(None, 0))
+        index.apply(await client.prefix_report(None, 0))
         assert {h: index.blocks[h] for h in shared} == {h: PINNED for h in shared}
         assert index.match(prompt_hashes(b, BLOCK_SIZE, _seed(tiny)), BLOCK_SIZE, _seed(tiny)).pinned_blocks == 3
 
         need_a = admission_blocks("full", len(a), 600, BLOCK_SIZE)
         need_b = admission_blocks("full", len(b), 8, BLOCK_SIZE)
-        assert client.admission_need(b, 8) == need_b - 3
+        assert await client.admission_need(b, 8) == need_b - 3
         assert client.kv_ledger().per_request == {"a": need_a}
         params_b = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        stream_b = client.submit(sampling_params=params_b, prompt_token_ids=b, request_id="b", check_kv=True)
+        stream_b = await client.submit(sampling_params=params_b, prompt_token_ids=b, request_id="b", check_kv=True)
         ledger = client.kv_ledger()
         assert ledger.per_request == {"a": need_a, "b": need_b - 3}  # the 3 shared blocks charged to a only
         assert ledger.committed_blocks == need_a + need_b - 3
@@ -265,7 +265,7 @@ def test_a_concurrent_request_sharing_a_prefix_sees_it_pinned_and_the_ledger_cou
                      "b's hits in vLLM's stats")
         await stream_a.aclose()  # a goes away: the prefix is cached, held by none
         await _until(lambda: not client.kv_ledger().per_request and client.stats().num_running == 0, "a's end")
-        index.apply(client.prefix_report(index.epoch, index.version))
+        index.apply(await client.prefix_report(index.epoch, index.version))
         assert {h: index.blocks[h] for h in shared} == {h: CACHED for h in shared}
 
     loop.run_until_complete(run())
@@ -293,9 +293,9 @@ def test_greedy_tokens_are_the_same_with_the_cache_off(cached, uncached, tiny: P
     assert first == again == plain
     assert on.stats().prefix_cache_hits > hits_before
     stats = off.stats()
-    assert off.prefix_report(None, 0) is None
+    assert loop_off.run_until_complete(off.prefix_report(None, 0)) is None
     assert not stats.prefix_caching and stats.prefix_cache_hits == 0 and stats.kv_blocks_cached == 0
-    assert off.admission_need(prompts[0], 4) == off.admission_blocks(len(prompts[0]), 4)
+    assert loop_off.run_until_complete(off.admission_need(prompts[0], 4)) == off.admission_blocks(len(prompts[0]), 4)
 
 
 @pytest.mark.vllm
@@ -309,13 +309,13 @@ def test_evictions_are_reported(cached, tiny: Path) -> None:
 
     async def run() -> None:
         index = PrefixIndex()
-        index.apply(client.prefix_report(None, 0))
+        index.apply(await client.prefix_report(None, 0))
         evictions = client.stats().prefix_cache_evictions
         for k, prompt in enumerate(prompts):
             await _collect(client, prompt, f"evict-{k}", params)
         last = prompt_hashes(prompts[-1], BLOCK_SIZE, _seed(tiny))
         await _until(lambda: set(last) <= set(client.prefix.cached_hashes()), "the last prompt's blocks")
-        report = client.prefix_report(index.epoch, index.version)
+        report = await client.prefix_report(index.epoch, index.version)
         assert EVICTED in report.changes.values()
         index.apply(report)
         assert client.stats().prefix_cache_evictions > evictions
