@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -116,7 +117,9 @@ class Instrumented:
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
             ray.get(self.rank0.__ray_call__.remote(lambda worker: instrument_runner(worker.runner)))
             # The worker group gives each rank Ray's CPUs / tp threads; every rank gets --threads instead.
-            set_threads = lambda worker: torch.set_num_threads(threads)  # noqa: E731
+            def set_threads(worker: object) -> None:
+                torch.set_num_threads(threads)
+
             ray.get([worker.__ray_call__.remote(set_threads) for worker in engine.executor.workers])
         self.decode_calls: list[bool] = []  # per executor call: every sequence of the batch decodes
         self.step_seconds: list[float] = []  # per step that ran the model
@@ -168,9 +171,10 @@ class Instrumented:
         if len(records) != len(self.step_seconds):
             raise RuntimeError(f"{len(records)} rank-0 executes for {len(self.step_seconds)} steps: timings misaligned")
         samples = Samples()
-        samples.prefill.append(sum(seconds for decode, seconds in zip(self.decode_calls, self.step_seconds)
-                                   if not decode))
-        for decode, seconds, (runner, forward, lm_head) in zip(self.decode_calls, self.step_seconds, records):
+        samples.prefill.append(sum(seconds for decode, seconds in
+                                   zip(self.decode_calls, self.step_seconds, strict=False) if not decode))
+        for decode, seconds, (runner, forward, lm_head) in zip(self.decode_calls, self.step_seconds, records,
+                                                               strict=False):
             if decode:
                 samples.step.append(seconds)
                 samples.runner.append(runner)
@@ -218,7 +222,7 @@ class VllmInstrumented:
 
         params = VllmParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
-        for rid, prompt in zip(self.ids, self.prompts):
+        for rid, prompt in zip(self.ids, self.prompts, strict=True):
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
         first_done: float | None = None
         while self.engine.has_unfinished_requests():
@@ -283,7 +287,7 @@ def hf_generate(
         )
     if out.shape[1] != input_ids.shape[1] + max_tokens or len(called) != max_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
-    steps = [next_call - back for back, next_call in zip(returned, called[1:])]
+    steps = [next_call - back for back, next_call in zip(returned, called[1:], strict=False)]
     return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:],
                                                           prefill=model.bench_forward[:1])
 
@@ -347,4 +351,4 @@ def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], 
 
 
 def console_line(cells: list[str] | tuple[str, ...], widths: tuple[int, ...]) -> str:
-    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=False))

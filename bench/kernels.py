@@ -22,21 +22,21 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.docs_section import DocsSection  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, triton  # noqa: E402
-from kernels.combine import combine_lse, combine_lse_ref  # noqa: E402
-from kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref  # noqa
+from bench.docs_section import DocsSection
+from kernels._triton import HAS_TRITON, triton
+from kernels.combine import combine_lse, combine_lse_ref
+from kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref
 
 BLOCK_SIZE = 16
 
@@ -329,7 +329,7 @@ def header_lines(
 
 
 def console_line(cells: list[str] | tuple[str, ...]) -> str:
-    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS, strict=False))
 
 
 def markdown_section(shape: Shape, command: str, info: list[str], rows: list[Row], notes: list[str]) -> str:

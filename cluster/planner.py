@@ -199,7 +199,7 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
     lines.append("")
     for cells in table:
         # Right-aligned numbers, left-aligned note.
-        text = "  ".join(cell.rjust(width) for cell, width in zip(cells[:-1], widths[:-1]))
+        text = "  ".join(cell.rjust(width) for cell, width in zip(cells[:-1], widths[:-1], strict=True))
         lines.append(f"{text}  {cells[-1]}".rstrip())
     lines.append("")
     lines.append("Weights and KV cache only: activations, CUDA graphs and communication buffers are not counted.")

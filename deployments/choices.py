@@ -78,7 +78,7 @@ class Tokens:
     def vllm_prompt_logprobs(self, prompt_ids: list[int], entries: list[dict[str, Any] | None]) -> list[Any]:
         """vLLM's prompt_logprobs shape: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
         out: list[Any] = []
-        for token_id, entry in zip(prompt_ids, entries):
+        for token_id, entry in zip(prompt_ids, entries, strict=False):
             if entry is None:
                 out.append(None)
                 continue
@@ -118,9 +118,9 @@ def completion_choices(body: protocol.CompletionRequest, choices: list[Choice], 
             entries: list[protocol.LogprobEntry] = []
             if body.echo:
                 prompt_lp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
-                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.prompt_ids, prompt_lp)]
+                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)]
             if not score_only:
-                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.token_ids, choice.logprobs)]
+                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.token_ids, choice.logprobs, strict=False)]
             logprobs = protocol.completion_logprobs(entries)
         prompt_logprobs = None
         if body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
@@ -138,7 +138,7 @@ def chat_choices(body: protocol.ChatCompletionRequest, choices: list[Choice], to
         if body.logprobs:
             k = body.top_logprobs or 0
             logprobs = protocol.chat_logprobs([tokens.entry(lp, t, k)
-                                               for t, lp in zip(choice.token_ids, choice.logprobs)])
+                                               for t, lp in zip(choice.token_ids, choice.logprobs, strict=False)])
         out.append(protocol.chat_choice(choice.index, "".join(choice.text), choice.finish, logprobs))
     return out
 

@@ -87,9 +87,11 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    served_model_name: str | None = Field(None, description="the `model` name clients send (default: the directory name)")
+    served_model_name: str | None = Field(
+        None, description="the `model` name clients send (default: the directory name)")
     # ---- admission ----
-    max_queued_requests: int = Field(64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
+    max_queued_requests: int = Field(
+        64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue; past it -> 429")
     retry_after_s: int = Field(5, ge=1, description="the Retry-After header of a 429")
     dispatch_timeout_s: float = Field(

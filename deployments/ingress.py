@@ -36,6 +36,7 @@ from engine.protocol import model_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
+
 # Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
 # this module (and deployments.http_edge, where `api` lives), and the routes must be bound to the class there too.
 @serve.ingress(api)
@@ -216,7 +217,8 @@ class OpenAIIngress:
         if body.stream:
             return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts),
                                      media_type="text/event-stream")
-        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions)), return_exceptions=True)
+        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions, strict=True)),
+                                       return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
@@ -276,7 +278,8 @@ class OpenAIIngress:
                     if body.logprobs is not None:
                         prompt_lp = delta.get("prompt_logprobs") or [None] * len(choice.prompt_ids)
                         logprobs = protocol.completion_logprobs(
-                            [tokens.entry(lp, t, body.logprobs) for t, lp in zip(choice.prompt_ids, prompt_lp)])
+                            [tokens.entry(lp, t, body.logprobs)
+                             for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)])
                     yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
                         choice.index, choice.prompt_text or "", None, logprobs)))
                 finish = delta["finish_reason"] if delta["finished"] else None
@@ -289,7 +292,7 @@ class OpenAIIngress:
                     continue
                 k_top = body.logprobs if not chat else (body.top_logprobs or 0)
                 entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
-                           zip(delta["new_token_ids"], delta.get("logprobs") or [])]
+                           zip(delta["new_token_ids"], delta.get("logprobs") or [], strict=False)]
                 if chat:
                     logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
                     yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,

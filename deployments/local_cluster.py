@@ -59,7 +59,8 @@ class LocalSettings:
         env = os.environ
         model = env.get("DCPSERVE_MODEL", "tiny")
         if model not in TINY_MODELS:
-            raise SystemExit(f"DCPSERVE_MODEL (make serve MODEL=...) must be one of {sorted(TINY_MODELS)}, got {model!r}")
+            raise SystemExit(
+                f"DCPSERVE_MODEL (make serve MODEL=...) must be one of {sorted(TINY_MODELS)}, got {model!r}")
         return cls(
             http_port=int(env.get("DCPSERVE_PORT", "8000")),
             ray_port=int(env.get("DCPSERVE_RAY_PORT", "6390")),
@@ -161,8 +162,8 @@ def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path) -> 
     # one machine would collide. Ray reads them from these variables only.
     env = {**env, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
     log = open(settings.state_dir / "ray_head.log", "wb")  # noqa: SIM115 - lives as long as the head
-    say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, temp dir {temp_dir}); "
-        f"log: {log.name}")
+    say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, "
+        f"temp dir {temp_dir}); log: {log.name}")
     # A session of its own: Ctrl-C goes to this script only, and stopping means signalling exactly this group.
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -286,7 +287,8 @@ def print_banner(settings: LocalSettings, model_name: str) -> None:
     # The key itself is never printed: the examples read it from the environment.
     auth = " -H \"Authorization: Bearer $DCPSERVE_API_KEY\"" if settings.api_key_env else ""
     key = "os.environ['DCPSERVE_API_KEY']" if settings.api_key_env else "'none'"
-    access = "API keys: required (DCPSERVE_API_KEY)" if settings.api_key_env else "API keys: none (set DCPSERVE_API_KEY)"
+    access = ("API keys: required (DCPSERVE_API_KEY)" if settings.api_key_env
+              else "API keys: none (set DCPSERVE_API_KEY)")
     print(f"""
 dcpserve is serving {model_name!r} (tiny random-weight model: the text is gibberish, the system is real)
 

@@ -94,7 +94,8 @@ class ReplicaMetrics:
                  admission: str = "usage") -> None:
         self.kv_capacity = _gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
         self.kv_used = _gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
-        self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens", "KV tokens promised to admitted requests, not yet allocated")
+        self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens",
+                                  "KV tokens promised to admitted requests, not yet allocated")
         self.kv_usage = _gauge("dcpserve_kv_usage_ratio", "allocated KV blocks / all KV blocks")
         self.kv_held = _gauge("dcpserve_kv_held_tokens", "KV tokens the admission policy commits to accepted requests")
         self.kv_headroom = _gauge("dcpserve_kv_headroom_tokens", "KV tokens usage admission keeps free as growth room")
@@ -108,7 +109,8 @@ class ReplicaMetrics:
         self.layout = _gauge("dcpserve_layout_info", "1, labelled with the replica's TP x DCP layout",
                              ("tp", "dcp", "kv_heads", "kv_head_copies", "duplication_removed"))
         self.running = _gauge("dcpserve_sequences_running", "sequences the engine is running")
-        self.waiting = _gauge("dcpserve_sequences_waiting", "sequences waiting inside the engine (accepted, not running)")
+        self.waiting = _gauge("dcpserve_sequences_waiting",
+                              "sequences waiting inside the engine (accepted, not running)")
         self.target = _gauge("dcpserve_autoscaling_target_sequences_per_replica",
                              "the autoscaling policy's target_sequences_per_replica")
         self.healthy = _gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")

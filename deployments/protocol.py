@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.sampling_params import SamplingParams
 
-
 # Stop sequences: OpenAI's own count limit, and a length bound (every step scans the text's tail for each).
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256

@@ -120,7 +120,7 @@ class Sessions:
                     delta = await asyncio.wait_for(stream.__anext__(), timeout=max(request_deadline - loop.time(), 0))
                 except StopAsyncIteration:
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
                                    f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
                 now = loop.time()
@@ -139,7 +139,7 @@ class Sessions:
             raise
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001 - an engine failure becomes an OpenAI error
+        except Exception as err:  # an engine failure becomes an OpenAI error (logged with its traceback)
             logger.exception("request %s failed", ticket)
             raise ApiError(500 if stream is not None else 503, f"the engine failed: {err}") from None
         finally:
@@ -166,7 +166,7 @@ class Sessions:
         timeout = self.args.dispatch_timeout_s
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stream.cancel()
             return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
         except StopAsyncIteration:

@@ -87,7 +87,8 @@ class ModelConfig:
         return cls.from_dict(raw, generation, source=str(config_path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config") -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                  source: str = "config") -> ModelConfig:
         architectures = raw.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
@@ -117,9 +118,11 @@ class ModelConfig:
             # head_dim describe transformers' expanded heads, which are never cached).
             kv_heads, head_dim = 1, mla.cache_head_dim
         if heads % kv_heads != 0:
-            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         rope_params = raw.get("rope_parameters") or {}
-        rope_scaling_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+        rope_scaling_raw = raw.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type") not in (None, "default") else None)
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         scaling = None
         if rope_scaling_raw:

@@ -76,8 +76,9 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Se
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     return [
         TokenLogprob(token_id=int(token), logprob=value, rank=rank,
-                     top=tuple(zip(top_ids[i][:count], top_values[i][:count])))
-        for i, (token, value, rank, count) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks, num_top))
+                     top=tuple(zip(top_ids[i][:count], top_values[i][:count], strict=True)))
+        for i, (token, value, rank, count) in enumerate(
+            zip(token_ids, chosen[:, 0].tolist(), ranks, num_top, strict=True))
     ]
 
 
@@ -207,7 +208,7 @@ class Sampler:
             seeded = [(j, i) for j, i in enumerate(random_rows) if rows[i].params.seed is not None]
             if seeded:  # a seeded row draws from its own generator, whatever the batch
                 seeded_probs = probs[torch.tensor([j for j, _ in seeded], device=device)].cpu()
-                for (_, i), row_probs in zip(seeded, seeded_probs):
+                for (_, i), row_probs in zip(seeded, seeded_probs, strict=True):
                     generator = self._generator(rows[i].request_id, rows[i].params)
                     seeded_tokens[i] = int(torch.multinomial(row_probs, 1, generator=generator))
         tokens = token_ids.tolist()
@@ -216,7 +217,7 @@ class Sampler:
         if raw_logprobs is not None:
             entries = token_logprobs(raw_logprobs, [tokens[i] for i in wants_logprobs],
                                      [rows[i].params.logprobs or 0 for i in wants_logprobs])
-            for i, entry in zip(wants_logprobs, entries):
+            for i, entry in zip(wants_logprobs, entries, strict=True):
                 logprobs[i] = entry
         return SamplerOutput(tokens, logprobs)
 

@@ -261,7 +261,7 @@ def paged_decode_attention_cpu(
         return out, lse
     out.zero_()
     lse.fill_(float("-inf"))
-    for seqs, pages, masks in zip(plan.pieces, plan.piece_pages, plan.masks):
+    for seqs, pages, masks in zip(plan.pieces, plan.piece_pages, plan.masks, strict=True):
         result, result_lse = _attend_context(queries[seqs], k_cache, v_cache, pages, masks, scale, value_dim)
         out.index_copy_(0, seqs, result[:, 0].to(out.dtype))
         lse.index_copy_(0, seqs, result_lse[:, 0].to(lse.dtype))

@@ -11,8 +11,9 @@ until the cyclic garbage collector runs, possibly at interpreter shutdown, where
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 

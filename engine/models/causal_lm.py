@@ -71,7 +71,7 @@ class DecoderModel(EngineModule):
             )
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, self.rope_dtype or hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return self.norm(hidden)
 

@@ -8,7 +8,7 @@ missing, unexpected or repeated tensor.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

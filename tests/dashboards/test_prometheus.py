@@ -23,16 +23,17 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import yaml
 
 from deployments import local_cluster, observe
-from tests.e2e.cluster import CAPACITY_BLOCKS, ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"
@@ -112,7 +113,7 @@ def evicting_prompt(backend: Backend) -> list[int]:
 
 @pytest.fixture(scope="module", params=[pytest.param(NATIVE, id="native"),
                                         pytest.param(VLLM, id="vllm", marks=pytest.mark.vllm)])
-def stack(request: pytest.FixtureRequest, ray_head, tmp_path_factory: pytest.TempPathFactory  # noqa: ANN001
+def stack(request: pytest.FixtureRequest, ray_head: RayHead, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
     backend: Backend = request.param
     binary = shutil.which("prometheus")
@@ -220,7 +221,8 @@ def drive_load(stack: Stack) -> dict[str, int]:
     return statuses
 
 
-async def wait_until(read, done, what: str, timeout_s: float = 60.0):  # noqa: ANN001, ANN201
+async def wait_until(read: Callable[[], Awaitable[Any]], done: Callable[[Any], bool], what: str,
+                     timeout_s: float = 60.0) -> Any:
     """Awaits read() until done(its result); AssertionError with the last result after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:

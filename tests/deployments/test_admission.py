@@ -334,7 +334,8 @@ def test_prefix_affinity_never_piles_requests_onto_one_replica_while_another_idl
         assert await queue.acquire("t0", 21, 1.0, ask=ask_for(system + [0])) == "a"
         writer = PrefixReporter(32, SEED)
         for block in prompt_hashes(system, 32, SEED):
-            writer.set(block, PINNED)  # t0 runs on a and holds the system prompt (19 whole blocks before its last token)
+            # t0 runs on a and holds the system prompt (19 whole blocks before its last token).
+            writer.set(block, PINNED)
         cache_report(writer, queue, "a", 100, {"t0": 21})
         granted = [await queue.acquire(f"t{i}", 21, 1.0, ask=ask_for(system + [i])) for i in range(1, 5)]
         # a wins on cost every time, but with 3 sequences against none (past least + 2) b takes the next one; then

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = REPO / ".venv-clients" / "bin"
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     args = tiny_app_args(MODEL, kv_cache_memory_bytes=1 << 20, max_num_seqs=16, max_queued_requests=64)
     with deploy_app(ray_head, args) as running:
         yield running
@@ -250,4 +250,5 @@ def test_lm_eval_local_completions_scores_as_transformers(cluster: ServeCluster,
                             f"pretrained={cluster.model_dir},dtype=float32,add_bos_token=True")
     assert served[0] == reference[0]
     assert len(served[1]) == len(reference[1]) == 36
-    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(served[1], reference[1])), (served[1], reference[1])
+    assert all(math.isclose(a, b, abs_tol=1e-3)
+               for a, b in zip(served[1], reference[1], strict=True)), (served[1], reference[1])

@@ -12,20 +12,25 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from tests.e2e.cluster import (
     CAPACITY_BLOCKS,
+    RayHead,
     ServeCluster,
     deploy_app,
     non_loopback_listeners,
     serve_inter_deployment_grpc_ports,
     tiny_app_args,
 )
+
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -38,7 +43,7 @@ APP_ARGS = tiny_app_args(MODEL, admission="full", max_queued_requests=2, queue_t
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS, via_cli=True) as running:
         yield running
 
@@ -53,7 +58,7 @@ def model_dir(cluster: ServeCluster) -> Path:
     return cluster.model_dir
 
 
-def client(server: str):  # noqa: ANN201 - openai.OpenAI
+def client(server: str) -> openai.OpenAI:
     import openai
 
     return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
@@ -159,7 +164,7 @@ BURST_PROMPT_TOKENS = 380
 HELD = {"held-19": 19, "held-13": 13}
 
 
-async def _wait_until(check, what: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001 - async () -> object
+async def _wait_until(check: Callable[[], Awaitable[object]], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not (seen := await check()):
         if time.monotonic() > deadline:

@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -48,7 +48,7 @@ PROMPTS = [[7], list(range(10, 42)), list(range(100, 171))]
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS, deploy_timeout_s=400) as running:
         yield running
 

@@ -148,7 +148,7 @@ class PagedRunner:
                 sampled.append(seq)
         if sampled:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float().cpu()
-            for seq, row_logits in zip(sampled, logits):
+            for seq, row_logits in zip(sampled, logits, strict=True):
                 seq.logits.append(row_logits)
                 seq.tokens.append(int(row_logits.argmax()))
 

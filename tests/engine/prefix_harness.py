@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine.engine import LLMEngine
 from engine.llm import LLM
+from engine.outputs import ModelRunnerOutput
 from engine.protocol import TokenLogprob
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -97,7 +98,7 @@ def run_reference(llm: LLM, steps: list[ScenarioStep]) -> list[tuple[str, list[i
     history = [(prompt, first.outputs[0].token_ids)]
     rest = [step(history) for step in steps[1:]]
     outputs = llm.generate(prompt_token_ids=[p for _, p, _ in rest], sampling_params=[p for _, _, p in rest])
-    done += [(what, prompt, params, output) for (what, prompt, params), output in zip(rest, outputs)]
+    done += [(what, prompt, params, output) for (what, prompt, params), output in zip(rest, outputs, strict=True)]
     stats = llm.engine.stats()
     assert not stats.prefix_caching and stats.prefix_cache_queries == stats.prefix_cache_hits == 0
     assert stats.kv_blocks_cached == 0
@@ -146,11 +147,11 @@ def assert_same_output(output: RequestOutput, expected: RequestOutput, where: st
 
 def assert_same_logprobs(got: list[TokenLogprob], want: list[TokenLogprob], where: str) -> None:
     assert len(got) == len(want), where
-    for j, (a, b) in enumerate(zip(got, want)):
+    for j, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.token_id == b.token_id and a.rank == b.rank, f"{where} {j}"
         assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{where} {j}: {a.logprob} vs {b.logprob}"
         assert [t for t, _ in a.top] == [t for t, _ in b.top], f"{where} {j}: top tokens"
-        for (_, x), (_, y) in zip(a.top, b.top):
+        for (_, x), (_, y) in zip(a.top, b.top, strict=True):
             assert abs(x - y) <= LOGPROB_ATOL, f"{where} {j}: top logprobs {a.top} vs {b.top}"
 
 
@@ -159,7 +160,7 @@ def spy_steps(engine: LLMEngine) -> list[SchedulerOutput]:
     seen: list[SchedulerOutput] = []
     execute = engine.executor.execute
 
-    def recording(output: SchedulerOutput):  # noqa: ANN202 - whatever the executor returns
+    def recording(output: SchedulerOutput) -> ModelRunnerOutput:
         seen.append(output)
         return execute(output)
 
@@ -210,6 +211,6 @@ def check_preempted_request_hits_its_own_blocks(model: Path, block_size: int, tp
         stats = llm.engine.stats()
     assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
     assert readmissions_with_hits(steps) == [("req-1", 2 * tpb)]
-    for output, want in zip(outputs, expected):
+    for output, want in zip(outputs, expected, strict=True):
         assert_same_output(output, want, f"tp={tp} dcp={dcp}, prompt of {len(output.prompt_token_ids)}")
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0

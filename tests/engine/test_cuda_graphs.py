@@ -6,12 +6,14 @@ the test at the end, which runs there."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, emulated_capture
+from engine.cuda_graphs import Capture, DecodeGraphs, emulated_capture
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
@@ -28,7 +30,7 @@ def _llm(tiny: Path, **kwargs: object) -> LLM:
     return LLM(tiny, block_size=8, max_num_seqs=16, kv_cache_memory_bytes=4 << 20, **kwargs)
 
 
-def _capture(llm: LLM, sizes: tuple[int, ...] = SIZES, capture=emulated_capture) -> None:  # noqa: ANN001
+def _capture(llm: LLM, sizes: tuple[int, ...] = SIZES, capture: Capture = emulated_capture) -> None:
     runner = llm.engine.executor.runner
     runner.capture_decode_graphs(capture)
     if runner.decode_graphs is not None and sizes != tuple(runner.decode_graphs.sizes):
@@ -57,9 +59,9 @@ def test_graph_replays_equal_the_eager_engine(tiny: Path) -> None:
         got = graphed.generate(prompt_token_ids=prompts, sampling_params=params)
         graphs = graphed.engine.executor.runner.decode_graphs
     assert graphs is not None and graphs.replays > 0
-    for want, have in zip(expected, got):
+    for want, have in zip(expected, got, strict=True):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
-        for a, b in zip(have.outputs[0].logprobs, want.outputs[0].logprobs):
+        for a, b in zip(have.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
 
 
@@ -95,10 +97,11 @@ def test_padding_rows_store_nothing(tiny: Path) -> None:
 
 
 def test_a_failed_or_wrong_capture_leaves_decode_eager(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
-    def failing(fn):  # noqa: ANN001, ANN202
+    def failing(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         raise RuntimeError("capture not permitted")
 
-    def stale(fn):  # noqa: ANN001, ANN202 - a "graph" whose replay never updates its output
+    def stale(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
+        """A "graph" whose replay never updates its output."""
         output = fn()
         return (lambda: None), output
 

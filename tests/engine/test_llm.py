@@ -53,7 +53,7 @@ def test_greedy_batch_equals_transformers(model_name: str, chunked: bool, reques
     options = {"max_num_batched_tokens": 24} if chunked else {"enable_chunked_prefill": False, "max_model_len": 512}
     with LLM(model_dir, **options) as llm:
         outputs = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
-    for tokens, output in zip(batch, outputs):
+    for tokens, output in zip(batch, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(model_dir, tokens, 32)
         assert output.outputs[0].finish_reason == "length"
 
@@ -127,7 +127,7 @@ def test_preempted_requests_recompute_to_the_same_tokens(tiny: Path) -> None:
         stats = llm.engine.stats()
     assert greedy_preemptions > 0 and stats.num_preemptions > greedy_preemptions
     assert stats.num_recomputed_tokens > 0
-    for tokens, output in zip(batch, greedy_out):
+    for tokens, output in zip(batch, greedy_out, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(tiny, tokens, 24)
     with LLM(tiny, block_size=4) as roomy:  # 128 MiB: no preemption
         expected = roomy.generate(prompt_token_ids=batch, sampling_params=sampled)
@@ -191,6 +191,6 @@ def test_stale_or_poisoned_kv_never_reaches_another_request(tiny: Path) -> None:
             v_cache[victim.block_ids] = float("nan")
         while engine.has_unfinished_requests():
             step()
-    for request_id, want in zip(ids, expected):
+    for request_id, want in zip(ids, expected, strict=True):
         if request_id != victim.request_id:
             assert tokens[request_id] == want, request_id

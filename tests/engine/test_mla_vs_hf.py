@@ -13,8 +13,9 @@ in chunks that cut blocks, then decodes 24 tokens.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -16,8 +16,9 @@ import gc
 import json
 import socket
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -116,14 +117,14 @@ def scenarios(dcp: int) -> tuple[Scenario, ...]:
     return (Scenario(prompts, prefill_chunk=block + 1, max_new_tokens=MAX_NEW_TOKENS),)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(model_dir: str, dtype: str = "float32") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_reference(model_dir: str, tokens: tuple[int, ...], max_new_tokens: int,
                  dtype: str = "float32") -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens, and its full-forward logits (as fp32) at every position that chose one of them,
@@ -158,7 +159,8 @@ def check_against_hf(job: Job, results: dict[str, list], atol: float = LOGITS_AT
             ours_tokens, ours_logits = results["tokens"][index], results["logits"][index]
             index += 1
             where = f"{name}, prompt of {len(tokens)} tokens in a batch of {len(scenario.prompts)}"
-            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens)) if a != b), len(ref_tokens))
+            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens, strict=False)) if a != b),
+                        len(ref_tokens))
             steps = min(same + 1, len(ref_tokens))
             error = (ours_logits[:steps] - ref_logits[:steps]).abs().amax(dim=-1)
             assert float(error.max()) <= atol, f"{where}: logits differ by {error.tolist()} per step"
@@ -263,7 +265,7 @@ def test_multi_rank_matches_transformers(
         check_against_hf(job, per_rank[0])
         for rank, other in enumerate(per_rank[1:], start=1):
             assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
-            for a, b in zip(other["logits"], per_rank[0]["logits"]):
+            for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{job.name}: rank {rank} logits differ")
 
 

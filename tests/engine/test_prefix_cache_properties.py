@@ -33,9 +33,10 @@ SEED = b"test-seed"
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random lifecycles of requests whose tokens come from a 2-token alphabet (so prefixes repeat), driven the way
     the scheduler drives the block manager: admit (takes the cached run), allocate + compute + cache_computed,
-    sample, finish, preempt; and reports of the cache to a reader, some lost. The model kept here: which request holds which block in which order (the charged
-    holder is the first of the current holders), what tokens were written into each block's slots and the token
-    run from the start of its sequence, the order unreferenced cached blocks were released in (LRU)."""
+    sample, finish, preempt; and reports of the cache to a reader, some lost. The model kept here: which request
+    holds which block in which order (the charged holder is the first of the current holders), what tokens were
+    written into each block's slots and the token run from the start of its sequence, the order unreferenced cached
+    blocks were released in (LRU)."""
 
     @initialize(block_size=st.sampled_from([1, 2, 3]), dcp=st.sampled_from([1, 2]), num_blocks=st.integers(2, 12))
     def setup(self, block_size: int, dcp: int, num_blocks: int) -> None:

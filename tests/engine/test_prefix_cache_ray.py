@@ -9,6 +9,7 @@ back after its own cached blocks to the same tokens."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -31,7 +32,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def skip_without_gpus(ray_module, tp: int) -> None:  # noqa: ANN001 - the ray module
+def skip_without_gpus(ray_module: ModuleType, tp: int) -> None:
     if ray_module.cluster_resources().get("GPU", 0) < tp:
         pytest.skip(f"needs {tp} (logical) GPUs")
 

@@ -4,6 +4,7 @@ greedy tokens as Hugging Face transformers, and DCP multiplies KV capacity and c
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -28,7 +29,7 @@ def hf_expected(tiny: Path) -> dict[tuple[int, ...], list[int]]:
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 2 blocks, 71, short
 
 
-def skip_without_gpus(ray_module, tp: int) -> None:  # noqa: ANN001 - the ray module
+def skip_without_gpus(ray_module: ModuleType, tp: int) -> None:
     if ray_module.cluster_resources().get("GPU", 0) < tp:
         pytest.skip(f"needs {tp} (logical) GPUs")
 
@@ -40,7 +41,7 @@ def test_worker_group_greedy_equals_transformers(tp: int, dcp: int, tiny: Path, 
     with LLM(tiny, tensor_parallel_size=tp, decode_context_parallel_size=dcp, max_num_batched_tokens=40) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         stats = llm.engine.stats()
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"tp={tp} dcp={dcp} prompt of {len(prompt)}"
     assert stats.tp == tp and stats.dcp == dcp and len(stats.per_rank) == tp
     assert stats.kv_blocks_used == 0  # everything finished and freed
@@ -59,7 +60,7 @@ def test_preempted_requests_recompute_to_the_same_greedy_tokens_at_tp2_dcp2(tiny
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         stats = llm.engine.stats()
     assert stats.kv_blocks_total == 16 and stats.num_preemptions > 0, stats
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"prompt of {len(prompt)}"
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
 

@@ -60,7 +60,7 @@ def check_entry(entry: TokenLogprob, expected: torch.Tensor, token: int, num_top
     assert 1 + higher <= entry.rank <= 1 + not_lower, f"{where}: rank {entry.rank}, expected {1 + higher}"
     assert len(entry.top) == num_top, where
     top_values = expected.topk(num_top).values.tolist() if num_top else []
-    for (top_id, value), best in zip(entry.top, top_values):
+    for (top_id, value), best in zip(entry.top, top_values, strict=True):
         assert abs(value - best) <= LOGPROB_ATOL, f"{where}: top {entry.top} vs {top_values}"
         assert abs(value - float(expected[top_id])) <= LOGPROB_ATOL, f"{where}: top token {top_id}"
 
@@ -72,7 +72,7 @@ def check_logprobs(hf: torch.nn.Module, prompt: list[int], output: RequestOutput
     expected = hf_logprobs(hf, prompt + tokens)
     logprobs = output.outputs[0].logprobs
     assert logprobs is not None and len(logprobs) == len(tokens), where
-    for j, (entry, token) in enumerate(zip(logprobs, tokens)):
+    for j, (entry, token) in enumerate(zip(logprobs, tokens, strict=True)):
         check_entry(entry, expected[len(prompt) - 1 + j], token, params.logprobs or 0, f"{where}, output {j}")
     prompt_logprobs = output.prompt_logprobs
     assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt), where
@@ -95,7 +95,7 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(tiny: Path, hf: torch.n
     prompts = PROMPTS + [[5, 6], list(range(60, 80))]
     with LLM(tiny, **SMALL_BUDGET) as llm:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    for prompt, output, p in zip(prompts, outputs, params):
+    for prompt, output, p in zip(prompts, outputs, params, strict=True):
         if p is other:
             assert output.outputs[0].logprobs is None and output.prompt_logprobs is None
             continue
@@ -115,7 +115,7 @@ def test_logprobs_equal_transformers_at_tp2_dcp2(tiny: Path, hf: torch.nn.Module
     with LLM(tiny, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4, **SMALL_BUDGET) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS + [PROMPTS[1]],
                                sampling_params=[LOGPROB_PARAMS] * len(PROMPTS) + [penalized])
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=False):
         check_logprobs(hf, prompt, output, LOGPROB_PARAMS, f"tp=2 dcp=2, prompt of {len(prompt)}")
     assert outputs[-1].outputs[0].token_ids == reference_greedy(hf, PROMPTS[1], penalized)
 
@@ -166,7 +166,7 @@ def test_penalties_and_logit_bias_equal_a_reference(tiny: Path, hf: torch.nn.Mod
         outputs = llm.generate(prompt_token_ids=[p for p, _ in cases], sampling_params=[s for _, s in cases])
         plain = llm.generate(prompt_token_ids=[p for p, _ in cases],
                              sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for (prompt, params), output, unpenalized in zip(cases, outputs, plain):
+    for (prompt, params), output, unpenalized in zip(cases, outputs, plain, strict=True):
         tokens = output.outputs[0].token_ids
         assert tokens == reference_greedy(hf, prompt, params), f"prompt of {len(prompt)}: {params}"
         if params != SamplingParams(temperature=0, max_tokens=16, ignore_eos=True):
@@ -181,7 +181,7 @@ def test_penalties_survive_preemption(tiny: Path, hf: torch.nn.Module) -> None:
     with LLM(tiny, **tight, **SMALL_BUDGET) as llm:
         outputs = llm.generate(prompt_token_ids=[p for p, _ in cases], sampling_params=[s for _, s in cases])
         assert llm.engine.stats().num_preemptions > 0
-    for (prompt, params), output in zip(cases, outputs):
+    for (prompt, params), output in zip(cases, outputs, strict=True):
         assert output.outputs[0].token_ids == reference_greedy(hf, prompt, params), f"prompt of {len(prompt)}"
 
 
@@ -390,9 +390,9 @@ def test_vllm_backend_logprobs_and_pass_through(tiny: Path, hf: torch.nn.Module)
             temperature=1.0, max_tokens=4, ignore_eos=True, logit_bias={123: 100}))[0]
         held = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(
             temperature=0, max_tokens=20, logit_bias={eos: 100}, min_tokens=5))[0].outputs[0]
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         check_logprobs(hf, prompt, output, unseeded, f"vLLM, prompt of {len(prompt)}")
-    for (prompt, params), output in zip(cases, penalized):
+    for (prompt, params), output in zip(cases, penalized, strict=True):
         assert output.outputs[0].token_ids == reference_greedy(hf, prompt, params), f"vLLM: {params}"
     assert forced.outputs[0].token_ids == [123] * 4
     assert len(held.token_ids) == 6 and held.token_ids[5] == eos and eos not in held.token_ids[:5]

@@ -49,7 +49,8 @@ def test_chunked_prefill_then_decode_follows_the_invariant() -> None:
     scheduler = make(max_num_batched_tokens=8)
     scheduler.add_request(req("a", prompt=20, max_tokens=3))
     chunks = [run_step(scheduler).scheduled[0] for _ in range(3)]
-    assert [(c.start_position, len(c.token_ids), c.sample) for c in chunks] == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert [(c.start_position, len(c.token_ids), c.sample) for c in chunks] == [
+        (0, 8, False), (8, 8, False), (16, 4, True)]
     decode = run_step(scheduler).scheduled[0]
     assert decode.is_decode and decode.start_position == 20 and decode.token_ids == [7]
     run_step(scheduler)

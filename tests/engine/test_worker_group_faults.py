@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -38,7 +39,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def llm(tiny: Path, ray_cluster) -> Iterator[LLM]:  # noqa: ANN001 - the ray module
+def llm(tiny: Path, ray_cluster: ModuleType) -> Iterator[LLM]:
     if ray_cluster.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("needs 2 (logical) GPUs")
     import ray.cloudpickle
@@ -145,7 +146,7 @@ def test_sigkill_of_a_rank_mid_step_fails_the_step_and_health_at_once(llm: LLM) 
 
 
 def test_async_engine_ends_every_stream_and_fails_health_when_a_rank_dies(
-    tiny: Path, ray_cluster  # noqa: ANN001 - the ray module
+    tiny: Path, ray_cluster: ModuleType
 ) -> None:
     if ray_cluster.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("needs 2 (logical) GPUs")
@@ -177,7 +178,7 @@ def test_async_engine_ends_every_stream_and_fails_health_when_a_rank_dies(
 
 
 def test_a_16k_token_prompt_with_prompt_logprobs_equals_the_in_process_engine(
-    tmp_path: Path, ray_cluster  # noqa: ANN001 - the ray module
+    tmp_path: Path, ray_cluster: ModuleType
 ) -> None:
     """The steps of a long prompt and their large replies (4096 positions of prompt logprobs with the top 5 each,
     ~0.4 MB pickled) cross the step channel intact: tokens equal and logprobs close to tp=1's, which has no channel."""
@@ -195,12 +196,13 @@ def test_a_16k_token_prompt_with_prompt_logprobs_equals_the_in_process_engine(
     assert grouped.outputs[0].token_ids == single.outputs[0].token_ids
     assert len(grouped.prompt_logprobs) == len(single.prompt_logprobs) == len(prompt)
     worst = 0.0
-    for position, (ours, reference) in enumerate(zip(grouped.prompt_logprobs[1:], single.prompt_logprobs[1:]), 1):
+    for position, (ours, reference) in enumerate(
+            zip(grouped.prompt_logprobs[1:], single.prompt_logprobs[1:], strict=True), 1):
         assert ours.token_id == reference.token_id == prompt[position]
         values = [ours.logprob] + [logprob for _, logprob in ours.top]
         reference_values = [reference.logprob] + [logprob for _, logprob in reference.top]
         assert all(math.isfinite(value) for value in values)
-        worst = max([worst] + [abs(a - b) / max(abs(b), 1.0) for a, b in zip(values, reference_values)])
+        worst = max([worst] + [abs(a - b) / max(abs(b), 1.0) for a, b in zip(values, reference_values, strict=True)])
         # The same alternatives, except where two of them tie within rounding (their order may then swap).
         reference_top = dict(reference.top)
         for token, logprob in ours.top:

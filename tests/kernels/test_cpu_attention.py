@@ -4,6 +4,7 @@ references'. (The shared decode / prefill suites run them on DCP-sharded hostile
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,10 +31,11 @@ def run_prefill(spec: list[tuple[int, int]], num_kv_heads: int, group: int, head
     full_k = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in spec]
     full_v = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in spec]
     q = torch.randn(sum(n for _, n in spec), num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], [v[:c] for v, (c, _) in zip(full_v, spec)],
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)],
+                      [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)],
                       1, block_size, 1, store_kv_ref, gen, CPU)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]) if with_new else None
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)]) if with_new else None
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]) if with_new else None
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)]) if with_new else None
     starts = torch.tensor([0] + [n for _, n in spec]).cumsum(0).to(torch.int32)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32)
     scale = 1.0 / math.sqrt(head_dim)
@@ -42,7 +44,7 @@ def run_prefill(spec: list[tuple[int, int]], num_kv_heads: int, group: int, head
     paged_prefill_attention_cpu(q, new_k, new_v, shards.k_caches[0], shards.v_caches[0], shards.block_table, starts,
                                 context, scale, out=out, lse_out=lse)
     row = 0
-    for (ctx, n), k, v in zip(spec, full_k, full_v):
+    for (ctx, n), k, v in zip(spec, full_k, full_v, strict=True):
         keys, values = (k, v) if with_new else (k[:ctx], v[:ctx])
         ref_out, ref_lse = dense_attention_f64(q[row : row + n], keys, values, scale,
                                                causal_offset=ctx if with_new else None)
@@ -75,16 +77,18 @@ def test_prefill_float64_is_exact() -> None:
     full_k = [torch.randn(c + n, 1, 16, generator=gen, dtype=torch.float64) for c, n in spec]
     full_v = [torch.randn(c + n, 1, 16, generator=gen, dtype=torch.float64) for c, n in spec]
     q = torch.randn(sum(n for _, n in spec), 2, 16, generator=gen, dtype=torch.float64)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], [v[:c] for v, (c, _) in zip(full_v, spec)],
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)],
+                      [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)],
                       1, 4, 1, store_kv_ref, gen, CPU)
     starts = torch.tensor([0, 9, 13, 14], dtype=torch.int32)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32)
     out, lse = paged_prefill_attention_cpu(
-        q, torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]), torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)]),
+        q, torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]),
+        torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)]),
         shards.k_caches[0], shards.v_caches[0], shards.block_table, starts, context, 0.25)
     assert out.dtype == torch.float64 and lse.dtype == torch.float32
     row = 0
-    for (ctx, n), k, v in zip(spec, full_k, full_v):
+    for (ctx, n), k, v in zip(spec, full_k, full_v, strict=True):
         ref_out, ref_lse = dense_attention_f64(q[row : row + n], k, v, 0.25, causal_offset=ctx)
         assert (out[row : row + n] - ref_out).abs().max() < 1e-12
         assert (lse[row : row + n].double() - ref_lse).abs().max() < 1e-5
@@ -191,7 +195,7 @@ def test_empty_batches() -> None:
     assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
 
 
-def raised(fn, *args, **kwargs) -> tuple[type, str]:  # noqa: ANN001 - a kernel
+def raised(fn: Callable[..., object], *args: object, **kwargs: object) -> tuple[type, str]:
     with pytest.raises(Exception) as info:
         fn(*args, **kwargs)
     return type(info.value), str(info.value)
