@@ -25,6 +25,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ MLA_COMPARISON = compare.Comparison("bench/capacity.py --model tiny-mla", ("dcp=
                                     "KV capacity of an MLA model: dcp=1 vs dcp=4 through the deployed app",
                                     REPO_ROOT / "docs" / "img" / "capacity_mla.png", "dcp=1 vs dcp=4, MLA")
 # --model -> (how the checkpoint is written, what the docs call it, its comparison)
-MODELS = {
+MODELS: dict[str, tuple[Callable[[Path], Path], str, compare.Comparison]] = {
     "tiny": (write_tiny_model, "the tiny model (engine.tiny_model)", COMPARISON),
     "tiny-mla": (write_tiny_mla_model, "the tiny DeepSeek-V2 (engine.tiny_model.write_tiny_mla_model: MLA + MoE)",
                  MLA_COMPARISON),

@@ -310,7 +310,8 @@ def metric_row(metric: str, results: Sequence[R], value: Callable[[R], Any], fmt
 
 def bold(row: Row) -> Row:
     """The row in bold (markdown; the console table drops the stars)."""
-    return tuple(f"**{cell}**" for cell in row)  # type: ignore[return-value]
+    metric, first, second, ratio = row
+    return f"**{metric}**", f"**{first}**", f"**{second}**", f"**{ratio}**"
 
 
 def table_header(labels: tuple[str, str]) -> Row:

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             ray_dir = start_ray()
         engines = {} if args.sweep_only else make_engines(args, model_dir, args.configs, max(args.batches),
                                                             args.prompt_len, args.max_tokens)
-        config = EngineArgs(model_dir, kv_cache_memory_bytes=1 << 20).create_engine_config()  # model, dtype
+        config = EngineArgs(str(model_dir), kv_cache_memory_bytes=1 << 20).create_engine_config()  # model, dtype
         hf = load_hf(model_dir, config.torch_dtype, device)
         info = header_lines(args, config, model_label, device)
         prompts = random_prompts(args, config.model_config.vocab_size)

@@ -170,14 +170,14 @@ def median_seconds(
             times.append(time.perf_counter() - start)
         return statistics.median(times)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
+    for begin, end in events:
         if flush is not None:
             flush.zero_()
-        start.record()
+        begin.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+    return statistics.median(begin.elapsed_time(end) for begin, end in events) / 1e3
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     info = header_lines(args.shape, args.device, args.dtype, args.repeats, copy_bps)
     print("\n".join(info) + "\n\n" + console_line(COLUMNS), flush=True)
     rows, notes = measure_rows(args, copy_bps)
-    graded = [row.meets_target() for row in rows if row.meets_target() is not None]
+    graded = [met for met in (row.meets_target() for row in rows) if met is not None]
     summary = [f"target ({TARGET_TEXT}) met on {sum(graded)} of {len(graded)} qualifying rows"] if on_gpu else []
     wrong = [row for row in rows if not row.correct]
     if wrong:

@@ -44,7 +44,7 @@ from engine.rank_channel import ChannelListener, FrameSocket, connect_rank
 STEPS = [("decode, batch 8", 8, 4), ("decode, batch 64", 64, 4), ("batch 64, 4096 blocks each", 64, 4096)]
 
 
-@ray.remote(concurrency_groups={"steps": 1})
+@ray.remote(concurrency_groups={"steps": 1})  # type: ignore[call-overload]  # Ray's overloads of remote() omit concurrency_groups
 class EchoRank:
     """A rank that unpickles the step and replies like a RankWorker, without a model."""
 
@@ -82,7 +82,7 @@ class Transports:
     """The three ways of sending a step to every rank and collecting the replies, on the same echo ranks."""
 
     def __init__(self, tp: int) -> None:
-        self.ranks = [EchoRank.remote(r) for r in range(tp)]
+        self.ranks = [EchoRank.remote(r) for r in range(tp)]  # type: ignore[attr-defined]  # mypy applies no class decorator: an ActorClass
         self.pids = ray.get([rank.pid.remote() for rank in self.ranks])
         with InputNode() as step:
             graph = MultiOutputNode([rank.execute.bind(step) for rank in self.ranks])

@@ -46,7 +46,7 @@ class Choice:
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(entry["logprob"] for entry in self.logprobs)
+        return float(sum(entry["logprob"] for entry in self.logprobs))
 
 
 async def collect(choice: Choice, session: AsyncIterator[dict[str, Any]]) -> Choice:
@@ -65,7 +65,8 @@ class Tokens:
     def name(self, token_id: int) -> str:
         if self._as_ids:
             return f"token_id:{token_id}"
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def entry(self, logprob: dict[str, Any] | None, token_id: int, k: int) -> protocol.LogprobEntry:
         """(name, logprob, top-k alternatives); logprob None (the first prompt token has none) gives (name, None,

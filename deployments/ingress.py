@@ -16,7 +16,7 @@ the grant.
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -196,7 +196,7 @@ class OpenAIIngress:
                                       params, self._check(ids, params)))
         return planned
 
-    async def _admit(self, planned: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+    async def _admit(self, planned: list[Choice]) -> list[AsyncGenerator[dict[str, Any]]]:
         """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
         their grants back and the first error is the answer."""
         sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
@@ -231,7 +231,7 @@ class OpenAIIngress:
         return JSONResponse(protocol.completion_body(
             request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
 
-    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncIterator[dict[str, Any]]],
+    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncGenerator[dict[str, Any]]],
                    request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]]) -> AsyncIterator[str]:
         """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
         final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension)."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -83,7 +84,8 @@ def say(line: str) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def port_in_use(port: int) -> bool:
@@ -206,7 +208,7 @@ class ServeApi:
     dashboard_port: int
     token_path: Path
 
-    def _request(self, method: str, body: dict | None = None, timeout_s: float = 30) -> dict:
+    def _request(self, method: str, body: dict[str, Any] | None = None, timeout_s: float = 30) -> dict[str, Any]:
         import json
         import urllib.request
 
@@ -217,22 +219,24 @@ class ServeApi:
                      "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             text = reply.read().decode()
-        return json.loads(text) if text.strip() else {}
+        reply_body: dict[str, Any] = json.loads(text) if text.strip() else {}
+        return reply_body
 
-    def details(self) -> dict:
+    def details(self) -> dict[str, Any]:
         """GET /api/serve/applications/: Serve's ServeInstanceDetails ({} of applications before Serve starts)."""
         return self._request("GET")
 
-    def deploy(self, config: dict) -> None:
+    def deploy(self, config: dict[str, Any]) -> None:
         """PUT /api/serve/applications/: the declarative config (exactly what `serve deploy` sends). Applications
         it does not name are deleted."""
         self._request("PUT", config, timeout_s=120)
 
-    def application(self, name: str) -> dict:
-        return (self.details().get("applications") or {}).get(name, {})
+    def application(self, name: str) -> dict[str, Any]:
+        applications: dict[str, dict[str, Any]] = self.details().get("applications") or {}
+        return applications.get(name, {})
 
 
-def app_progress(app: dict) -> str:
+def app_progress(app: dict[str, Any]) -> str:
     """One line of an application's state: its status and each deployment's replica states."""
     parts = []
     for name, deployment in (app.get("deployments") or {}).items():
@@ -315,7 +319,8 @@ def stop_head(head: subprocess.Popen[bytes]) -> None:
     (a process it does not track) gets SIGTERM, then SIGKILL."""
     if head.poll() is None or _group_alive(head.pid):
         say("stopping the Ray head this command started...")
-        steps = ((lambda sig: os.kill(head.pid, sig), signal.SIGTERM, 20.0),
+        steps: tuple[tuple[Callable[[int], None], signal.Signals, float], ...] = (
+                 (lambda sig: os.kill(head.pid, sig), signal.SIGTERM, 20.0),
                  (lambda sig: os.killpg(head.pid, sig), signal.SIGTERM, 5.0),
                  (lambda sig: os.killpg(head.pid, sig), signal.SIGKILL, 5.0))
         for send, sig, wait_s in steps[0 if head.poll() is None else 1:]:

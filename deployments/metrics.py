@@ -48,11 +48,11 @@ GAUGE_PERIOD_S = 0.5
 
 
 def _gauge(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Gauge:
-    return metrics.Gauge(name, description=description, tag_keys=tag_keys)
+    return metrics.Gauge(name, description=description, tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 def _counter(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Counter:
-    return metrics.Counter(name, description=description, tag_keys=tag_keys)
+    return metrics.Counter(name, description=description, tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 def _start_at_zero(counter: metrics.Counter, tags: dict[str, str] | None = None) -> None:
@@ -83,7 +83,8 @@ class _EngineCount:
 
 def _histogram(name: str, description: str, boundaries: list[float],
                tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
-    return metrics.Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
+    return metrics.Histogram(name, description=description, boundaries=boundaries,
+                             tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 class ReplicaMetrics:

@@ -11,7 +11,7 @@ import contextvars
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from ray.serve import context as serve_context
@@ -40,7 +40,7 @@ def _call_as_own_request(call: Callable[[], Any]) -> Any:
     batch of prompts), dispatched together, shared one entry, so all but one waited out dispatch_timeout_s."""
     context = serve_context._get_serve_request_context()
     token = serve_context._serve_request_context.set(
-        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))
+        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
     try:
         return call()
     finally:
@@ -63,7 +63,7 @@ class Sessions:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
-                   need: int) -> AsyncIterator[dict[str, Any]]:
+                   need: int) -> AsyncGenerator[dict[str, Any]]:
         """Admits the request (first, empty yield once a replica accepted it), then yields its deltas.
         Its finally frees everything, whichever way the request ends."""
         loop = asyncio.get_running_loop()

@@ -218,7 +218,7 @@ class EngineArgs:
                 f"unknown engine argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                 f"the engine arguments are: {', '.join(names)}"
             )
-        return cls(model=model, **kwargs)  # type: ignore[arg-type]
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]  # a PathLike model: __post_init__ stores a str
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -124,7 +124,7 @@ class ModelConfig:
         rope_scaling_raw = raw.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type") not in (None, "default") else None)
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        scaling = None
+        scaling: RopeScaling | YarnScaling | None = None
         if rope_scaling_raw:
             kind = rope_scaling_raw.get("rope_type") or rope_scaling_raw.get("type")
             if kind == "llama3":
@@ -176,6 +176,16 @@ class ModelConfig:
         return self.kv_cache_spec(tp).bytes_per_token(dtype)
 
 
+class HeadCounts(Protocol):
+    """What ParallelConfig.validate reads of a model (a ModelConfig, or the planner's model specs)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor-parallel size and decode-context-parallel size of one replica (DCP reuses the TP ranks)."""
@@ -191,7 +201,7 @@ class ParallelConfig:
     def dcp(self) -> int:
         return self.decode_context_parallel_size
 
-    def validate(self, model: ModelConfig) -> None:
+    def validate(self, model: HeadCounts) -> None:
         """Layout rules of docs/dcp.md, with errors that name the values and the fix."""
         tp, dcp = self.tp, self.dcp
         heads, kv = model.num_attention_heads, model.num_key_value_heads

@@ -73,10 +73,10 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Se
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     k = min(max(num_top), logprobs.shape[1])
     top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], ids[:, :0]))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_value_rows, top_id_rows = top_values.tolist(), top_ids.tolist()
     return [
         TokenLogprob(token_id=int(token), logprob=value, rank=rank,
-                     top=tuple(zip(top_ids[i][:count], top_values[i][:count], strict=True)))
+                     top=tuple(zip(top_id_rows[i][:count], top_value_rows[i][:count], strict=True)))
         for i, (token, value, rank, count) in enumerate(
             zip(token_ids, chosen[:, 0].tolist(), ranks, num_top, strict=True))
     ]
@@ -167,6 +167,8 @@ class Sampler:
         """A seeded request's own generator (on the CPU, so its draws do not depend on the device)."""
         generator = self._generators.get(request_id)
         if generator is None:
+            if params.seed is None:
+                raise ValueError(f"request {request_id!r} has no seed: it draws from the shared generator")
             generator = torch.Generator().manual_seed(params.seed)
             self._generators[request_id] = generator
         return generator
@@ -224,7 +226,7 @@ class Sampler:
     def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """min_tokens masks, logit_bias and penalties, batched; the logits untouched when no row uses them."""
         blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if t < logits.shape[1]]
-        biased = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias or ()]
+        biased = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias_map().items()]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if not (blocked or biased or penalized):
             return logits

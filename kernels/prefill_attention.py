@@ -38,7 +38,7 @@ from kernels._attention_common import (
     shares_values,
     tile_scores,
 )
-from kernels._triton import require_triton_device, tl, triton, triton_interpreting
+from kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
 
 
 def _check_prefill_args(
@@ -157,8 +157,8 @@ def paged_prefill_attention_ref(
     return out, lse
 
 
-@triton.jit
-def _paged_prefill_kernel(
+@jit
+def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     q_ptr,
     key_ptr,
     value_ptr,

@@ -163,10 +163,10 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
-def drive_load(stack: Stack) -> dict[str, int]:
+def drive_load(stack: Stack) -> dict[str, int | str]:
     """Every outcome at least once; returns the HTTP status of each scenario. The KV pressure is the test's own grant
     of the whole KV: what waits, times out or is refused follows from it, not from how fast anything decodes."""
-    statuses: dict[str, int] = {}
+    statuses: dict[str, int | str] = {}  # statuses, and the body of an unexpected one
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json={
                 "model": MODEL, "prompt": "def hello", "max_tokens": 8, "stream": True}) as reply:
@@ -335,10 +335,10 @@ def test_every_dashboard_query_returns_data(loaded: Stack) -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and {"application", "replica"} <= set(variables)
     for name in ("application", "replica"):
-        expr = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[name]["query"]["query"])
-        assert expr, variables[name]
-        series = query(loaded, expr.group(1).replace("$application", APP))["result"]
-        assert {s["metric"][expr.group(2)] for s in series}, f"variable {name} has no values"
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[name]["query"]["query"])
+        assert match, variables[name]
+        series = query(loaded, match.group(1).replace("$application", APP))["result"]
+        assert {s["metric"][match.group(2)] for s in series}, f"variable {name} has no values"
     for panel in dashboard["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]

@@ -72,7 +72,7 @@ def test_scheduler_config_names_a_bad_admission_or_headroom() -> None:
     with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got 1.5"):
         SchedulerConfig(max_model_len=64, kv_headroom=1.5)
     with pytest.raises(ValueError, match=r"admission must be 'full' or 'usage', got 'prompt'"):
-        SchedulerConfig(max_model_len=64, admission="prompt")  # type: ignore[arg-type]
+        SchedulerConfig(max_model_len=64, admission="prompt")  # type: ignore[arg-type]  # no such mode: its error is tested
 
 
 def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:

@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_mla_model
+from tests.engine.llm_parts import engine_of
 from tests.engine.model_harness import dcp_capacity_and_concurrency
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
@@ -48,7 +49,7 @@ def test_tp4_dcp4_greedy_equals_transformers(tiny_mla: Path, ray_cluster) -> Non
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(tiny_mla, tensor_parallel_size=4, decode_context_parallel_size=4, max_num_batched_tokens=40) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-        stats = llm.engine.stats()
+        stats = engine_of(llm).stats()
     for prompt, output, tokens in zip(PROMPTS, outputs, expected, strict=True):
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)}"
     assert stats.tp == 4 and stats.dcp == 4 and stats.kv_blocks_used == 0

@@ -118,7 +118,7 @@ def scenarios(dcp: int) -> tuple[Scenario, ...]:
 
 
 @functools.cache
-def hf_model(model_dir: str, dtype: str = "float32") -> torch.nn.Module:
+def hf_model(model_dir: str, dtype: str = "float32") -> Any:  # transformers types from_pretrained(...).eval() as Any
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -330,7 +330,7 @@ def test_loader_casts_to_the_requested_dtype(checkpoints: dict[str, Path]) -> No
     model = load_model(directory, config, parallel, torch.bfloat16, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     reference = load_file(directory / "model.safetensors")["model.layers.0.self_attn.q_norm.weight"]
-    assert torch.equal(model.model.layers[0].self_attn.q_norm.weight, reference.to(torch.bfloat16))
+    assert torch.equal(model.get_parameter("model.layers.0.self_attn.q_norm.weight"), reference.to(torch.bfloat16))
 
 
 def test_model_is_freed_without_the_cycle_collector(checkpoints: dict[str, Path]) -> None:
@@ -356,7 +356,8 @@ def test_llama3_inv_freq_is_transformers_exactly() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling: dict[str, Any] = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}
     hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128,
                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling})
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
@@ -371,7 +372,8 @@ def test_vocab_shards_pad_and_a_trailing_rank_may_hold_no_rows() -> None:
     for rank in range(4):
         parallel = ParallelState(tp_size=4, tp_rank=rank, dcp_size=1, dcp_rank=0, num_kv_heads=1)
         embedding = VocabParallelEmbedding(5, 2, parallel, torch.float32, torch.device("cpu"))
-        embedding.weight.weight_loader(embedding.weight, TensorSource(full), "model.embed_tokens.weight", None)
+        embedding.weight.weight_loader(  # type: ignore[attr-defined]  # the loader new_parameter attached
+            embedding.weight, TensorSource(full), "model.embed_tokens.weight", None)
         shards.append(embedding.weight.detach().clone())
     assert torch.equal(torch.cat(shards)[:5], full)
     assert torch.equal(torch.cat(shards)[5:], torch.zeros(3, 2))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -217,11 +218,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """The replica reports its cache to a reader (the router's PrefixIndex); a lost report makes the next one
         the whole state. A delivered one leaves the reader with exactly the cache's blocks and states, and it then
         matches every fresh waiting prompt as the engine's own lookup does."""
-        report = self.manager.reporter.report(self.index.epoch, self.index.version)
+        reporter = self.manager.reporter
+        assert reporter is not None  # prefix caching is on
+        report = reporter.report(self.index.epoch, self.index.version)
         if lose:
             return
         self.index.apply(report)
-        assert self.index.blocks == self.manager.reporter.state
+        assert self.index.blocks == reporter.state
         for request in self.waiting:
             if request.output_token_ids:
                 continue  # a preempted request: its lookup covers its outputs too, the ingress sees only prompts
@@ -336,7 +339,8 @@ def cached_block_ids(m: BlockManager, tokens: list[int]) -> list[int]:
 @given(seed=st.integers(0, 2**32 - 1), admission=st.sampled_from(["full", "usage"]), block_size=st.sampled_from([1, 2]),
        dcp=st.sampled_from([1, 2]), num_blocks=st.integers(6, 16), budget=st.sampled_from([3, 8, 64]))
 def test_admission_with_caching_never_over_commits_and_returns_every_block(
-        seed: int, admission: str, block_size: int, dcp: int, num_blocks: int, budget: int) -> None:
+        seed: int, admission: Literal["full", "usage"], block_size: int, dcp: int, num_blocks: int,
+        budget: int) -> None:
     """Random arrivals whose prompts share prefixes (and prefixes of earlier requests' outputs), some with
     penalties, under both policies: at every step the referenced + promised blocks fit the pool and the ledger's
     per-request counts add up to exactly them (each shared block once); a request that starts after a cached run

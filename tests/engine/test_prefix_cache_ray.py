@@ -15,6 +15,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.tiny_model import write_tiny_model
+from tests.engine.llm_parts import engine_of
 from tests.engine.prefix_harness import (
     check_preempted_request_hits_its_own_blocks,
     exactness_scenario,
@@ -46,7 +47,7 @@ def test_cached_run_equals_uncached_run(tp: int, dcp: int, tiny: Path, ray_clust
     with LLM(tiny, enable_prefix_caching=False, **args) as llm:  # each prompt in one chunk
         reference = run_reference(llm, steps)
     with LLM(tiny, max_num_batched_tokens=tpb + 3, **args) as llm:  # chunks that straddle logical blocks
-        assert llm.engine.block_manager.tokens_per_block == tpb
+        assert engine_of(llm).block_manager.tokens_per_block == tpb
         hit = run_cached_and_compare(llm, reference, f"tp={tp} dcp={dcp}")
     assert hit > 0
 

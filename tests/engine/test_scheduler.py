@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -15,12 +16,12 @@ from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 EOS = 0
 
 
-def make(num_blocks: int = 16, block_size: int = 4, dcp: int = 1, **config: object) -> Scheduler:
+def make(num_blocks: int = 16, block_size: int = 4, dcp: int = 1, **config: Any) -> Scheduler:
     settings = {"max_model_len": 4096, "max_num_batched_tokens": 64, "admission": "full", **config}
     return Scheduler(SchedulerConfig(**settings), BlockManager(num_blocks, block_size, dcp), frozenset({EOS}))
 
 
-def req(name: str, prompt: int, max_tokens: int = 4, **params: object) -> Request:
+def req(name: str, prompt: int, max_tokens: int = 4, **params: Any) -> Request:
     return Request(name, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, **params))
 
 

@@ -125,6 +125,7 @@ def test_a_step_plan_gives_the_same_bits_in_every_layer(lengths: list[int]) -> N
     shards = shard_kv(keys, values, 1, 16, 1, store_kv_ref, gen, CPU)
     table, lens = shards.block_table, shards.local_lens[0]
     k_cache, v_cache = shards.k_caches[0], shards.v_caches[0]
+    assert v_cache is not None
     # A second layer: other cache contents (stale slots included) under the same block table.
     other = (torch.randn(k_cache.shape, generator=gen), torch.randn(v_cache.shape, generator=gen))
     layers = [(k_cache, v_cache), other]
@@ -153,16 +154,19 @@ def test_a_finite_tail_plan_masks_without_zeroing(lengths: list[int]) -> None:
     shards = shard_kv(keys, values, 1, 16, 1, store_kv_ref, gen, CPU)
     table, lens = shards.block_table, shards.local_lens[0]
     caches = []
-    for cache in (shards.k_caches[0], shards.v_caches[0]):  # never-written slots: stale finite values, not NaN
+    v_cache = shards.v_caches[0]
+    assert v_cache is not None
+    for cache in (shards.k_caches[0], v_cache):  # never-written slots: stale finite values, not NaN
         cache = cache.clone()
         stale = torch.isnan(cache)
         cache[stale] = 100 * torch.randn(int(stale.sum()), generator=gen)
         caches.append(cache)
     q = torch.randn(len(lengths), 4, 32, generator=gen)
     num_blocks = caches[0].shape[0]
-    zeroed = paged_decode_attention_cpu(q, *caches, table, lens, 0.2,
+    k_cache, v_cache = caches
+    zeroed = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 0.2,
                                         plan=plan_decode_cpu(table, lens, num_blocks, 16, torch.float32))
-    masked = paged_decode_attention_cpu(q, *caches, table, lens, 0.2, plan=plan_decode_cpu(
+    masked = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 0.2, plan=plan_decode_cpu(
         table, lens, num_blocks, 16, torch.float32, validate=False, finite_tail=True))
     assert torch.equal(zeroed[0], masked[0]) and torch.equal(zeroed[1], masked[1])
     for i in range(len(lengths)):
@@ -224,14 +228,13 @@ def test_errors_match_the_references() -> None:
         torch.tensor([5, 1, -3], dtype=torch.int32),
     ]
     for context in prefill_cases:
-        args = (q, kv, kv, cache, cache, table, starts, context, 1.0)
-        assert raised(paged_prefill_attention_cpu, *args) == raised(paged_prefill_attention_ref, *args)
+        prefill_args = (q, kv, kv, cache, cache, table, starts, context, 1.0)
+        assert raised(paged_prefill_attention_cpu, *prefill_args) == raised(paged_prefill_attention_ref, *prefill_args)
     # A sequence without new tokens is not read: its bad page is no error for either.
     skip = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
     context = torch.tensor([1, 17, 0], dtype=torch.int32)
-    args = (q[:2], kv[:2], kv[:2], cache, cache, table, skip, context, 1.0)
-    out, lse = paged_prefill_attention_cpu(*args)
-    ref_out, ref_lse = paged_prefill_attention_ref(*args)
+    out, lse = paged_prefill_attention_cpu(q[:2], kv[:2], kv[:2], cache, cache, table, skip, context, 1.0)
+    ref_out, ref_lse = paged_prefill_attention_ref(q[:2], kv[:2], kv[:2], cache, cache, table, skip, context, 1.0)
     assert torch.allclose(out, ref_out) and torch.allclose(lse, ref_lse)
 
 

@@ -23,6 +23,7 @@ from kernels import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from kernels.exchange import ExchangeMethod
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 HEADS_PER_RANK = 2
@@ -95,7 +96,7 @@ def _check_prefill_context(exchange: DcpAttentionExchange, dcp_size: int, dcp_ra
         row += n
 
 
-def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: str) -> None:
+def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: ExchangeMethod) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                            timeout=timedelta(seconds=60))
     try:
