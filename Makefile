@@ -41,10 +41,13 @@ $(CLIENTS_VENV)/.installed: Makefile
 	$(CLIENTS_VENV)/bin/python -m pip install --quiet guidellm==0.8.1 'lm-eval[api]==0.4.13' accelerate
 	@touch $@
 
-# ruff, then mypy (their configuration: pyproject.toml). mypy keeps its cache in .mypy_cache.
+# ruff, then mypy (their configuration: pyproject.toml); mypy runs even when ruff fails, and the exit status is the
+# first failure's. mypy keeps its cache in .mypy_cache: a run from a cold cache takes longest.
 lint: $(VENV)/.installed
-	$(PY) -m ruff check .
-	$(PY) -m mypy
+	@rc=0; \
+	$(PY) -m ruff check . || rc=$$?; \
+	$(PY) -m mypy || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
+	exit $$rc
 
 # Lint first, then both tiers; each runs even when one before it fails; the exit status is the first failure's.
 test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
