@@ -18,7 +18,7 @@ CLUSTER_TIER := ray or e2e or faults
 PYTEST_FAST := -m "$(FAST_TIER)" -n auto --dist worksteal
 PYTEST_CLUSTER := -m "$(CLUSTER_TIER)" -n 0
 
-.PHONY: test test-fast install venvs bench-kernels clean test-vllm
+.PHONY: test test-fast lint install venvs bench-kernels clean test-vllm
 
 # The stamp file re-runs the install when pyproject.toml changes or a top-level package appears (the editable
 # install's finder lists packages by name).
@@ -41,10 +41,19 @@ $(CLIENTS_VENV)/.installed: Makefile
 	$(CLIENTS_VENV)/bin/python -m pip install --quiet guidellm==0.8.1 'lm-eval[api]==0.4.13' accelerate
 	@touch $@
 
-# Both tiers run even when the first fails; the exit status is the first failure's.
+# ruff, then mypy (their configuration: pyproject.toml); mypy runs even when ruff fails, and the exit status is the
+# first failure's. mypy keeps its cache in .mypy_cache: a run from a cold cache takes longest.
+lint: $(VENV)/.installed
+	@rc=0; \
+	$(PY) -m ruff check . || rc=$$?; \
+	$(PY) -m mypy || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
+	exit $$rc
+
+# Lint first, then both tiers; each runs even when one before it fails; the exit status is the first failure's.
 test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
 	@rc=0; \
-	$(PY) -m pytest $(PYTEST_FAST) $(PYTEST_ARGS) || rc=$$?; \
+	$(MAKE) --no-print-directory lint || rc=$$?; \
+	$(PY) -m pytest $(PYTEST_FAST) $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
 	$(PY) -m pytest $(PYTEST_CLUSTER) $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
 	exit $$rc
 
@@ -82,7 +91,7 @@ test-vllm: $(VLLM_VENV)/.installed
 venvs: $(VENV)/.installed $(CLIENTS_VENV)/.installed $(VLLM_VENV)/.installed
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # The embedded default on this machine: a local Ray head with logical GPUs, the tiny model, TP=2 x DCP=2, served at
 # http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see deployments/local_cluster.py.

@@ -39,12 +39,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import compare  # noqa: E402
-from bench.compare import BurstResult, Row, ServeHead, metric_row  # noqa: E402
-
-from engine.block_manager import blocks_needed  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.tiny_model import write_tiny_model  # noqa: E402
+from bench import compare
+from bench.compare import BurstResult, Row, ServeHead, metric_row
+from engine.block_manager import blocks_needed
+from engine.config import ModelConfig
+from engine.tiny_model import write_tiny_model
 
 TP, DCP, BLOCK_SIZE, MAX_MODEL_LEN = 2, 2, 16, 2048
 TOKENS_PER_BLOCK = BLOCK_SIZE * DCP  # a logical block
@@ -249,7 +248,7 @@ def table_rows(results: list[PolicyResult], workload: Workload, plans: list[Stop
     """(metric, full, usage, usage / full) rows; concurrency and output tokens/s in bold."""
     full, usage = results
     same = sum(a.text == b.text and a.completion_tokens == b.completion_tokens
-               for a, b in zip(full.records, usage.records))
+               for a, b in zip(full.records, usage.records, strict=True))
 
     def preemptions(r: PolicyResult) -> str:
         return "n/a" if r.preemptions is None else f"{r.preemptions} ({r.recomputed_tokens:,} tokens recomputed)"
@@ -267,7 +266,8 @@ def table_rows(results: list[PolicyResult], workload: Workload, plans: list[Stop
                    lambda r: written_fraction(r, workload), ".1%", ratio=False),
         metric_row("preemptions (replica counter)", results, preemptions, "", ratio=False),
         metric_row("outputs equal to the offline greedy text", results,
-                   lambda r: sum(rec.text == p.expected_text for rec, p in zip(r.records, plans)), "d", ratio=False),
+                   lambda r: sum(rec.text == p.expected_text for rec, p in zip(r.records, plans, strict=True)), "d",
+                   ratio=False),
         ("greedy outputs identical, full vs usage (text and tokens)", "", "", f"{same}/{len(full.records)}"),
     ]
 
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, record in enumerate(result.records):
             if record.error is not None:
                 say(f"{result.label}: request {i} failed: {record.error}")
-    for i, (a, b) in enumerate(zip(*(r.records for r in results))):
+    for i, (a, b) in enumerate(zip(*(r.records for r in results), strict=True)):
         if a.text != b.text or a.completion_tokens != b.completion_tokens:
             say(f"request {i}: outputs differ: full {a.completion_tokens} tokens {a.text[-40:]!r}, usage "
                 f"{b.completion_tokens} tokens {b.text[-40:]!r}")

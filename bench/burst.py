@@ -28,10 +28,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import httpx  # noqa: E402
+import httpx
 
-from bench.docs_section import DocsSection  # noqa: E402
-from tests.e2e.faults import cpu_seconds  # noqa: E402
+from bench.docs_section import DocsSection
+from tests.e2e.faults import cpu_seconds
 
 DOCS = DocsSection("bench/burst.py")
 

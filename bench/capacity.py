@@ -25,6 +25,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +36,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import compare  # noqa: E402
-from bench.compare import BurstResult, Row, ServeHead, metric_row  # noqa: E402
-
-from engine.block_manager import blocks_needed  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.tiny_model import write_tiny_mla_model, write_tiny_model  # noqa: E402
+from bench import compare
+from bench.compare import BurstResult, Row, ServeHead, metric_row
+from engine.block_manager import blocks_needed
+from engine.config import ModelConfig
+from engine.tiny_model import write_tiny_mla_model, write_tiny_model
 
 TP, DCPS, BLOCK_SIZE = 4, (1, 4), 16
 BACKENDS_TP, BACKENDS_BLOCK_SIZE = 2, 32  # --backend both: vLLM's CPU attention pages in multiples of 32 tokens
@@ -53,7 +53,7 @@ MLA_COMPARISON = compare.Comparison("bench/capacity.py --model tiny-mla", ("dcp=
                                     "KV capacity of an MLA model: dcp=1 vs dcp=4 through the deployed app",
                                     REPO_ROOT / "docs" / "img" / "capacity_mla.png", "dcp=1 vs dcp=4, MLA")
 # --model -> (how the checkpoint is written, what the docs call it, its comparison)
-MODELS = {
+MODELS: dict[str, tuple[Callable[[Path], Path], str, compare.Comparison]] = {
     "tiny": (write_tiny_model, "the tiny model (engine.tiny_model)", COMPARISON),
     "tiny-mla": (write_tiny_mla_model, "the tiny DeepSeek-V2 (engine.tiny_model.write_tiny_mla_model: MLA + MoE)",
                  MLA_COMPARISON),
@@ -293,11 +293,13 @@ def main_backends(argv: list[str]) -> int:
             compare.deploy_line(results),
             compare.environment_line(),
         ]
-        plot = lambda path: compare.write_plot(  # noqa: E731
-            path, results, [f"{r.label} ({r.capacity_tokens:,} KV tokens)" for r in results],
-            [(i, r.sequences_fit(workload)) for i, r in enumerate(results)],
-            title=f"{workload.num_requests} requests of {workload.prompt_tokens} + {workload.max_tokens} tokens",
-            ylabel="sequences in the engine", suptitle="Same app, tp=2 dcp=1: native engine vs vLLM (CPU)")
+        def plot(path: Path) -> None:
+            compare.write_plot(
+                path, results, [f"{r.label} ({r.capacity_tokens:,} KV tokens)" for r in results],
+                [(i, r.sequences_fit(workload)) for i, r in enumerate(results)],
+                title=f"{workload.num_requests} requests of {workload.prompt_tokens} + {workload.max_tokens} tokens",
+                ylabel="sequences in the engine", suptitle="Same app, tp=2 dcp=1: native engine vs vLLM (CPU)")
+
         BACKENDS_COMPARISON.write_docs(argv, headline, rows, info, plot, say)
     return 0
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import os
 import platform
 import shlex
@@ -88,7 +89,7 @@ class BurstResult:
         points = [(t, n) for t, n in self.timeline if t <= self.makespan_s]
         if len(points) < 2:
             return float(self.peak_sequences)
-        area = sum((t1 - t0) * n0 for (t0, n0), (t1, _) in zip(points, points[1:]))
+        area = sum((t1 - t0) * n0 for (t0, n0), (t1, _) in itertools.pairwise(points))
         return area / (points[-1][0] - points[0][0])
 
     @property
@@ -289,7 +290,7 @@ async def run_burst(base_url: str, prompts: list[list[int]], max_tokens: int, re
     watcher = asyncio.create_task(watch())
     per_request: list[str | None] = list(stops) if stops is not None else [None] * len(prompts)
     try:
-        result.records = list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, per_request))))
+        result.records = list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, per_request, strict=True))))
         result.makespan_s = time.perf_counter() - start
     finally:
         done.set()
@@ -309,7 +310,8 @@ def metric_row(metric: str, results: Sequence[R], value: Callable[[R], Any], fmt
 
 def bold(row: Row) -> Row:
     """The row in bold (markdown; the console table drops the stars)."""
-    return tuple(f"**{cell}**" for cell in row)  # type: ignore[return-value]
+    metric, first, second, ratio = row
+    return f"**{metric}**", f"**{first}**", f"**{second}**", f"**{ratio}**"
 
 
 def table_header(labels: tuple[str, str]) -> Row:
@@ -320,7 +322,7 @@ def console_table(rows: list[Row], labels: tuple[str, str]) -> str:
     lines = [table_header(labels)] + [tuple(cell.replace("**", "") for cell in row) for row in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                               enumerate(zip(line, widths))) for line in lines)
+                               enumerate(zip(line, widths, strict=True))) for line in lines)
 
 
 @dataclass(frozen=True)
@@ -406,7 +408,7 @@ def write_plot(path: Path, results: Sequence[BurstResult], legends: list[str], l
     import matplotlib.pyplot as plt
 
     fig, (timeline, bars) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    for result, legend, color in zip(results, legends, COLORS):
+    for result, legend, color in zip(results, legends, COLORS, strict=False):
         timeline.step([t for t, _ in result.timeline], [n for _, n in result.timeline], where="post", color=color,
                       label=legend)
     for i, y in limits:

@@ -34,13 +34,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+from deployments.local_cluster import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
 
-from bench.docs_section import DocsSection  # noqa: E402
-from bench.engine_sweep import SWEEP_COLUMNS, context_sweep, sweep_notes  # noqa: E402
-from bench.engine_timing import (  # noqa: E402
+import torch
+
+from bench.docs_section import DocsSection
+from bench.engine_sweep import SWEEP_COLUMNS, context_sweep, sweep_notes
+from bench.engine_timing import (
     BACKEND_CONFIGS,
     CONFIGS,
     Instrumented,
@@ -51,11 +53,9 @@ from bench.engine_timing import (  # noqa: E402
     make_engines,
     run_round,
 )
-import torch  # noqa: E402
-
-from engine.args import EngineArgs  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.tiny_model import write_tiny_model  # noqa: E402
+from engine.args import EngineArgs
+from engine.config import EngineConfig
+from engine.tiny_model import write_tiny_model
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
 DOCS = DocsSection("bench/engine.py")
@@ -78,12 +78,15 @@ class Row:
         return self.batch / statistics.median(samples.step)
 
     def cells(self) -> list[str]:
-        ms = lambda values: f"{1e3 * statistics.median(values):.2f}" if values else "n/a"  # noqa: E731
-        overhead = [step - fwd for step, fwd in zip(self.ours.step, self.ours.forward)]
+        def ms(values: list[float]) -> str:
+            return f"{1e3 * statistics.median(values):.2f}" if values else "n/a"
+
+        overhead = [step - fwd for step, fwd in zip(self.ours.step, self.ours.forward, strict=False)]
         ours, hf = self.tokens_per_second(self.ours), self.tokens_per_second(self.hf)
         return [
             self.config, str(self.batch), f"{ours:.0f}", ms(self.ours.step), ms(self.ours.runner),
-            ms(self.ours.forward), ms(self.ours.lm_head), ms(overhead), f"{hf:.0f}", ms(self.hf.step), ms(self.hf.forward),
+            ms(self.ours.forward), ms(self.ours.lm_head), ms(overhead), f"{hf:.0f}", ms(self.hf.step),
+            ms(self.hf.forward),
             f"{ours / hf:.2f}", f"{self.matching}/{self.batch}" + ("" if self.matching == self.batch else " DIFF"),
         ]
 
@@ -183,7 +186,7 @@ def check_batch1(args: argparse.Namespace, engines: dict[str, Instrumented], hf:
     tokens, _, expected, _ = run_round(engines, hf, [prompt], args.max_tokens)
     lines = []
     for label, [ours] in tokens.items():
-        same = sum(a == b for a, b in zip(ours, expected[0]))
+        same = sum(a == b for a, b in zip(ours, expected[0], strict=False))
         verdict = "yes" if ours == expected[0] else f"NO ({same} of {args.max_tokens} positions agree)"
         lines.append(f"batch 1 greedy tokens equal HF's ({args.max_tokens} tokens): {label}: {verdict}")
     return lines
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             ray_dir = start_ray()
         engines = {} if args.sweep_only else make_engines(args, model_dir, args.configs, max(args.batches),
                                                             args.prompt_len, args.max_tokens)
-        config = EngineArgs(model_dir, kv_cache_memory_bytes=1 << 20).create_engine_config()  # model, dtype
+        config = EngineArgs(str(model_dir), kv_cache_memory_bytes=1 << 20).create_engine_config()  # model, dtype
         hf = load_hf(model_dir, config.torch_dtype, device)
         info = header_lines(args, config, model_label, device)
         prompts = random_prompts(args, config.model_config.vocab_size)

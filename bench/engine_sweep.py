@@ -86,12 +86,12 @@ def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device
                 tokens, samples = run_alone(engines, prompts, args.sweep_tokens)
             for label in engines:
                 ours = samples[label]
-                overhead = statistics.median([a - b for a, b in zip(ours.step, ours.forward)])
+                overhead = statistics.median([a - b for a, b in zip(ours.step, ours.forward, strict=False)])
                 overheads[label][context] = overhead
                 tok_s = args.sweep_batch / statistics.median(ours.step)
                 hf_tok_s = args.sweep_batch / statistics.median(hf_samples.step) if hf_samples.step else None
                 hf_prefill = hf_samples.prefill[0] if hf_samples.prefill else None
-                matching = (f"{sum(a == b for a, b in zip(tokens[label], expected))}/{args.sweep_batch}"
+                matching = (f"{sum(a == b for a, b in zip(tokens[label], expected, strict=False))}/{args.sweep_batch}"
                             if expected is not None else "n/a")
                 rows.append([
                     label, str(context), str(args.sweep_batch), f"{ours.prefill[0]:.2f}",

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 import torch
 
@@ -23,7 +24,7 @@ from engine.sampling_params import SamplingParams
 # label -> (backend, tensor_parallel_size, decode_context_parallel_size). --backend picks the rows: native (default)
 # the native layouts; vllm vLLM's (dcp=1: vLLM's CPU attention cannot shard KV); both adds native tp=2 dcp=1 so the
 # two backends are side by side at tp=1 and tp=2.
-CONFIGS = {
+CONFIGS: dict[str, tuple[Literal["native", "vllm"], int, int]] = {
     "tp=1": ("native", 1, 1),
     "tp=1 eager": ("native", 1, 1),  # enforce_eager: on CUDA beside "tp=1", which replays decode CUDA graphs
     "tp=2": ("native", 2, 1),
@@ -105,19 +106,27 @@ class Instrumented:
 
     def __init__(self, engine: LLMEngine, threads: int) -> None:
         self.engine = engine
-        self.rank0 = None if isinstance(engine.executor, InProcessExecutor) else engine.executor.workers[0]
-        if self.rank0 is None:
-            instrument_runner(engine.executor.runner)
+        executor = engine.executor
+        self.runner = executor.runner if isinstance(executor, InProcessExecutor) else None
+        self.rank0: Any = None  # rank 0's actor handle, when the ranks are Ray actors
+        if self.runner is not None:
+            instrument_runner(self.runner)
         else:
             import ray
             import ray.cloudpickle
 
+            from engine.ray_executor import RayWorkerGroup
+
+            assert isinstance(executor, RayWorkerGroup)
+            self.rank0 = executor.workers[0]
             # The hooks travel to the rank actors by value: bench/ need not be importable there.
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
             ray.get(self.rank0.__ray_call__.remote(lambda worker: instrument_runner(worker.runner)))
             # The worker group gives each rank Ray's CPUs / tp threads; every rank gets --threads instead.
-            set_threads = lambda worker: torch.set_num_threads(threads)  # noqa: E731
-            ray.get([worker.__ray_call__.remote(set_threads) for worker in engine.executor.workers])
+            def set_threads(worker: object) -> None:
+                torch.set_num_threads(threads)
+
+            ray.get([worker.__ray_call__.remote(set_threads) for worker in executor.workers])
         self.decode_calls: list[bool] = []  # per executor call: every sequence of the batch decodes
         self.step_seconds: list[float] = []  # per step that ran the model
         self.batch = 0
@@ -130,11 +139,11 @@ class Instrumented:
             self.decode_calls.append(len(rows) == self.batch and all(row.is_decode for row in rows))
             return execute(output)
 
-        engine.executor.execute = classify
+        engine.executor.execute = classify  # type: ignore[method-assign]  # wrapped, to classify each call
 
     def records(self) -> list[tuple[float, float, float]]:
-        if self.rank0 is None:
-            return take_records(self.engine.executor.runner)
+        if self.runner is not None:
+            return take_records(self.runner)
         import ray
 
         return ray.get(self.rank0.__ray_call__.remote(lambda worker: take_records(worker.runner)))
@@ -168,9 +177,10 @@ class Instrumented:
         if len(records) != len(self.step_seconds):
             raise RuntimeError(f"{len(records)} rank-0 executes for {len(self.step_seconds)} steps: timings misaligned")
         samples = Samples()
-        samples.prefill.append(sum(seconds for decode, seconds in zip(self.decode_calls, self.step_seconds)
-                                   if not decode))
-        for decode, seconds, (runner, forward, lm_head) in zip(self.decode_calls, self.step_seconds, records):
+        samples.prefill.append(sum(seconds for decode, seconds in
+                                   zip(self.decode_calls, self.step_seconds, strict=False) if not decode))
+        for decode, seconds, (runner, forward, lm_head) in zip(self.decode_calls, self.step_seconds, records,
+                                                               strict=False):
             if decode:
                 samples.step.append(seconds)
                 samples.runner.append(runner)
@@ -218,7 +228,7 @@ class VllmInstrumented:
 
         params = VllmParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
-        for rid, prompt in zip(self.ids, self.prompts):
+        for rid, prompt in zip(self.ids, self.prompts, strict=True):
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
         first_done: float | None = None
         while self.engine.has_unfinished_requests():
@@ -248,7 +258,7 @@ def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps'd PreTrainedModel.to: mypy binds no self
     model.generation_config.eos_token_id = None
     model.bench_forward = []
     model.forward = timed(model.forward, model.bench_forward.append, device)
@@ -283,7 +293,7 @@ def hf_generate(
         )
     if out.shape[1] != input_ids.shape[1] + max_tokens or len(called) != max_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
-    steps = [next_call - back for back, next_call in zip(returned, called[1:])]
+    steps = [next_call - back for back, next_call in zip(returned, called[1:], strict=False)]
     return out[:, input_ids.shape[1] :].tolist(), Samples(step=steps, forward=model.bench_forward[1:],
                                                           prefill=model.bench_forward[:1])
 
@@ -295,7 +305,12 @@ def run_round(
     one LLMEngine.step() of each engine. Returns (our tokens, our samples, HF tokens, HF samples)."""
     for engine in engines.values():
         engine.start(prompts, max_tokens)
-    hf_tokens, hf_samples = hf_generate(hf, prompts, max_tokens, lambda: [e.step() for e in engines.values()])
+
+    def step_engines() -> None:
+        for engine in engines.values():
+            engine.step()
+
+    hf_tokens, hf_samples = hf_generate(hf, prompts, max_tokens, step_engines)
     tokens, samples = {}, {}
     for label, engine in engines.items():
         tokens[label], samples[label] = engine.finish()
@@ -327,7 +342,7 @@ def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], 
     for label in configs:
         backend, tp, dcp = CONFIGS[label]
         engine_args = EngineArgs(
-            model_dir, backend=backend, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+            str(model_dir), backend=backend, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
             kv_cache_memory_bytes=2 * tokens * kv_bytes + (1 << 20),
             max_num_batched_tokens=min(16384, max(2048, batch * prompt_len)),
             block_size=32,  # vLLM's CPU attention needs multiples of 32; the same page for both backends
@@ -347,4 +362,4 @@ def make_engines(args: argparse.Namespace, model_dir: Path, configs: list[str], 
 
 
 def console_line(cells: list[str] | tuple[str, ...], widths: tuple[int, ...]) -> str:
-    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=False))

@@ -22,21 +22,21 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.docs_section import DocsSection  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, triton  # noqa: E402
-from kernels.combine import combine_lse, combine_lse_ref  # noqa: E402
-from kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref  # noqa
+from bench.docs_section import DocsSection
+from kernels._triton import HAS_TRITON, triton
+from kernels.combine import combine_lse, combine_lse_ref
+from kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref
 
 BLOCK_SIZE = 16
 
@@ -170,14 +170,14 @@ def median_seconds(
             times.append(time.perf_counter() - start)
         return statistics.median(times)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
+    for begin, end in events:
         if flush is not None:
             flush.zero_()
-        start.record()
+        begin.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+    return statistics.median(begin.elapsed_time(end) for begin, end in events) / 1e3
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -329,7 +329,7 @@ def header_lines(
 
 
 def console_line(cells: list[str] | tuple[str, ...]) -> str:
-    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS, strict=False))
 
 
 def markdown_section(shape: Shape, command: str, info: list[str], rows: list[Row], notes: list[str]) -> str:
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     info = header_lines(args.shape, args.device, args.dtype, args.repeats, copy_bps)
     print("\n".join(info) + "\n\n" + console_line(COLUMNS), flush=True)
     rows, notes = measure_rows(args, copy_bps)
-    graded = [row.meets_target() for row in rows if row.meets_target() is not None]
+    graded = [met for met in (row.meets_target() for row in rows) if met is not None]
     summary = [f"target ({TARGET_TEXT}) met on {sum(graded)} of {len(graded)} qualifying rows"] if on_gpu else []
     wrong = [row for row in rows if not row.correct]
     if wrong:

@@ -39,9 +39,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import compare  # noqa: E402
-from bench.docs_section import DocsSection  # noqa: E402
-from engine.tiny_model import write_tiny_model  # noqa: E402
+from bench import compare
+from bench.docs_section import DocsSection
+from engine.tiny_model import write_tiny_model
 
 SCRIPT = "bench/prefix.py"
 REPLICAS = 2
@@ -298,8 +298,8 @@ def markdown(rows: list[list[str]], command: str, workload: Workload, seconds: f
               f"- workloads: {workload.describe()}.",
               "- TTFT is measured by the client from sending the request to its first token (admission included). "
               "The hit rate is the replicas' own count (prompt tokens of new requests served from their caches over "
-              "those looked up), the routing share the prompt blocks routing found on the granted replica (reported cached, or computed there by "
-              "requests granted since its last report).",
+              "those looked up), the routing share the prompt blocks routing found on the granted replica (reported "
+              "cached, or computed there by requests granted since its last report).",
               "- KV-only routing is the same app with prefix_routing false: the admission queue grants the "
               "replica with the most free KV, as a router blind to prefixes does; its caches still serve whatever "
               "happens to land on them. It gets more than chance here: a turn's finish frees KV on its replica, so "
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[i]) for r in rows + [["metric", *CONFIGS, "ratio"]]) for i in range(5)]
     print()
     for row in [["metric", *CONFIGS, "ratio"], *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)))
     seconds = time.monotonic() - started
     print(f"total {seconds:.0f}s")
     if args.write_docs:

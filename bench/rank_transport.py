@@ -31,20 +31,20 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+from deployments.local_cluster import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
 
-import ray  # noqa: E402
-from ray.dag import InputNode, MultiOutputNode  # noqa: E402
+import ray
+from ray.dag import InputNode, MultiOutputNode
 
-from engine.rank_channel import ChannelListener, FrameSocket, connect_rank  # noqa: E402
+from engine.rank_channel import ChannelListener, FrameSocket, connect_rank
 
 # (label, sequences, block-table entries per sequence)
 STEPS = [("decode, batch 8", 8, 4), ("decode, batch 64", 64, 4), ("batch 64, 4096 blocks each", 64, 4096)]
 
 
-@ray.remote(concurrency_groups={"steps": 1})
+@ray.remote(concurrency_groups={"steps": 1})  # type: ignore[call-overload]  # Ray's overloads of remote() omit concurrency_groups
 class EchoRank:
     """A rank that unpickles the step and replies like a RankWorker, without a model."""
 
@@ -82,7 +82,7 @@ class Transports:
     """The three ways of sending a step to every rank and collecting the replies, on the same echo ranks."""
 
     def __init__(self, tp: int) -> None:
-        self.ranks = [EchoRank.remote(r) for r in range(tp)]
+        self.ranks = [EchoRank.remote(r) for r in range(tp)]  # type: ignore[attr-defined]  # mypy applies no class decorator: an ActorClass
         self.pids = ray.get([rank.pid.remote() for rank in self.ranks])
         with InputNode() as step:
             graph = MultiOutputNode([rank.execute.bind(step) for rank in self.ranks])
@@ -123,7 +123,7 @@ class Transports:
         """CPU cores each rank process uses over `seconds` in which no step is sent."""
         before = [_cpu_seconds(pid) for pid in self.pids]
         time.sleep(seconds)
-        return [(_cpu_seconds(pid) - start) / seconds for pid, start in zip(self.pids, before)]
+        return [(_cpu_seconds(pid) - start) / seconds for pid, start in zip(self.pids, before, strict=True)]
 
     def close(self) -> None:
         self.graph.teardown()
@@ -139,7 +139,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def percentiles(seconds: list[float]) -> str:
     ordered = sorted(seconds)
-    at = lambda q: 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+
+    def at(q: float) -> float:
+        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
     return f"{1e3 * statistics.median(ordered):8.3f} {at(0.9):8.3f}"
 
 

@@ -127,7 +127,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             outputs = llm.generate(args.prompt, params)
         except ValueError as err:
             raise SystemExit(f"dcpserve generate: {err}") from err
-        for prompt, output in zip(args.prompt, outputs):
+        for prompt, output in zip(args.prompt, outputs, strict=True):
             completion = output.outputs[0]
             print(f"--- prompt: {prompt!r}")
             print(f"{completion.text}")
@@ -136,7 +136,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcpserve", description="Long-context LLM serving with decode context parallelism.")
+    parser = argparse.ArgumentParser(prog="dcpserve",
+                                     description="Long-context LLM serving with decode context parallelism.")
     commands = parser.add_subparsers(dest="command", required=True)
     layout = commands.add_parser("layout", help="show which DCP rank holds each token of a sequence")
     layout.add_argument("--tokens", type=int, required=True, help="sequence length")
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("tiny-model", help="write the embedded default model (tiny random Llama + tokenizer)")
     tiny.add_argument("directory", help="where to write it (created if missing)")
-    tiny.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives identical files (default 0)")
+    tiny.add_argument("--seed", type=int, default=0,
+                      help="weight seed; the same seed gives identical files (default 0)")
     tiny.add_argument("--force", action="store_true", help="overwrite model files in a non-empty directory")
     tiny.add_argument("--mla", action="store_true",
                       help="a tiny DeepSeek-V2 (multi-head latent attention + mixture of experts) instead of the Llama")
@@ -187,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    status: int = args.func(args)
+    return status
 
 
 if __name__ == "__main__":

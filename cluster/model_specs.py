@@ -306,7 +306,7 @@ class MlaSpec:
         return embeddings + layers + hidden  # final norm
 
     def validate_layout(self, tp: int, dcp: int) -> None:
-        ParallelConfig(tp, dcp).validate(_OneKvHead(self.num_attention_heads))  # type: ignore[arg-type]
+        ParallelConfig(tp, dcp).validate(_OneKvHead(self.num_attention_heads))
 
     def describe_shape(self) -> str:
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))

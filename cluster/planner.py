@@ -129,7 +129,7 @@ def invalid_tp_sizes(model: ModelConfig | ModelSpec, request: PlanRequest) -> li
 def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[PlanRow]:
     """One row per (tp, dcp) the model's layout rules accept, tp in request.tp_sizes, in (tp, dcp) order."""
     spec = as_model_spec(model)
-    kv_dtype = PLAN_DTYPES[request.kv_dtype]
+    kv_dtype = PLAN_DTYPES[request.kv_dtype or request.dtype]  # (resolved so by __post_init__)
     rows = []
     for tp in request.tp_sizes:
         for dcp in (d for d in range(1, tp + 1) if tp % d == 0):
@@ -137,7 +137,7 @@ def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[P
                 spec.validate_layout(tp, dcp)
             except ValueError:
                 continue
-            weights = weight_bytes_per_rank(spec, tp, request.weight_dtype)
+            weights = weight_bytes_per_rank(spec, tp, request.weight_dtype or request.dtype)
             kv_per_token = spec.kv_bytes_per_token_per_rank(tp, kv_dtype)
             free = request.budget_bytes_per_rank - weights
             pages_per_rank = num_blocks_for_budget(max(0, free), request.block_size, kv_per_token)
@@ -199,7 +199,7 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
     lines.append("")
     for cells in table:
         # Right-aligned numbers, left-aligned note.
-        text = "  ".join(cell.rjust(width) for cell, width in zip(cells[:-1], widths[:-1]))
+        text = "  ".join(cell.rjust(width) for cell, width in zip(cells[:-1], widths[:-1], strict=True))
         lines.append(f"{text}  {cells[-1]}".rstrip())
     lines.append("")
     lines.append("Weights and KV cache only: activations, CUDA graphs and communication buffers are not counted.")

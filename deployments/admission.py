@@ -169,7 +169,7 @@ class AdmissionQueue:
             replica_id = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=timeout_s)
             self._event("admitted", self._clock() - queued_at)
             return replica_id
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
                 self._event("admitted", self._clock() - queued_at)
                 return waiter.future.result()  # granted at the last moment

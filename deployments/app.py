@@ -39,9 +39,10 @@ def engine_deployment(args: AppArgs) -> Any:
         # cutting them off; the admission queue stops granting it as soon as Serve stops probing it.
         graceful_shutdown_timeout_s=args.drain_timeout_s,
         request_router_config=RequestRouterConfig(
-            request_router_class="deployments.router:KvAwareRouter",
-            request_routing_stats_period_s=args.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(5.0, args.routing_stats_period_s * 5),
+            # Ray annotates RequestRouterConfig's **kwargs as dict[str, Any] values (each keyword its own error).
+            request_router_class="deployments.router:KvAwareRouter",  # type: ignore[arg-type]  # see above
+            request_routing_stats_period_s=args.routing_stats_period_s,  # type: ignore[arg-type]  # see above
+            request_routing_stats_timeout_s=max(5.0, args.routing_stats_period_s * 5),  # type: ignore[arg-type]  # see above
         ),
         autoscaling_config=AutoscalingConfig(
             min_replicas=scaling.min_replicas,
@@ -79,14 +80,13 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     # Fails the deploy now, with the engine's message (bad model dir, TP x DCP layout, a vLLM that is missing or cannot
     # run this layout here), instead of a replica that fails to start again and again.
     validate_engine_args(args.engine_args(), args.device or _cluster_device())
-    admission = KvAdmission.options(name="KvAdmission").bind(
+    admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
         args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s)
     engine = engine_deployment(args).bind(args, admission)
     ingress = serve.deployment(
-        OpenAIIngress,
         name="OpenAIIngress",
         num_replicas=args.num_ingress_replicas,
         ray_actor_options={"num_cpus": 0.5},
         max_ongoing_requests=max(args.max_queued_requests * 2, 256),
-    )
+    )(OpenAIIngress)
     return ingress.bind(args, engine, admission)

@@ -47,7 +47,7 @@ class Choice:
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(entry.logprob for entry in self.logprobs)
+        return float(sum(entry.logprob for entry in self.logprobs))
 
 
 async def collect(choice: Choice, session: AsyncIterator[RequestDelta]) -> Choice:
@@ -66,7 +66,8 @@ class Tokens:
     def name(self, token_id: int) -> str:
         if self._as_ids:
             return f"token_id:{token_id}"
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def entry(self, logprob: TokenLogprob | None, token_id: int, k: int) -> protocol.LogprobEntry:
         """(name, logprob, top-k alternatives); logprob None (the first prompt token has none) gives (name, None,
@@ -79,7 +80,7 @@ class Tokens:
     def vllm_prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprob | None]) -> list[Any]:
         """vLLM's prompt_logprobs shape: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
         out: list[Any] = []
-        for token_id, entry in zip(prompt_ids, entries):
+        for token_id, entry in zip(prompt_ids, entries, strict=False):
             if entry is None:
                 out.append(None)
                 continue
@@ -119,9 +120,9 @@ def completion_choices(body: protocol.CompletionRequest, choices: list[Choice], 
             entries: list[protocol.LogprobEntry] = []
             if body.echo:
                 prompt_lp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
-                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.prompt_ids, prompt_lp)]
+                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)]
             if not score_only:
-                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.token_ids, choice.logprobs)]
+                entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.token_ids, choice.logprobs, strict=False)]
             logprobs = protocol.completion_logprobs(entries)
         prompt_logprobs = None
         if body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
@@ -139,7 +140,7 @@ def chat_choices(body: protocol.ChatCompletionRequest, choices: list[Choice], to
         if body.logprobs:
             k = body.top_logprobs or 0
             logprobs = protocol.chat_logprobs([tokens.entry(lp, t, k)
-                                               for t, lp in zip(choice.token_ids, choice.logprobs)])
+                                               for t, lp in zip(choice.token_ids, choice.logprobs, strict=False)])
         out.append(protocol.chat_choice(choice.index, "".join(choice.text), choice.finish, logprobs))
     return out
 

@@ -25,20 +25,23 @@ class AutoscalingArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_replicas: int = Field(1, ge=1, description="replicas kept running (the admission queue needs one to drain)")
-    max_replicas: int = Field(1, ge=1, description="upper bound; each replica takes tp GPUs")
-    initial_replicas: int | None = Field(None, ge=1, description="replicas at deploy time (default: min_replicas)")
+    min_replicas: int = Field(
+        default=1, ge=1, description="replicas kept running (the admission queue needs one to drain)")
+    max_replicas: int = Field(default=1, ge=1, description="upper bound; each replica takes tp GPUs")
+    initial_replicas: int | None = Field(
+        default=None, ge=1, description="replicas at deploy time (default: min_replicas)")
     target_sequences_per_replica: float = Field(
-        8.0, gt=0, description="desired replicas = ceil(running + waiting + queued sequences / this)"
+        default=8.0, gt=0, description="desired replicas = ceil(running + waiting + queued sequences / this)"
     )
     kv_usage_scale_up: float = Field(
-        0.85, gt=0, le=1, description="add a replica when the mean KV usage (reserved / capacity) passes this"
+        default=0.85, gt=0, le=1, description="add a replica when the mean KV usage (reserved / capacity) passes this"
     )
-    upscale_delay_s: float = Field(5.0, ge=0, description="a scale-up decision must hold this long (Serve's delay)")
-    downscale_delay_s: float = Field(30.0, ge=0, description="a scale-down decision must hold this long")
-    look_back_period_s: float = Field(5.0, gt=0, description="window Serve averages the replica stats over")
+    upscale_delay_s: float = Field(
+        default=5.0, ge=0, description="a scale-up decision must hold this long (Serve's delay)")
+    downscale_delay_s: float = Field(default=30.0, ge=0, description="a scale-down decision must hold this long")
+    look_back_period_s: float = Field(default=5.0, gt=0, description="window Serve averages the replica stats over")
     # Deprecated in Ray 2.60 but still what sets the replicas' push period (the documented env var is ignored).
-    metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas report autoscaling stats")
+    metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas report autoscaling stats")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingArgs:
@@ -77,19 +80,22 @@ EngineArgsModel = create_model(
     __config__=ConfigDict(extra="forbid", frozen=True),
     __doc__="EngineArgs (engine/args.py) as app args: the engine of every replica.",
     __module__=__name__,
-    __validators__={"_check_engine_args": model_validator(mode="after")(_check_engine_args)},
+    # pydantic annotates __validators__ as plain callables; it takes (and documents) decorated validators.
+    __validators__={"_check_engine_args": model_validator(mode="after")(_check_engine_args)},  # type: ignore[dict-item]  # see above
     **_engine_fields(),
 )
 
 
-class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]
+class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base built at run time (create_model above)
     """Arguments of build_app: the engine of every replica (EngineArgsModel), admission, autoscaling, the ingress."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    served_model_name: str | None = Field(None, description="the `model` name clients send (default: the directory name)")
+    served_model_name: str | None = Field(
+        None, description="the `model` name clients send (default: the directory name)")
     # ---- admission ----
-    max_queued_requests: int = Field(64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
+    max_queued_requests: int = Field(
+        64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue; past it -> 429")
     retry_after_s: int = Field(5, ge=1, description="the Retry-After header of a 429")
     dispatch_timeout_s: float = Field(
@@ -185,7 +191,8 @@ def parse_args(raw: dict[str, object] | AppArgs) -> AppArgs:
     if isinstance(raw, AppArgs):
         return raw
     try:
-        return AppArgs.model_validate(raw)
+        args: AppArgs = AppArgs.model_validate(raw)  # AppArgs' base is a run-time class: mypy sees Any
+        return args
     except ValidationError as err:
         problems = "; ".join(_problem(e) for e in err.errors())
         raise ValueError(f"invalid dcpserve app args: {problems}") from None

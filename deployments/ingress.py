@@ -16,7 +16,7 @@ the grant.
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -35,6 +35,7 @@ from engine.block_manager import admission_blocks
 from engine.protocol import RequestDelta, model_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+
 
 # Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
 # this module (and deployments.http_edge, where `api` lives), and the routes must be bound to the class there too.
@@ -195,7 +196,7 @@ class OpenAIIngress:
                                       params, self._check(ids, params)))
         return planned
 
-    async def _admit(self, planned: list[Choice]) -> list[AsyncIterator[RequestDelta]]:
+    async def _admit(self, planned: list[Choice]) -> list[AsyncGenerator[RequestDelta]]:
         """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
         their grants back and the first error is the answer."""
         sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
@@ -216,7 +217,8 @@ class OpenAIIngress:
         if body.stream:
             return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts),
                                      media_type="text/event-stream")
-        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions)), return_exceptions=True)
+        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions, strict=True)),
+                                       return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
@@ -229,11 +231,11 @@ class OpenAIIngress:
         return JSONResponse(protocol.completion_body(
             request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
 
-    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncIterator[RequestDelta]],
+    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncGenerator[RequestDelta]],
                    request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]]) -> AsyncIterator[str]:
         """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
         final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension)."""
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
 
         async def pump(k: int) -> None:
             try:
@@ -276,7 +278,8 @@ class OpenAIIngress:
                     if body.logprobs is not None:
                         prompt_lp = delta.prompt_logprobs or [None] * len(choice.prompt_ids)
                         logprobs = protocol.completion_logprobs(
-                            [tokens.entry(lp, t, body.logprobs) for t, lp in zip(choice.prompt_ids, prompt_lp)])
+                            [tokens.entry(lp, t, body.logprobs)
+                             for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)])
                     yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
                         choice.index, choice.prompt_text or "", None, logprobs)))
                 finish = delta.finish_reason if delta.finished else None
@@ -289,7 +292,7 @@ class OpenAIIngress:
                     continue
                 k_top = body.logprobs if not chat else (body.top_logprobs or 0)
                 entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
-                           zip(delta.new_token_ids, delta.logprobs or [])]
+                           zip(delta.new_token_ids, delta.logprobs or [], strict=False)]
                 if chat:
                     logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
                     yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,

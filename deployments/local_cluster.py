@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -59,7 +60,8 @@ class LocalSettings:
         env = os.environ
         model = env.get("DCPSERVE_MODEL", "tiny")
         if model not in TINY_MODELS:
-            raise SystemExit(f"DCPSERVE_MODEL (make serve MODEL=...) must be one of {sorted(TINY_MODELS)}, got {model!r}")
+            raise SystemExit(
+                f"DCPSERVE_MODEL (make serve MODEL=...) must be one of {sorted(TINY_MODELS)}, got {model!r}")
         return cls(
             http_port=int(env.get("DCPSERVE_PORT", "8000")),
             ray_port=int(env.get("DCPSERVE_RAY_PORT", "6390")),
@@ -82,7 +84,8 @@ def say(line: str) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def port_in_use(port: int) -> bool:
@@ -161,8 +164,8 @@ def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path) -> 
     # one machine would collide. Ray reads them from these variables only.
     env = {**env, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
     log = open(settings.state_dir / "ray_head.log", "wb")  # noqa: SIM115 - lives as long as the head
-    say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, temp dir {temp_dir}); "
-        f"log: {log.name}")
+    say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, "
+        f"temp dir {temp_dir}); log: {log.name}")
     # A session of its own: Ctrl-C goes to this script only, and stopping means signalling exactly this group.
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -205,7 +208,7 @@ class ServeApi:
     dashboard_port: int
     token_path: Path
 
-    def _request(self, method: str, body: dict | None = None, timeout_s: float = 30) -> dict:
+    def _request(self, method: str, body: dict[str, Any] | None = None, timeout_s: float = 30) -> dict[str, Any]:
         import json
         import urllib.request
 
@@ -216,22 +219,24 @@ class ServeApi:
                      "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             text = reply.read().decode()
-        return json.loads(text) if text.strip() else {}
+        reply_body: dict[str, Any] = json.loads(text) if text.strip() else {}
+        return reply_body
 
-    def details(self) -> dict:
+    def details(self) -> dict[str, Any]:
         """GET /api/serve/applications/: Serve's ServeInstanceDetails ({} of applications before Serve starts)."""
         return self._request("GET")
 
-    def deploy(self, config: dict) -> None:
+    def deploy(self, config: dict[str, Any]) -> None:
         """PUT /api/serve/applications/: the declarative config (exactly what `serve deploy` sends). Applications
         it does not name are deleted."""
         self._request("PUT", config, timeout_s=120)
 
-    def application(self, name: str) -> dict:
-        return (self.details().get("applications") or {}).get(name, {})
+    def application(self, name: str) -> dict[str, Any]:
+        applications: dict[str, dict[str, Any]] = self.details().get("applications") or {}
+        return applications.get(name, {})
 
 
-def app_progress(app: dict) -> str:
+def app_progress(app: dict[str, Any]) -> str:
     """One line of an application's state: its status and each deployment's replica states."""
     parts = []
     for name, deployment in (app.get("deployments") or {}).items():
@@ -286,7 +291,8 @@ def print_banner(settings: LocalSettings, model_name: str) -> None:
     # The key itself is never printed: the examples read it from the environment.
     auth = " -H \"Authorization: Bearer $DCPSERVE_API_KEY\"" if settings.api_key_env else ""
     key = "os.environ['DCPSERVE_API_KEY']" if settings.api_key_env else "'none'"
-    access = "API keys: required (DCPSERVE_API_KEY)" if settings.api_key_env else "API keys: none (set DCPSERVE_API_KEY)"
+    access = ("API keys: required (DCPSERVE_API_KEY)" if settings.api_key_env
+              else "API keys: none (set DCPSERVE_API_KEY)")
     print(f"""
 dcpserve is serving {model_name!r} (tiny random-weight model: the text is gibberish, the system is real)
 
@@ -313,7 +319,8 @@ def stop_head(head: subprocess.Popen[bytes]) -> None:
     (a process it does not track) gets SIGTERM, then SIGKILL."""
     if head.poll() is None or _group_alive(head.pid):
         say("stopping the Ray head this command started...")
-        steps = ((lambda sig: os.kill(head.pid, sig), signal.SIGTERM, 20.0),
+        steps: tuple[tuple[Callable[[int], None], signal.Signals, float], ...] = (
+                 (lambda sig: os.kill(head.pid, sig), signal.SIGTERM, 20.0),
                  (lambda sig: os.killpg(head.pid, sig), signal.SIGTERM, 5.0),
                  (lambda sig: os.killpg(head.pid, sig), signal.SIGKILL, 5.0))
         for send, sig, wait_s in steps[0 if head.poll() is None else 1:]:

@@ -48,11 +48,11 @@ GAUGE_PERIOD_S = 0.5
 
 
 def _gauge(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Gauge:
-    return metrics.Gauge(name, description=description, tag_keys=tag_keys)
+    return metrics.Gauge(name, description=description, tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 def _counter(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Counter:
-    return metrics.Counter(name, description=description, tag_keys=tag_keys)
+    return metrics.Counter(name, description=description, tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 def _start_at_zero(counter: metrics.Counter, tags: dict[str, str] | None = None) -> None:
@@ -83,7 +83,8 @@ class _EngineCount:
 
 def _histogram(name: str, description: str, boundaries: list[float],
                tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
-    return metrics.Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
+    return metrics.Histogram(name, description=description, boundaries=boundaries,
+                             tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 class ReplicaMetrics:
@@ -94,7 +95,8 @@ class ReplicaMetrics:
                  admission: str = "usage") -> None:
         self.kv_capacity = _gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
         self.kv_used = _gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
-        self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens", "KV tokens promised to admitted requests, not yet allocated")
+        self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens",
+                                  "KV tokens promised to admitted requests, not yet allocated")
         self.kv_usage = _gauge("dcpserve_kv_usage_ratio", "allocated KV blocks / all KV blocks")
         self.kv_held = _gauge("dcpserve_kv_held_tokens", "KV tokens the admission policy commits to accepted requests")
         self.kv_headroom = _gauge("dcpserve_kv_headroom_tokens", "KV tokens usage admission keeps free as growth room")
@@ -108,7 +110,8 @@ class ReplicaMetrics:
         self.layout = _gauge("dcpserve_layout_info", "1, labelled with the replica's TP x DCP layout",
                              ("tp", "dcp", "kv_heads", "kv_head_copies", "duplication_removed"))
         self.running = _gauge("dcpserve_sequences_running", "sequences the engine is running")
-        self.waiting = _gauge("dcpserve_sequences_waiting", "sequences waiting inside the engine (accepted, not running)")
+        self.waiting = _gauge("dcpserve_sequences_waiting",
+                              "sequences waiting inside the engine (accepted, not running)")
         self.target = _gauge("dcpserve_autoscaling_target_sequences_per_replica",
                              "the autoscaling policy's target_sequences_per_replica")
         self.healthy = _gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")
@@ -126,8 +129,8 @@ class ReplicaMetrics:
                                 "logical KV blocks holding a cached prefix block (in use or evictable)")
         self.accepted = _counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
                                  ("admission",))
-        self.stream_items = _counter("dcpserve_stream_items",
-                                     "stream items this replica sent to the ingress (one carries every token since the last)")
+        self.stream_items = _counter(
+            "dcpserve_stream_items", "stream items this replica sent to the ingress (each: every token since the last)")
         self.stream_tokens = _counter("dcpserve_stream_tokens", "generated tokens this replica sent to the ingress")
         self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
         self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.sampling_params import SamplingParams
 
-
 # Stop sequences: OpenAI's own count limit, and a length bound (every step scans the text's tail for each).
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
@@ -210,9 +209,11 @@ class CompletionRequest(_SamplingFields):
         """The prompts of the batch: each a string or a list of token ids."""
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]  # type: ignore[arg-type]
-        return list(self.prompt)  # type: ignore[arg-type]
+        # The field's types: a list of one kind (token ids, strings or lists of token ids).
+        token_ids = [p for p in self.prompt if isinstance(p, int)]
+        if len(token_ids) == len(self.prompt):
+            return [token_ids]
+        return [p for p in self.prompt if not isinstance(p, int)]
 
     def num_prompts(self) -> int:
         return len(self.prompts())

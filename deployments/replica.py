@@ -3,10 +3,11 @@ group, in the replica's own placement group.
 
 The replica is the authority on its KV, and its engine's ledger (EngineClient.kv_ledger) is the one place that
 counts it: a request is accepted only when its admission blocks under the app's policy (prompt + max_tokens under
-"full", the prompt under "usage", where the headroom keeps growth room for the sequences already there) fit what the ledger has free. generate() therefore first yields an `accepted` or
-`refused` message, then the token deltas. It reports KV to the routers (record_routing_stats), to the admission
-queue (every kv_report_period_s: what it holds per ticket, its headroom) and to the autoscaler
-(record_autoscaling_stats).
+"full", the prompt under "usage", where the headroom keeps growth room for the sequences already there) fit what
+the ledger has free. generate() therefore first yields Accepted, Refused or Rejected, then the token deltas, batched
+(at most one stream item per stream_interval_s after the first). It reports KV to the routers
+(record_routing_stats), to the admission queue (every kv_report_period_s: what it holds per ticket, its headroom)
+and to the autoscaler (record_autoscaling_stats).
 
 Serve's controller calls record_routing_stats and check_health only on RUNNING replicas, and routers learn of a
 replica when it becomes RUNNING. So the replica tells the admission queue it is routable only while those probes
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +86,7 @@ class ReplicaQuery:
     target_replica: str
 
 
-async def batched_deltas(stream: AsyncIterator[RequestDelta], interval_s: float) -> AsyncIterator[RequestDelta]:
+async def batched_deltas(stream: AsyncIterator[RequestDelta], interval_s: float) -> AsyncGenerator[RequestDelta]:
     """One request's deltas, merged (engine.protocol.merge_deltas) so that after the first at most one comes per
     interval_s, carrying every delta since; the finishing one comes at once. interval_s = 0: as they come.
 
@@ -119,7 +120,7 @@ async def batched_deltas(stream: AsyncIterator[RequestDelta], interval_s: float)
             if wait > 0 and not ended.is_set():
                 try:
                     await asyncio.wait_for(ended.wait(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             while not ready.empty():
                 items.append(ready.get_nowait())
@@ -144,8 +145,8 @@ def replica_bundles(tp: int) -> list[dict[str, float]]:
     """The replica's own CPU bundle, then one GPU bundle per TP rank (DCP reuses the TP ranks: no extra GPUs).
     With tp = 1 the engine runs in the replica process, so its bundle holds the GPU."""
     if tp == 1:
-        return [{"CPU": 1, "GPU": 1}]
-    return [{"CPU": 1}] + [{"GPU": 1}] * tp
+        return [{"CPU": 1.0, "GPU": 1.0}]
+    return [{"CPU": 1.0}] + [{"GPU": 1.0}] * tp
 
 
 def _node_has_cuda() -> bool:
@@ -160,7 +161,7 @@ def _node_has_cuda() -> bool:
 class EngineReplica:
     """Serve deployment class (wrapped by build_app): runs one engine and reports its KV."""
 
-    async def __init__(self, args: AppArgs, admission: Any | None = None) -> None:
+    async def __init__(self, args: AppArgs, admission: Any = None) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         from engine.protocol import start_engine
 
         device = args.device
@@ -228,16 +229,18 @@ class EngineReplica:
             yield Rejected(self.replica_id, str(err))
             return
         finished = False
+        metrics = self.metrics
+        assert metrics is not None  # set in the constructor, before any call
         try:
-            self.metrics.accepted.inc(tags={"admission": self.args.admission})
+            metrics.accepted.inc(tags={"admission": self.args.admission})
             yield Accepted(self.replica_id)
             async for delta in batched_deltas(stream, self.args.stream_interval_s):
                 finished = delta.finished
                 self.num_stream_items += 1
                 self.num_stream_tokens += len(delta.new_token_ids)
-                self.metrics.stream_items.inc()
+                metrics.stream_items.inc()
                 if delta.new_token_ids:
-                    self.metrics.stream_tokens.inc(len(delta.new_token_ids))
+                    metrics.stream_tokens.inc(len(delta.new_token_ids))
                 yield delta
         finally:
             if not finished:

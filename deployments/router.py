@@ -16,7 +16,8 @@ caller already gave up gets the candidates back at once, so the loop sees its do
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -27,7 +28,7 @@ def target_of(pending_request: PendingRequest | None) -> str | None:
     if pending_request is None:
         return None
     for value in list(pending_request.args) + list(pending_request.kwargs.values()):
-        target = getattr(value, "target_replica", None)
+        target: str | None = getattr(value, "target_replica", None)
         if target is not None:
             return target
     return None
@@ -43,15 +44,28 @@ def request_of(pending_request: PendingRequest | None) -> Any | None:
     return None
 
 
-def free_blocks(replica: RunningReplica) -> int | None:
+class Reporting(Protocol):
+    """What ranking reads of a replica: a RunningReplica, or a test's stand-in for one."""
+
+    @property
+    def replica_id(self) -> Hashable: ...
+
+    @property
+    def routing_stats(self) -> dict[str, Any] | None: ...
+
+
+_Replica = TypeVar("_Replica", bound=Reporting)
+
+
+def free_blocks(replica: Reporting) -> int | None:
     """The replica's last reported free KV in logical blocks; None before its first report."""
     value = (replica.routing_stats or {}).get("kv_free_blocks")
     return int(value) if value is not None else None
 
 
 def rank_by_free_kv(
-    candidates: list[RunningReplica], need: int, sent_since_report: dict[ReplicaID, int]
-) -> list[list[RunningReplica]]:
+    candidates: Sequence[_Replica], need: int, sent_since_report: Mapping[Any, int]
+) -> list[list[_Replica]]:
     """Replicas that can hold `need` blocks by their reports, most free first, one per rank."""
     scored = []
     for replica in candidates:

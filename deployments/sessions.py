@@ -11,7 +11,7 @@ import contextvars
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from ray.serve import context as serve_context
@@ -40,7 +40,7 @@ def _call_as_own_request(call: Callable[[], Any]) -> Any:
     batch of prompts), dispatched together, shared one entry, so all but one waited out dispatch_timeout_s."""
     context = serve_context._get_serve_request_context()
     token = serve_context._serve_request_context.set(
-        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))
+        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
     try:
         return call()
     finally:
@@ -63,7 +63,7 @@ class Sessions:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
-                   need: int) -> AsyncIterator[RequestDelta]:
+                   need: int) -> AsyncGenerator[RequestDelta]:
         """Admits the request (first yield, a delta without tokens, once a replica accepted it), then yields its
         deltas.
         Its finally frees everything, whichever way the request ends."""
@@ -121,7 +121,7 @@ class Sessions:
                     delta = await asyncio.wait_for(stream.__anext__(), timeout=max(request_deadline - loop.time(), 0))
                 except StopAsyncIteration:
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
                                    f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
                 now = loop.time()
@@ -140,7 +140,7 @@ class Sessions:
             raise
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001 - an engine failure becomes an OpenAI error
+        except Exception as err:  # an engine failure becomes an OpenAI error (logged with its traceback)
             logger.exception("request %s failed", ticket)
             raise ApiError(500 if stream is not None else 503, f"the engine failed: {err}") from None
         finally:
@@ -167,7 +167,7 @@ class Sessions:
         timeout = self.args.dispatch_timeout_s
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stream.cancel()
             return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
         except StopAsyncIteration:

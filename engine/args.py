@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -161,7 +162,8 @@ class EngineArgs:
         max_model_len = self.max_model_len if self.max_model_len is not None else limit
         if max_model_len > limit:
             raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; use at most {limit}"
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
+                f"use at most {limit}"
             )
         tokens_per_block = self.block_size * self.decode_context_parallel_size
         if self.enable_prefix_caching and tokens_per_block >= max_model_len:
@@ -216,7 +218,7 @@ class EngineArgs:
                 f"unknown engine argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                 f"the engine arguments are: {', '.join(names)}"
             )
-        return cls(model=model, **kwargs)  # type: ignore[arg-type]
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]  # a PathLike model: __post_init__ stores a str
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:
@@ -347,7 +349,7 @@ def _without_none(hint: Any) -> Any:
     args = get_args(hint)
     if get_origin(hint) in (Union, type(int | None)) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
-        return rest[0] if len(rest) == 1 else Union[tuple(rest)]
+        return rest[0] if len(rest) == 1 else Union[tuple(rest)]  # noqa: UP007 - its members known at run time only
     return hint
 
 

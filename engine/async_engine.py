@@ -12,14 +12,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
 from engine.core import (
-    AbortRequest, AddRequest, Admission, CoreOutputs, CoreSnapshot, EngineCore, Query, QueryKind, Shutdown,
-    query_error, snapshot,
+    AbortRequest,
+    AddRequest,
+    Admission,
+    AdmissionNeedQuery,
+    CallQuery,
+    CoreOutputs,
+    CoreSnapshot,
+    EngineCore,
+    PrefixReportQuery,
+    Query,
+    Shutdown,
+    query_error,
+    snapshot,
 )
 from engine.engine import LLMEngine
 from engine.prefix_cache import PrefixReport
@@ -55,7 +66,7 @@ class AsyncEngine:
     # ---- public API ------------------------------------------------------------------------------------------
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - engine.tokenizer.Tokenizer | None
+    def tokenizer(self):
         return self.engine.tokenizer
 
     @property
@@ -72,20 +83,21 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta]:
         """Yields a RequestDelta per generated token until the request finishes. Invalid or never-fitting
         requests raise before anything is queued."""
-        async for delta in await self.submit(prompt, sampling_params, prompt_token_ids, request_id):
+        stream = await self.submit(sampling_params, prompt_token_ids, request_id, prompt=prompt)
+        async for delta in stream:
             yield delta
 
     async def submit(
         self,
-        prompt: str | None = None,
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         check_kv: bool = False,
-    ) -> AsyncIterator[RequestDelta]:
+        prompt: str | None = None,
+    ) -> AsyncGenerator[RequestDelta]:
         """Hands a request to the core and returns its stream of deltas once the core took it. With check_kv the
         core first checks its admission need against the ledger, in input order, and it raises KvFull when it does
         not fit now. A caller that never iterates the stream must abort(request_id). Invalid or never-fitting
@@ -116,7 +128,7 @@ class AsyncEngine:
         return self._stream(request_id, queue)
 
     async def _stream(self, request_id: str,
-                      queue: asyncio.Queue[RequestDelta | BaseException]) -> AsyncIterator[RequestDelta]:
+                      queue: asyncio.Queue[RequestDelta | BaseException]) -> AsyncGenerator[RequestDelta]:
         finished = False
         try:
             while True:
@@ -144,19 +156,19 @@ class AsyncEngine:
 
     async def admission_need(self, prompt_token_ids: list[int], max_tokens: int) -> int:
         """The blocks this request would add here now (admission_blocks less the cached prefix blocks held here)."""
-        need = await self._query("admission_need", (list(prompt_token_ids), max_tokens))
+        need = await self._query(lambda query_id: AdmissionNeedQuery(query_id, list(prompt_token_ids), max_tokens))
         assert isinstance(need, int)
         return need
 
     async def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
-        report = await self._query("prefix_report", (reader_epoch, reader_version))
+        report = await self._query(lambda query_id: PrefixReportQuery(query_id, reader_epoch, reader_version))
         assert report is None or isinstance(report, PrefixReport)
         return report
 
     async def call_in_core(self, fn: Callable[[LLMEngine], object]) -> object:
         """fn(engine) on the core's thread between two steps, and its result: for tests and debugging tools, the
         one way to look at or change the engine's state from outside."""
-        return await self._query("call", (fn,))
+        return await self._query(lambda query_id: CallQuery(query_id, fn))
 
     def kv_ledger(self) -> KvLedger:
         """The replica's KV ledger as of the core's last output batch (every request it has taken, less those it
@@ -213,13 +225,14 @@ class AsyncEngine:
             self._core.start()
         return self._core
 
-    async def _query(self, kind: QueryKind, args: tuple[Any, ...]) -> object:
+    async def _query(self, make: Callable[[int], Query]) -> object:
+        """Sends the query make(query_id) to the core and returns its reply (raises what answering it raised)."""
         self._check_alive()
         core = self._ensure_core()
         query_id = next(self._query_ids)
         reply: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._replies[query_id] = reply
-        core.send(Query(query_id, kind, args))
+        core.send(make(query_id))
         try:
             value = await reply
         finally:
@@ -259,6 +272,7 @@ class AsyncEngine:
         dead = EngineDeadError(f"the engine failed: {err!r}")
         for queue in self._queues.values():
             queue.put_nowait(dead)
-        for future in [*self._admitting.values(), *self._replies.values()]:
+        pending: list[asyncio.Future[Any]] = [*self._admitting.values(), *self._replies.values()]
+        for future in pending:
             if not future.done():
                 future.set_exception(dead)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -87,7 +87,8 @@ class ModelConfig:
         return cls.from_dict(raw, generation, source=str(config_path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config") -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                  source: str = "config") -> ModelConfig:
         architectures = raw.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
@@ -117,11 +118,13 @@ class ModelConfig:
             # head_dim describe transformers' expanded heads, which are never cached).
             kv_heads, head_dim = 1, mla.cache_head_dim
         if heads % kv_heads != 0:
-            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         rope_params = raw.get("rope_parameters") or {}
-        rope_scaling_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+        rope_scaling_raw = raw.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type") not in (None, "default") else None)
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        scaling = None
+        scaling: RopeScaling | YarnScaling | None = None
         if rope_scaling_raw:
             kind = rope_scaling_raw.get("rope_type") or rope_scaling_raw.get("type")
             if kind == "llama3":
@@ -173,6 +176,16 @@ class ModelConfig:
         return self.kv_cache_spec(tp).bytes_per_token(dtype)
 
 
+class HeadCounts(Protocol):
+    """What ParallelConfig.validate reads of a model (a ModelConfig, or the planner's model specs)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor-parallel size and decode-context-parallel size of one replica (DCP reuses the TP ranks)."""
@@ -188,7 +201,7 @@ class ParallelConfig:
     def dcp(self) -> int:
         return self.decode_context_parallel_size
 
-    def validate(self, model: ModelConfig) -> None:
+    def validate(self, model: HeadCounts) -> None:
         """Layout rules of docs/dcp.md, with errors that name the values and the fix."""
         tp, dcp = self.tp, self.dcp
         heads, kv = model.num_attention_heads, model.num_key_value_heads

@@ -2,14 +2,14 @@
 executor) and runs its steps.
 
 Nothing else reads or writes that state. The serving front (engine.async_engine.AsyncEngine, on the replica's
-event loop) talks to the core only through typed messages: `AddRequest`, `AbortRequest`, `Query` (the admission
-need of a prompt, the prefix cache's report) and `Shutdown` go in through one queue; `CoreOutputs` come back, one
-batch per step (every request's new tokens, logprobs and finish reason) or per batch of inputs applied (each add's
-admission: accepted with its KV need, or refused and why; each query's reply), each with a `CoreSnapshot`: the
-ledger, the stats and the requests' states at one instant, immutable, so the front answers kv_ledger() and stats()
-without touching the core.
+event loop) talks to the core only through typed messages: `AddRequest`, `AbortRequest`, the queries
+(`AdmissionNeedQuery`, `PrefixReportQuery`, `CallQuery`) and `Shutdown` go in through one queue; `CoreOutputs`
+come back, one batch per step (every request's new tokens, logprobs and finish reason) or per batch of inputs
+applied (each add's admission: accepted with its KV need, or refused and why; each query's reply), each with a
+`CoreSnapshot`: the ledger, the stats and the requests' states at one instant, immutable, so the front answers
+kv_ledger() and stats() without touching the core.
 
-A thread, not a process (docs/structure.md, "The engine core"): a step is torch work that releases the GIL or, at
+A thread, not a process (docs/structure.md, "Decisions"): a step is torch work that releases the GIL or, at
 tp > 1, a wait on the Ray worker group; a process would add a serialization of every input and output batch on the
 hot path and a second copy of the scheduler's inputs, and buy nothing the worker group does not already have.
 
@@ -26,7 +26,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from engine.engine import LLMEngine
 from engine.protocol import EngineStats, KvFull, KvLedger, RequestDelta
@@ -59,19 +58,34 @@ class AbortRequest:
     request_id: str
 
 
-QueryKind = Literal["admission_need", "prefix_report", "call"]
+@dataclass(frozen=True, slots=True)
+class AdmissionNeedQuery:
+    """What a prompt would add to the ledger now (LLMEngine.admission_need): an int, in the reply to query_id."""
+
+    query_id: int
+    prompt_token_ids: list[int]
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
-class Query:
-    """A question about the core's state, answered in the next output batch under `query_id`:
-    "admission_need" (args: prompt_token_ids, max_tokens) -> int, "prefix_report" (args: reader_epoch,
-    reader_version) -> PrefixReport | None, "call" (args: fn) -> fn(engine), for tests and debugging tools that must
-    look at or change the engine on its own thread."""
+class PrefixReportQuery:
+    """The prefix cache's changes since the reader's (epoch, version): a PrefixReport or None (caching off)."""
 
     query_id: int
-    kind: QueryKind
-    args: tuple[object, ...]
+    reader_epoch: str | None
+    reader_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallQuery:
+    """fn(engine) on the core's thread, its result in the reply: for tests and debugging tools that must look at
+    or change the engine where it lives."""
+
+    query_id: int
+    fn: Callable[[LLMEngine], object]
+
+
+Query = AdmissionNeedQuery | PrefixReportQuery | CallQuery
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +93,7 @@ class Shutdown:
     """Stop the loop after the inputs before it."""
 
 
-CoreInput = AddRequest | AbortRequest | Query | Shutdown
+CoreInput = AddRequest | AbortRequest | AdmissionNeedQuery | PrefixReportQuery | CallQuery | Shutdown
 
 
 # ---- outputs -----------------------------------------------------------------------------------------------------
@@ -193,12 +207,12 @@ class EngineCore:
                     continue
                 finished = frozenset(d.request_id for d in deltas if d.finished)
                 self._deliver(CoreOutputs(snapshot(engine, finished), deltas=tuple(deltas), stepped=True))
-        except BaseException as err:  # noqa: BLE001 - every request in flight must hear about it
+        except BaseException as err:
             self.error = err
             logger.exception("the engine core failed")
             try:
                 self._deliver(CoreOutputs(self._last_words(), error=err))
-            except BaseException:  # noqa: BLE001 - the front is gone too; its health check sees the dead thread
+            except BaseException:
                 logger.exception("could not report the engine core's failure")
 
     def _last_words(self) -> CoreSnapshot:
@@ -235,7 +249,7 @@ class EngineCore:
                 changed = True
             elif isinstance(message, AbortRequest):
                 changed |= engine.abort_request(message.request_id)
-            elif isinstance(message, Query):
+            elif isinstance(message, (AdmissionNeedQuery, PrefixReportQuery, CallQuery)):
                 replies.append((message.query_id, self._answer(message)))
         if not (admissions or replies or changed):
             return None
@@ -257,16 +271,11 @@ class EngineCore:
     def _answer(self, message: Query) -> object:
         engine = self.engine
         try:
-            if message.kind == "admission_need":
-                prompt_token_ids, max_tokens = message.args
-                return engine.admission_need(engine.probe_request(prompt_token_ids, max_tokens))
-            if message.kind == "prefix_report":
-                reader_epoch, reader_version = message.args
-                return engine.prefix_report(reader_epoch, reader_version)
-            if message.kind == "call":
-                (fn,) = message.args
-                return fn(engine)
-            raise ValueError(f"unknown engine core query {message.kind!r}")
+            if isinstance(message, AdmissionNeedQuery):
+                return engine.admission_need(engine.probe_request(message.prompt_token_ids, message.max_tokens))
+            if isinstance(message, PrefixReportQuery):
+                return engine.prefix_report(message.reader_epoch, message.reader_version)
+            return message.fn(engine)
         except Exception as err:  # noqa: BLE001 - the asker's error, raised where it awaits the reply
             return _QueryFailed(err)
 

@@ -20,6 +20,7 @@ buffers), which is how the tests exercise the buffers, padding and slicing on CP
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,7 +85,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Callable[[], Any], torch.Tensor]] = {}
         self.replays = 0  # steps served by a graph (the tests read it)
         for size in reversed(self.sizes):  # largest first: the others reuse its memory pool
-            self.graphs[size] = capture(lambda size=size: self._forward(size))
+            self.graphs[size] = capture(functools.partial(self._forward, size))
             self._check(size)
 
     def _metadata(self, size: int) -> AttentionMetadata:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+
 import torch
 
 from engine.block_manager import BlockManager

@@ -16,7 +16,10 @@ class Executor(Protocol):
     """Runs steps on every rank and returns the driver rank's sampled tokens and logprobs."""
 
     num_blocks: int
-    last_exchange_seconds: float  # DCP exchange time of the last execute() (max over ranks; 0 without DCP)
+
+    @property
+    def last_exchange_seconds(self) -> float:
+        """DCP exchange time of the last execute() (max over ranks; 0 without DCP)."""
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
 

@@ -175,7 +175,8 @@ class InputBatch:
         self.apply(output)
         scheduled = output.scheduled
         states = [self.requests[entry.request_id] for entry in scheduled]
-        sampling = [(entry, state.sampling_params) for entry, state in zip(scheduled, states) if entry.sample]
+        sampling = [(entry, state.sampling_params) for entry, state in zip(scheduled, states, strict=True)
+                    if entry.sample]
         if scheduled and len(scheduled[-1].token_ids) == 1:  # decodes come first: the last row decides
             return self._decode_inputs(scheduled, states, exchange_timer, sampling)
         rows = torch.tensor([state.row for state in states], dtype=torch.int64)
@@ -199,7 +200,7 @@ class InputBatch:
         count = len(scheduled)
         positions = [entry.start_position for entry in scheduled]
         slots = []
-        for position, state in zip(positions, states):
+        for position, state in zip(positions, states, strict=True):
             block, offset = divmod(position, tokens_per_block)
             slots.append(state.block_ids[block] * block_size + offset // dcp if offset % dcp == rank else -1)
         values = [state.row for state in states] + positions + [entry.token_ids[0] for entry in scheduled] + slots
@@ -244,7 +245,10 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], table: torch.Tensor
             sample_rows.append(len(input_ids) - 1)
         if len(entry.token_ids) == 1 and num_decodes == len(starts) - 1:
             num_decodes += 1  # the scheduler puts single-token rows first
-    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     num_seqs, num_tokens = len(starts), len(input_ids)
     packed = to_device(torch.tensor(starts + input_ids, dtype=torch.int64))  # one copy to the device, not two
     starts_t, ids = packed[:num_seqs], packed[num_seqs:]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Sequence
+from typing import Any
 
 from engine.args import EngineArgs
 from engine.engine import LLMEngine
@@ -70,7 +71,7 @@ class LLM:
         return self.engine.kv_capacity_tokens if self.engine is not None else self._vllm.kv_capacity_tokens
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - engine.tokenizer.Tokenizer | None
+    def tokenizer(self):
         return self.engine.tokenizer if self.engine is not None else self._vllm.tokenizer
 
     def _tokenize(self, prompt: str) -> list[int]:
@@ -112,7 +113,7 @@ class LLM:
             for i in range(count)
         ]
         vocab_size = self.engine.model_config.vocab_size if self.engine is not None else self._vllm.vocab_size
-        for tokens, params in zip(token_lists, params_list):
+        for tokens, params in zip(token_lists, params_list, strict=True):
             self._check_fits(len(tokens), params.max_tokens)
             params.check_vocab(vocab_size)
         if self.engine is None:

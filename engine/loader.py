@@ -8,8 +8,8 @@ a rank reads only its own rows or columns of a TP-sharded weight. Tensors are ca
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open

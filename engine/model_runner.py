@@ -18,13 +18,13 @@ import torch
 from engine.block_manager import blocks_needed, num_blocks_for_budget
 from engine.config import EngineConfig
 from engine.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
+from engine.input_batch import InputBatch
 from engine.layers.moe import DeepseekMoE
 from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
 from engine.protocol import TokenLogprob
 from engine.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
-from engine.input_batch import InputBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_timer import ExchangeTimer
@@ -223,14 +223,16 @@ class ModelRunner:
             if result is not None and logits is not None and not self.batch.not_plain_greedy:
                 # Every row greedy with nothing else asked: the argmax is the whole sampler.
                 tokens = greedy_tokens(logits).tolist()
-                result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, tokens)}
+                result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, tokens, strict=True)}
             elif self.sampler is not None and result is not None and logits is not None:
                 sampled = self.sampler.sample(logits, [
                     SamplingRow(entry.request_id, params, entry.num_output_tokens, entry.blocked_token_ids)
                     for entry, params in inputs.sampling
                 ])
-                result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, sampled.token_ids)}
-                result.logprobs = {e.request_id: lp for (e, _), lp in zip(inputs.sampling, sampled.logprobs)
+                result.sampled_token_ids = {
+                    e.request_id: t for (e, _), t in zip(inputs.sampling, sampled.token_ids, strict=True)}
+                result.logprobs = {e.request_id: lp
+                                   for (e, _), lp in zip(inputs.sampling, sampled.logprobs, strict=True)
                                    if lp is not None}
         prompt_logprobs = self._prompt_logprobs(output, hidden)
         if result is not None:

@@ -70,6 +70,7 @@ class ParallelState:
         if self.tp_size == 1:
             return x
         x = x.contiguous()
+        assert self.tp_group is not None  # set whenever tp_size > 1
         driver = dist.get_global_rank(self.tp_group, 0)
         parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.is_driver else None
         dist.gather(x, parts, dst=driver, group=self.tp_group)

@@ -11,7 +11,7 @@ unit of the whole system.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -203,7 +203,7 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Tokenizer | None: ...
 
     async def submit(self, sampling_params: SamplingParams, prompt_token_ids: list[int], request_id: str,
-                     check_kv: bool = False) -> AsyncIterator[RequestDelta]:
+                     check_kv: bool = False) -> AsyncGenerator[RequestDelta]:
         """Hands a request to the engine and returns its stream of deltas (token ids, text, finish reason) once the
         engine took it. Raises ValueError (never fits, bad token ids), KvFull (check_kv and the ledger cannot admit
         it now) or EngineDeadError, and then nothing is queued. A caller that never iterates the stream must

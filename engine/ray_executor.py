@@ -71,7 +71,7 @@ class _RankFailure(NamedTuple):
     reason: str
 
 
-@ray.remote(concurrency_groups={"steps": 1})
+@ray.remote(concurrency_groups={"steps": 1})  # type: ignore[call-overload]  # Ray's overloads of remote() omit concurrency_groups
 class RankWorker:
     """One TP rank: its process group membership, model runner and KV cache shard."""
 
@@ -191,7 +191,8 @@ class RayWorkerGroup:
                         placement_group, placement_group_bundle_index=first_bundle + rank
                     )
                 options.append(option)
-            self.workers = [RankWorker.options(**options[r]).remote(config, r) for r in range(tp)]
+            # mypy applies no class decorator: RankWorker is Ray's ActorClass at run time.
+            self.workers = [RankWorker.options(**options[r]).remote(config, r) for r in range(tp)]  # type: ignore[attr-defined]  # see above
             init_method = ray.get(self.workers[0].rendezvous_address.remote(), timeout=startup_timeout_s)
             # CPU ranks share this host's cores (Ray's logical CPUs may exceed them): oversubscribing torch threads
             # makes every gloo collective wait on a descheduled peer.

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request stopped (OpenAI's finish_reason values)."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string

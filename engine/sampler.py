@@ -73,11 +73,12 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Se
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     k = min(max(num_top), logprobs.shape[1])
     top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], ids[:, :0]))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_value_rows, top_id_rows = top_values.tolist(), top_ids.tolist()
     return [
         TokenLogprob(token_id=int(token), logprob=value, rank=rank,
-                     top=tuple(zip(top_ids[i][:count], top_values[i][:count])))
-        for i, (token, value, rank, count) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks, num_top))
+                     top=tuple(zip(top_id_rows[i][:count], top_value_rows[i][:count], strict=True)))
+        for i, (token, value, rank, count) in enumerate(
+            zip(token_ids, chosen[:, 0].tolist(), ranks, num_top, strict=True))
     ]
 
 
@@ -166,6 +167,8 @@ class Sampler:
         """A seeded request's own generator (on the CPU, so its draws do not depend on the device)."""
         generator = self._generators.get(request_id)
         if generator is None:
+            if params.seed is None:
+                raise ValueError(f"request {request_id!r} has no seed: it draws from the shared generator")
             generator = torch.Generator().manual_seed(params.seed)
             self._generators[request_id] = generator
         return generator
@@ -207,7 +210,7 @@ class Sampler:
             seeded = [(j, i) for j, i in enumerate(random_rows) if rows[i].params.seed is not None]
             if seeded:  # a seeded row draws from its own generator, whatever the batch
                 seeded_probs = probs[torch.tensor([j for j, _ in seeded], device=device)].cpu()
-                for (_, i), row_probs in zip(seeded, seeded_probs):
+                for (_, i), row_probs in zip(seeded, seeded_probs, strict=True):
                     generator = self._generator(rows[i].request_id, rows[i].params)
                     seeded_tokens[i] = int(torch.multinomial(row_probs, 1, generator=generator))
         tokens = token_ids.tolist()
@@ -216,14 +219,14 @@ class Sampler:
         if raw_logprobs is not None:
             entries = token_logprobs(raw_logprobs, [tokens[i] for i in wants_logprobs],
                                      [rows[i].params.logprobs or 0 for i in wants_logprobs])
-            for i, entry in zip(wants_logprobs, entries):
+            for i, entry in zip(wants_logprobs, entries, strict=True):
                 logprobs[i] = entry
         return SamplerOutput(tokens, logprobs)
 
     def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """min_tokens masks, logit_bias and penalties, batched; the logits untouched when no row uses them."""
         blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if t < logits.shape[1]]
-        biased = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias or ()]
+        biased = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias_map().items()]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if not (blocked or biased or penalized):
             return logits

@@ -119,7 +119,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError when a token id the request names (logit_bias) is outside the model's vocabulary."""
-        bad = [token for token, _ in self.logit_bias or () if token >= vocab_size]
+        bad = [token for token in self.logit_bias_map() if token >= vocab_size]
         if bad:
             raise ValueError(
                 f"logit_bias names token ids {bad[:5]} outside the vocabulary: ids must be in [0, {vocab_size})"

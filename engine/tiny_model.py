@@ -220,6 +220,13 @@ def write_tiny_mla_model(
     return _write(directory, seed, spec, force, log)
 
 
+def _token_id(tokenizer: BpeTokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise RuntimeError(f"the trained tokenizer has no {token!r} token")
+    return token_id
+
+
 def _write(
     directory: str | Path,
     seed: int,
@@ -234,8 +241,8 @@ def _write(
     say(f"training tokenizer (byte-level BPE, vocab {spec.vocab_size}) on {len(CORPUS_FILES)} stdlib files...")
     tokenizer = train_tokenizer(spec.vocab_size)
     vocab_size = tokenizer.get_vocab_size()
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    eos_ids = [tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(END_OF_TURN_TOKEN)]
+    bos_id = _token_id(tokenizer, BOS_TOKEN)
+    eos_ids = [_token_id(tokenizer, EOS_TOKEN), _token_id(tokenizer, END_OF_TURN_TOKEN)]
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -319,7 +326,7 @@ def _write_weights(out: Path, spec: TinyModelSpec, vocab_size: int, bos_id: int,
     # The generator is forked so the caller's global RNG state is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' @wraps'd PreTrainedModel.to: mypy binds no self
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     # safetensors directly (not save_pretrained): no progress bar, and metadata fixed to what loaders expect.
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -372,7 +379,7 @@ def _write_mla_weights(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DeepseekV2ForCausalLM(config).to(torch.float32)
+        model = DeepseekV2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' @wraps'd PreTrainedModel.to: mypy binds no self
         with torch.no_grad():  # norms and biases random too, so a load that swaps or drops one shows
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -107,7 +107,8 @@ def load_tokenizer(model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> 
 
 def _check_messages(messages: list[dict[str, str]]) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
+        raise ValueError(
+            f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {message!r}")

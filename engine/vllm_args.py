@@ -56,7 +56,7 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
                 f"{CPU_BLOCK_MULTIPLE}; use block_size={CPU_BLOCK_MULTIPLE * max(1, round(args.block_size / 32))}"
             )
     if args.kv_cache_memory_bytes is not None:
-        _check_pool_holds_one_request(args, device)
+        _check_pool_holds_one_request(args, args.kv_cache_memory_bytes, device)
 
     try:
         config = json.loads((Path(args.model) / "config.json").read_text())
@@ -131,7 +131,7 @@ def kv_events_config(endpoint: str, topic: str) -> Any:
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=topic)
 
 
-def _check_pool_holds_one_request(args: EngineArgs, device: str) -> None:
+def _check_pool_holds_one_request(args: EngineArgs, kv_cache_memory_bytes: int, device: str) -> None:
     """vLLM refuses to start when its KV pool (less its null page) cannot hold one max_model_len request. For models
     the native config reader knows (Llama / Qwen) this is checked here, with the numbers, before any replica starts."""
     from engine.config import DTYPES, ModelConfig
@@ -145,7 +145,7 @@ def _check_pool_holds_one_request(args: EngineArgs, device: str) -> None:
     if dtype not in DTYPES:
         return
     page_bytes = args.block_size * model.kv_bytes_per_token_per_rank(args.tensor_parallel_size, DTYPES[dtype])
-    pages = args.kv_cache_memory_bytes // page_bytes
+    pages = kv_cache_memory_bytes // page_bytes
     tokens = max(0, pages - 1) * args.block_size * args.decode_context_parallel_size
     longest = args.max_model_len or model.max_position_embeddings
     if tokens < longest:

@@ -13,10 +13,10 @@ engine (engine.protocol.EngineClient), so admission, routing, autoscaling and me
 - Running / waiting / KV usage / preemptions / prefix cache queries and hits come from a vLLM stat logger of ours
   (engine/vllm_stats.py: `StatsRecorder`).
 - Prefix caching is vLLM's own. Which blocks it caches we learn from its KV cache events: its engine core (another
-  process) publishes them over ZeroMQ to a SUB socket of ours bound on loopback (engine/vllm_prefix.py: `KvEventSubscriber`), and
-  `VllmPrefixCache` names each stored block with our chained hash (engine.prefix_cache: vLLM's block of
-  block_size * dcp tokens is our logical block) for the PrefixReports the app routes by, and for the ledger, which
-  charges a cached block shared by several requests held here to one of them only.
+  process) publishes them over ZeroMQ to a SUB socket of ours bound on loopback (engine/vllm_prefix.py:
+  `KvEventSubscriber`), and `VllmPrefixCache` names each stored block with our chained hash (engine.prefix_cache:
+  vLLM's block of block_size * dcp tokens is our logical block) for the PrefixReports the app routes by, and for the
+  ledger, which charges a cached block shared by several requests held here to one of them only.
 - Executors: on CPU vLLM's multiprocessing executor, one core per TP rank (VLLM_CPU_OMP_THREADS_BIND); on CUDA with
   tp > 1 vLLM's Ray executor in the replica's own placement group (one {GPU: 1} bundle per TP rank).
 
@@ -30,7 +30,7 @@ import asyncio
 import contextvars
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
@@ -71,7 +71,7 @@ class VllmEngine:
         # Bound before vLLM starts, so its engine core's publisher connects to it from its first event.
         self._events = KvEventSubscriber() if args.enable_prefix_caching else None
         try:
-            kwargs = vllm_engine_kwargs(args, device, self._events and self._events.endpoint,
+            kwargs = vllm_engine_kwargs(args, device, self._events.endpoint if self._events else None,
                                         self._events.topic if self._events else "")
             if device == "cpu":
                 set_cpu_threads_bind(args.tensor_parallel_size)
@@ -164,7 +164,7 @@ class VllmEngine:
 
     async def submit(self, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None, check_kv: bool = False,
-                     prompt: str | None = None) -> AsyncIterator[RequestDelta]:
+                     prompt: str | None = None) -> AsyncGenerator[RequestDelta]:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
@@ -183,7 +183,7 @@ class VllmEngine:
         return self._stream(request_id, list(prompt_token_ids), params)
 
     async def _stream(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> AsyncIterator[RequestDelta]:
+                      params: SamplingParams) -> AsyncGenerator[RequestDelta]:
         from vllm.inputs import TokensPrompt
 
         held = self._held[request_id]
@@ -219,10 +219,11 @@ class VllmEngine:
                     num_output_tokens=held.num_output_tokens,
                     logprobs=(None if params.logprobs is None or completion.logprobs is None else
                               [_token_logprob(t, position, params.logprobs)
-                               for t, position in zip(new_ids, completion.logprobs)]),
+                               for t, position in zip(new_ids, completion.logprobs, strict=True)]),
                     prompt_logprobs=(None if params.prompt_logprobs is None or not output.prompt_logprobs else
-                                     [None] + [_token_logprob(t, position, params.prompt_logprobs) for t, position
-                                               in zip(prompt_token_ids[1:], list(output.prompt_logprobs)[1:])]),
+                                     [None] + [_token_logprob(t, position, params.prompt_logprobs)
+                                               for t, position in zip(prompt_token_ids[1:],
+                                                                      list(output.prompt_logprobs)[1:], strict=True)]),
                 )
                 if finished:
                     break
@@ -383,7 +384,7 @@ def process_services() -> set[int]:
     ("resource_tracker: process died unexpectedly ... Some resources might leak")."""
     from multiprocessing import resource_tracker
 
-    pid = getattr(resource_tracker._resource_tracker, "_pid", None)  # noqa: SLF001 - no public accessor
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
     return {pid} if pid is not None else set()
 
 

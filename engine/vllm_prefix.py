@@ -15,7 +15,15 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.prefix_cache import (
-    CACHED, EVICTED, PINNED, PrefixReport, PrefixReporter, block_hash, chain_hashes, max_hit_blocks, prompt_hashes,
+    CACHED,
+    EVICTED,
+    PINNED,
+    PrefixReport,
+    PrefixReporter,
+    block_hash,
+    chain_hashes,
+    max_hit_blocks,
+    prompt_hashes,
 )
 from engine.vllm_args import KV_EVENTS_HOST
 

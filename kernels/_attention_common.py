@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import tl, triton, triton_interpreting
+from kernels._triton import jit, tl, triton, triton_interpreting
 
 
 def check_paged_cache(
@@ -116,7 +116,7 @@ def head_block_size(group: int, block_dv: int) -> int:
     """Query heads one decode program packs (all the heads of a KV head, up to a bound: MLA has every head on its
     one KV head, and a [heads, 512] fp32 accumulator must fit a program's registers)."""
     limit = 16 if block_dv >= 256 else 64
-    return max(MIN_TILE, min(triton.next_power_of_2(group), limit))
+    return max(MIN_TILE, min(int(triton.next_power_of_2(group)), limit))
 
 
 def default_block_n(block_dv: int = 0) -> int:
@@ -132,8 +132,8 @@ def shares_values(keys: torch.Tensor, values: torch.Tensor | None) -> bool:
     return values is None or (values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride())
 
 
-@triton.jit
-def load_paged_tile(
+@jit
+def load_paged_tile(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     cache_ptr,
     block_table_row_ptr,
     tokens,
@@ -154,8 +154,8 @@ def load_paged_tile(
     return tl.load(ptrs, mask=token_mask[:, None] & d_mask[None, :], other=0.0)
 
 
-@triton.jit
-def tile_scores(q_v, k_v, q_r, k_r, scale, HAS_REST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+@jit
+def tile_scores(q_v, k_v, q_r, k_r, scale, HAS_REST: tl.constexpr, DOT_PRECISION: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     """Scaled scores [rows, BLOCK_N] of a key tile: the value channels' dot product plus, for keys wider than the
     values, the rest's (q_r / k_r are ignored without HAS_REST)."""
     s = tl.dot(q_v, tl.trans(k_v), input_precision=DOT_PRECISION)
@@ -164,8 +164,8 @@ def tile_scores(q_v, k_v, q_r, k_r, scale, HAS_REST: tl.constexpr, DOT_PRECISION
     return s * scale
 
 
-@triton.jit
-def online_softmax_step(s, v, visible, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+@jit
+def online_softmax_step(s, v, visible, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     """One flash-attention step over a key tile's scaled scores s [rows, BLOCK_N] and values v [BLOCK_N, BLOCK_DV]:
     returns the updated (max, sum, accumulator), all fp32.
 
@@ -180,8 +180,8 @@ def online_softmax_step(s, v, visible, m_i, l_i, acc, DOT_PRECISION: tl.constexp
     return m_new, l_i, acc
 
 
-@triton.jit
-def finish_softmax(m_i, l_i, acc):
+@jit
+def finish_softmax(m_i, l_i, acc):  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     """(out, lse) from the running state; rows that saw no key give out = 0 and lse = -inf."""
     valid = l_i > 0
     out = tl.where(valid[:, None], acc / tl.where(valid, l_i, 1.0)[:, None], 0.0)

@@ -8,6 +8,7 @@ ImportError at import.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -36,8 +37,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     class _MissingLanguage:
         constexpr = Any
 
-    triton = _MissingTriton()  # type: ignore[assignment]
-    tl = _MissingLanguage()  # type: ignore[assignment]
+    triton = _MissingTriton()
+    tl = _MissingLanguage()
+
+# triton.jit with a type (triton ships none, so mypy sees the decorator as untyped): the kernels are decorated with it.
+jit: Callable[[Callable[..., Any]], Any] = triton.jit
 
 
 def triton_interpreting() -> bool:
@@ -61,4 +65,4 @@ def require_triton_device(*tensors: Any) -> None:
             )
 
 
-__all__ = ["HAS_TRITON", "require_triton_device", "tl", "triton", "triton_interpreting"]
+__all__ = ["HAS_TRITON", "jit", "require_triton_device", "tl", "triton", "triton_interpreting"]

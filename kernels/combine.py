@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels._attention_common import output_buffers
-from kernels._triton import require_triton_device, tl, triton
+from kernels._triton import jit, require_triton_device, tl, triton
 
 
 def _check_combine_args(outs: torch.Tensor, lses: torch.Tensor) -> None:
@@ -53,8 +53,8 @@ def combine_lse_ref(
     return out, lse_out
 
 
-@triton.jit
-def _combine_lse_kernel(
+@jit
+def _combine_lse_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     outs_ptr,
     lses_ptr,
     out_ptr,

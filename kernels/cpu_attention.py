@@ -128,7 +128,8 @@ def _attend_context(
     group = num_q_heads // num_kv_heads
     mask, tail, empty = masks
     keys = _gather_context(k_cache, pages, tail, queries.dtype)
-    values = keys if shares_values(k_cache, v_cache) else _gather_context(v_cache, pages, tail, queries.dtype)
+    values = (keys if v_cache is None or shares_values(k_cache, v_cache)
+              else _gather_context(v_cache, pages, tail, queries.dtype))
     # Query rows of one KV head: [S, Hk, L * G, D], row l * G + g is query head kv * G + g of token l.
     folded = queries.reshape(num_seqs, rows, num_kv_heads, group, head_dim).transpose(1, 2)
     folded = folded.reshape(num_seqs, num_kv_heads, rows * group, head_dim)
@@ -261,7 +262,7 @@ def paged_decode_attention_cpu(
         return out, lse
     out.zero_()
     lse.fill_(float("-inf"))
-    for seqs, pages, masks in zip(plan.pieces, plan.piece_pages, plan.masks):
+    for seqs, pages, masks in zip(plan.pieces, plan.piece_pages, plan.masks, strict=True):
         result, result_lse = _attend_context(queries[seqs], k_cache, v_cache, pages, masks, scale, value_dim)
         out.index_copy_(0, seqs, result[:, 0].to(out.dtype))
         lse.index_copy_(0, seqs, result_lse[:, 0].to(lse.dtype))
@@ -391,7 +392,9 @@ def paged_prefill_attention_cpu(
     queries = q.to(compute_dtype_for(q.dtype))
     keys = key.to(queries.dtype) if key is not None else None
     # The same tensor for both when the values are the keys (one padding, one pass through the fused op).
-    values = value.to(queries.dtype) if value is not None and not shares_values(key, value) else None
+    # (_check_prefill_args: a value comes with a key.)
+    values = (value.to(queries.dtype) if value is not None and key is not None and not shares_values(key, value)
+              else None)
     for seqs in _pieces(chunk_lens > 0, chunk_lens, context):
         piece_chunks, piece_context = chunk_lens[seqs], context[seqs]
         rows = int(piece_chunks.max())

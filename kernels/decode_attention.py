@@ -30,7 +30,7 @@ from kernels._attention_common import (
     shares_values,
     tile_scores,
 )
-from kernels._triton import require_triton_device, tl, triton, triton_interpreting
+from kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
 from kernels.combine import combine_lse_into
 
 MAX_SPLITS = 64
@@ -111,8 +111,8 @@ def paged_decode_attention_ref(
     return out, lse
 
 
-@triton.jit
-def _paged_decode_kernel(
+@jit
+def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,

@@ -14,6 +14,7 @@ result, N times the bytes. Works on gloo (CPU) and NCCL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -37,14 +38,15 @@ class DcpAttentionExchange:
         if method not in ("all_to_all", "all_gather"):
             raise ValueError(f"method must be 'all_to_all' or 'all_gather', got {method!r}")
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: call init_process_group before building the exchange")
+            raise RuntimeError(
+                "torch.distributed is not initialized: call init_process_group before building the exchange")
         self.group = group
         self.method: ExchangeMethod = method
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.use_triton = use_triton
 
-    def _combine_fn(self, t: torch.Tensor):  # noqa: ANN202 - returns one of the two combine kernels
+    def _combine_fn(self, t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         use_triton = self.use_triton
         if use_triton is None:
             use_triton = HAS_TRITON and (t.is_cuda or triton_interpreting())

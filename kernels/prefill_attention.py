@@ -19,6 +19,8 @@ Tokens of all sequences are packed: query_start_loc [num_seqs + 1] gives each se
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kernels._attention_common import (
@@ -36,7 +38,7 @@ from kernels._attention_common import (
     shares_values,
     tile_scores,
 )
-from kernels._triton import require_triton_device, tl, triton, triton_interpreting
+from kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
 
 
 def _check_prefill_args(
@@ -128,7 +130,7 @@ def paged_prefill_attention_ref(
     new_values = key if v_cache is None else value
     starts = query_start_loc.tolist()
     ctx_lens = context_lens.tolist()
-    for seq, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+    for seq, (start, end) in enumerate(itertools.pairwise(starts)):
         chunk = end - start
         if chunk == 0:
             continue
@@ -155,8 +157,8 @@ def paged_prefill_attention_ref(
     return out, lse
 
 
-@triton.jit
-def _paged_prefill_kernel(
+@jit
+def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     q_ptr,
     key_ptr,
     value_ptr,

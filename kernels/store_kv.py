@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import require_triton_device, tl, triton
+from kernels._triton import jit, require_triton_device, tl, triton
 
 
 def _check_store_args(
@@ -74,8 +74,8 @@ def store_kv_ref(
             cache[slots // block_size, slots % block_size] = rows
 
 
-@triton.jit
-def _store_kv_kernel(
+@jit
+def _store_kv_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     key_ptr,
     value_ptr,
     k_cache_ptr,

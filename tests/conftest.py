@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.engine.VERIFY_PREFIX_HITS_ENV; see above
 
-from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+from deployments.local_cluster import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # before anything imports ray: every Ray this session starts or joins listens on 127.0.0.1
 # Ray reads its auth mode once, at import: the session's head (tests/e2e/cluster.py) uses token auth.
@@ -66,7 +66,7 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def ray_head(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - yields tests.e2e.cluster.RayHead
+def ray_head(tmp_path_factory: pytest.TempPathFactory):
     """The session's Ray head (4 logical GPUs on CPU machines, the real count where there are GPUs), with this
     process joined as its driver; stopped at the end of the session."""
     from tests.e2e.cluster import ray_head as start_ray_head
@@ -77,7 +77,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - yields
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(ray_head):  # noqa: ANN001, ANN201 - the session's head; yields the ray module
+def ray_cluster(ray_head):
     """Ray, joined to the session's head: the engine's multi-rank tests create their worker groups on it."""
     import ray
 

@@ -23,6 +23,7 @@ is the one above, unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Literal, get_args
 
@@ -101,8 +102,9 @@ class Attention(EngineModule):
                        "ref": paged_decode_attention_ref}[kernels]
         # On CUDA the step's metadata is built consistent: no value checks reading the device back in every layer.
         triton_prefill = functools.partial(paged_prefill_attention, validate=False)
-        self.prefill = {"triton": triton_prefill, "cpu": paged_prefill_attention_cpu,
-                        "ref": paged_prefill_attention_ref}[kernels]
+        prefills: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+            "triton": triton_prefill, "cpu": paged_prefill_attention_cpu, "ref": paged_prefill_attention_ref}
+        self.prefill = prefills[kernels]
         self.combine = combine_lse if use_triton else combine_lse_ref
         if self.parallel.dcp_size > 1:
             self.exchange = DcpAttentionExchange(self.parallel.dcp_group, use_triton=use_triton)

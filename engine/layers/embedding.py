@@ -7,6 +7,8 @@ embedding masks ids outside the shard, and the LM head drops the padded logits a
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.nn.functional as F
 
@@ -56,8 +58,14 @@ class VocabParallelEmbedding(EngineModule):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto the vocabulary: local logits of this rank's shard, gathered to the full vocabulary."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)
+
+    @overload
+    def compute_logits(self, hidden: torch.Tensor, driver_only: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def compute_logits(self, hidden: torch.Tensor, driver_only: bool) -> torch.Tensor | None: ...
 
     def compute_logits(self, hidden: torch.Tensor, driver_only: bool = False) -> torch.Tensor | None:
         """hidden [S, hidden] -> logits [S, vocab_size] float32, the full vocabulary on every rank, or with

@@ -124,7 +124,7 @@ class MergedColumnParallelLinear(EngineModule):
         weight_specs: dict[ShardId, ShardSpec] = {}
         bias_specs: dict[ShardId, ShardSpec] = {}
         offset = 0
-        for index, (size, rows) in enumerate(zip(self.output_sizes, self.output_sizes_per_rank)):
+        for index, (size, rows) in enumerate(zip(self.output_sizes, self.output_sizes_per_rank, strict=True)):
             start = parallel.tp_rank * rows
             weight_specs[index] = ShardSpec((size, input_size), 0, start, rows, offset)
             bias_specs[index] = ShardSpec((size,), 0, start, rows, offset)

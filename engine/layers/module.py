@@ -21,7 +21,7 @@ class EngineModule(nn.Module):
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         if forward is not None:
-            cls.__call__ = forward  # type: ignore[method-assign]
+            cls.__call__ = forward  # type: ignore[method-assign]  # on purpose: the module docstring says why
 
     def _no_hooks(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -29,5 +29,5 @@ class EngineModule(nn.Module):
             f"so a forward hook would never run (engine/layers/module.py); wrap the module or its forward instead"
         )
 
-    register_forward_hook = _no_hooks  # type: ignore[assignment]
-    register_forward_pre_hook = _no_hooks  # type: ignore[assignment]
+    register_forward_hook = _no_hooks
+    register_forward_pre_hook = _no_hooks

@@ -11,8 +11,9 @@ until the cyclic garbage collector runs, possibly at interpreter shutdown, where
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -76,14 +77,14 @@ class ShardedLoader:
     def __init__(self, specs: dict[ShardId, ShardSpec]) -> None:
         self.specs = specs
 
-    def __call__(
-        self, param: torch.nn.Parameter, source: WeightSource, name: str, shard_id: ShardId = None
-    ) -> None:
+    def __call__(self, param: torch.Tensor, source: WeightSource, name: str, shard_id: ShardId = None) -> None:
         spec = self.specs.get(shard_id)
         if spec is None:
             known = sorted(map(repr, self.specs))
             raise ValueError(f"{name!r}: shard id {shard_id!r} is not one of this parameter's shard ids {known}")
         check_shape(source, spec.full_shape, name)
+        target: torch.Tensor
+        loaded: torch.Tensor | None
         if spec.dim is None:
             target, loaded = param, source[:]
         elif spec.dim == 0:
@@ -115,11 +116,11 @@ class StackedLoader:
     def __call__(
         self, param: torch.nn.Parameter, source: WeightSource, name: str, shard_id: ShardId = None
     ) -> None:
-        index = shard_id[0] if isinstance(shard_id, tuple) else None
-        if not isinstance(index, int) or not 0 <= index < self.num_indices:
+        if (not isinstance(shard_id, tuple) or not isinstance(shard_id[0], int)
+                or not 0 <= shard_id[0] < self.num_indices):
             raise ValueError(f"{name!r}: shard id {shard_id!r} must be (index in [0, {self.num_indices}), part)")
         index, part = shard_id
-        self.part_loader(param[index], source, name, part)  # type: ignore[arg-type]
+        self.part_loader(param[index], source, name, part)
 
 
 def new_parameter(
@@ -128,5 +129,5 @@ def new_parameter(
     """An inference parameter (no grad) carrying its weight loader as `param.weight_loader`; without one the
     parameter is replicated: the checkpoint tensor must have its shape and is copied whole."""
     param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    param.weight_loader = loader or ShardedLoader({None: ShardSpec(tuple(shape))})  # type: ignore[attr-defined]
+    param.weight_loader = loader or ShardedLoader({None: ShardSpec(tuple(shape))})  # type: ignore[attr-defined]  # an attribute of ours on torch's class
     return param

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
+from engine.config import ModelConfig
 from engine.models.causal_lm import CausalLM  # what the model runner drives
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import ParallelState
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
+# A model class: built from (config, parallel, dtype, device).
+ModelClass = Callable[[ModelConfig, ParallelState, torch.dtype, torch.device], CausalLM]
+
+MODEL_CLASSES: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

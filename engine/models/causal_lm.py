@@ -4,6 +4,9 @@ the config describes, forward and logits."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Literal, overload
+
 import torch
 from torch import nn
 
@@ -14,6 +17,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.module import EngineModule
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.weights import WeightSource
 from engine.parallel import ParallelState
 
 
@@ -46,7 +50,7 @@ class DecoderModel(EngineModule):
     hidden states')."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, rotary_emb: RotaryEmbedding,
-                 layers: list[nn.Module], dtype: torch.dtype, device: torch.device,
+                 layers: Sequence[nn.Module], dtype: torch.dtype, device: torch.device,
                  rope_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype, device)
@@ -71,7 +75,7 @@ class DecoderModel(EngineModule):
             )
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, self.rope_dtype or hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return self.norm(hidden)
 
@@ -79,7 +83,7 @@ class DecoderModel(EngineModule):
 class CausalLM(EngineModule):
     """A decoder and its LM head; subclasses build the decoder (with an `embed_tokens`) and load checkpoints."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState, decoder: nn.Module, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, parallel: ParallelState, decoder: DecoderModel, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
         self.config = config
@@ -88,6 +92,10 @@ class CausalLM(EngineModule):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource | torch.Tensor]]) -> None:
+        """Copies this rank's shard of every checkpoint tensor (Hugging Face names) into the parameters."""
+        raise NotImplementedError(f"{type(self).__name__} loads no checkpoints")
 
     @property
     def kv_cache_spec(self) -> KvCacheSpec:
@@ -104,6 +112,12 @@ class CausalLM(EngineModule):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 (decode rows first, then prefill chunks) -> final hidden [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, metadata)
+
+    @overload
+    def compute_logits(self, hidden: torch.Tensor, driver_only: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def compute_logits(self, hidden: torch.Tensor, driver_only: bool) -> torch.Tensor | None: ...
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, driver_only: bool = False) -> torch.Tensor | None:

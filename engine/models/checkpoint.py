@@ -8,7 +8,7 @@ missing, unexpected or repeated tensor.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -39,7 +39,7 @@ def load_named_weights(
             raise ValueError(f"checkpoint tensor {name!r} appears twice (in two files of a sharded checkpoint?)")
         param_name, shard_id = resolve(name)
         param = params[param_name]
-        param.weight_loader(param, as_weight_source(weight), name, shard_id)  # type: ignore[attr-defined]
+        param.weight_loader(param, as_weight_source(weight), name, shard_id)  # type: ignore[attr-defined]  # new_parameter attached it
         loaded.add(name)
     missing = sorted(expected - loaded)
     if missing or unexpected:

@@ -23,7 +23,7 @@ multi-token-prediction module, not loaded.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

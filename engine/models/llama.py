@@ -9,7 +9,7 @@ gate/up merged, so checkpoint names map one to one (STACKED_PARAMS).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -83,7 +83,8 @@ class LlamaDecoderLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(config, LlamaAttention(config, parallel, dtype, device),
-                         SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device), dtype, device)
+                         SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device),
+                         dtype, device)
 
 
 class LlamaModel(DecoderModel):

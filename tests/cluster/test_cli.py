@@ -51,7 +51,8 @@ def test_layout_prints_the_worked_example() -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--tokens", "9", "--dcp", "2", "--block-size", "3", "--interleave", "2"), "interleave=2 must divide block_size=3"),
+    (("--tokens", "9", "--dcp", "2", "--block-size", "3", "--interleave", "2"),
+     "interleave=2 must divide block_size=3"),
     (("--tokens", "9", "--dcp", "0"), "dcp_size must be a positive integer, got 0"),
     (("--tokens", "-1", "--dcp", "2"), "--tokens must be >= 0, got -1"),
 ])
@@ -238,7 +239,8 @@ def test_generate_takes_the_engine_args_flags(tiny_model: TinyModelRun) -> None:
     (("--gpu-memory-utilization", "1.5"), "dcpserve generate: gpu_memory_utilization must be a fraction in (0, 1]"),
     (("--admission", "prompt"), "argument --admission: invalid choice: 'prompt'"),
 ])
-def test_generate_rejects_bad_engine_args_clearly(tiny_model: TinyModelRun, args: tuple[str, ...], message: str) -> None:
+def test_generate_rejects_bad_engine_args_clearly(tiny_model: TinyModelRun, args: tuple[str, ...],
+                                                  message: str) -> None:
     directory, _ = tiny_model
     result = cli("generate", "--model", str(directory), "--prompt", "hi", *args)
     assert result.returncode != 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,8 +163,8 @@ def test_parse_errors(parse: Callable[[str], int], text: str, message: str) -> N
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"block_size": 0}, "block_size must be >= 1"),
 ])
-def test_plan_request_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
-    args: dict[str, object] = {"gpus_per_node": 8, "gpu_memory_bytes": 80 << 30, "context_len": 1024, **kwargs}
+def test_plan_request_rejects_bad_values(kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {"gpus_per_node": 8, "gpu_memory_bytes": 80 << 30, "context_len": 1024, **kwargs}
     with pytest.raises(ValueError, match=message):
         PlanRequest(**args)
 

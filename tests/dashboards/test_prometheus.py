@@ -23,16 +23,17 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import yaml
 
 from deployments import local_cluster, observe
-from tests.e2e.cluster import CAPACITY_BLOCKS, ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"
@@ -112,7 +113,7 @@ def evicting_prompt(backend: Backend) -> list[int]:
 
 @pytest.fixture(scope="module", params=[pytest.param(NATIVE, id="native"),
                                         pytest.param(VLLM, id="vllm", marks=pytest.mark.vllm)])
-def stack(request: pytest.FixtureRequest, ray_head, tmp_path_factory: pytest.TempPathFactory  # noqa: ANN001
+def stack(request: pytest.FixtureRequest, ray_head: RayHead, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
     backend: Backend = request.param
     binary = shutil.which("prometheus")
@@ -162,10 +163,10 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
-def drive_load(stack: Stack) -> dict[str, int]:
+def drive_load(stack: Stack) -> dict[str, int | str]:
     """Every outcome at least once; returns the HTTP status of each scenario. The KV pressure is the test's own grant
     of the whole KV: what waits, times out or is refused follows from it, not from how fast anything decodes."""
-    statuses: dict[str, int] = {}
+    statuses: dict[str, int | str] = {}  # statuses, and the body of an unexpected one
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json={
                 "model": MODEL, "prompt": "def hello", "max_tokens": 8, "stream": True}) as reply:
@@ -220,7 +221,8 @@ def drive_load(stack: Stack) -> dict[str, int]:
     return statuses
 
 
-async def wait_until(read, done, what: str, timeout_s: float = 60.0):  # noqa: ANN001, ANN201
+async def wait_until(read: Callable[[], Awaitable[Any]], done: Callable[[Any], bool], what: str,
+                     timeout_s: float = 60.0) -> Any:
     """Awaits read() until done(its result); AssertionError with the last result after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -333,10 +335,10 @@ def test_every_dashboard_query_returns_data(loaded: Stack) -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and {"application", "replica"} <= set(variables)
     for name in ("application", "replica"):
-        expr = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[name]["query"]["query"])
-        assert expr, variables[name]
-        series = query(loaded, expr.group(1).replace("$application", APP))["result"]
-        assert {s["metric"][expr.group(2)] for s in series}, f"variable {name} has no values"
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[name]["query"]["query"])
+        assert match, variables[name]
+        series = query(loaded, match.group(1).replace("$application", APP))["result"]
+        assert {s["metric"][match.group(2)] for s in series}, f"variable {name} has no values"
     for panel in dashboard["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]

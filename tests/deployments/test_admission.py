@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from deployments.admission import AdmissionQueue, NeverFits, NoReplica, QueueFull, QueueTimeout
+from deployments.admission import AdmissionQueue, Grant, NeverFits, NoReplica, QueueFull, QueueTimeout
 from deployments.prefix_routing import PrefixAsk
 from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, PrefixReport, PrefixReporter, prompt_hashes
 
@@ -195,6 +195,12 @@ def ask_for(tokens: list[int]) -> PrefixAsk:
     return PrefixAsk(tuple(prompt_hashes(tokens, 32, SEED)), 32, SEED, len(tokens))
 
 
+def grant_of(queue: AdmissionQueue, ticket: str) -> Grant:
+    grant = queue.grant_of(ticket)
+    assert grant is not None, f"{ticket} holds no grant"
+    return grant
+
+
 def cache_report(reporter: PrefixReporter, queue: AdmissionQueue, replica_id: str, capacity: int,
                  held: dict[str, int] | None = None) -> None:
     """The replica's periodic report, with its prefix changes since the queue's copy."""
@@ -222,6 +228,7 @@ def test_prefix_report_changes_apply_in_order_and_a_lost_report_brings_the_whole
     assert again.full and again.changes == {2: CACHED, 3: PINNED, 4: CACHED}
     index.apply(again)
     assert index.blocks == writer.state
+    assert index.epoch is not None
     stale = PrefixReport(index.epoch, index.version + 5, index.version + 4, False, {9: PINNED}, 32, SEED)
     index.apply(stale)  # changes from a state the reader never had are ignored
     assert 9 not in index.blocks
@@ -237,12 +244,12 @@ def test_routes_to_the_replica_caching_the_prefix_and_counts_only_the_blocks_it_
         cache_report(writer, queue, "b", 20)
         queue.report("a", 20, 32, {})
         assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [7, 8])) == "b"
-        assert queue.grant_of("t1").need == 5 and queue.grant_of("t1").hit_blocks == 3
+        assert grant_of(queue, "t1").need == 5 and grant_of(queue, "t1").hit_blocks == 3
         for block in prompt_hashes(prompt, 32, SEED):
             writer.set(block, PINNED)  # t1 runs and holds them
         cache_report(writer, queue, "b", 20, {"t1": 5})
         assert await queue.acquire("t2", 5, 1.0, ask=ask_for(prompt + [9])) == "b"
-        assert queue.grant_of("t2").need == 2  # its 3 shared blocks are t1's
+        assert grant_of(queue, "t2").need == 2  # its 3 shared blocks are t1's
         assert queue.replicas["b"].free == 20 - 5 - 2
         assert queue.stats()["prefix_hit_blocks"] == 6 and queue.stats()["prefix_query_blocks"] == 6
 
@@ -258,7 +265,7 @@ def test_a_replica_with_the_prefix_but_no_room_does_not_hold_the_request_back() 
             writer.set(block, CACHED)
         cache_report(writer, queue, "b", 20, {"other": 18})  # b has 2 blocks free
         assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == "a"
-        assert queue.grant_of("t").hit_blocks == 0
+        assert grant_of(queue, "t").hit_blocks == 0
 
     asyncio.run(run())
 
@@ -290,14 +297,14 @@ def test_a_burst_sharing_a_new_prefix_follows_the_first_grant_and_other_layouts_
         queue = make_queue({"a": 20, "b": 18})
         prompt = list(range(100))
         assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [1])) == "a"  # most free
-        assert queue.grant_of("t1").hit_blocks == 0
+        assert grant_of(queue, "t1").hit_blocks == 0
         queue.release("t1")
         long_prompt = list(range(300))  # 9 blocks = 288 tokens
         assert await queue.acquire("t2", 10, 1.0, ask=ask_for(long_prompt + [1])) == "a"
         # Nothing reported yet, but t2 computes the prefix on a: t3 follows it (after the grant a would have no
         # block free and b 8 = 256 tokens, but the 288 tokens of prefix in flight on a weigh more).
         assert await queue.acquire("t3", 10, 1.0, ask=ask_for(long_prompt + [2])) == "a"
-        assert queue.grant_of("t3").need == 10  # in flight is a preference, never a KV discount
+        assert grant_of(queue, "t3").need == 10  # in flight is a preference, never a KV discount
         queue.release("t2")
         queue.release("t3")
         other = PrefixAsk(tuple(prompt_hashes(long_prompt, 64, SEED)), 64, SEED, len(long_prompt))
@@ -334,13 +341,14 @@ def test_prefix_affinity_never_piles_requests_onto_one_replica_while_another_idl
         assert await queue.acquire("t0", 21, 1.0, ask=ask_for(system + [0])) == "a"
         writer = PrefixReporter(32, SEED)
         for block in prompt_hashes(system, 32, SEED):
-            writer.set(block, PINNED)  # t0 runs on a and holds the system prompt (19 whole blocks before its last token)
+            # t0 runs on a and holds the system prompt (19 whole blocks before its last token).
+            writer.set(block, PINNED)
         cache_report(writer, queue, "a", 100, {"t0": 21})
         granted = [await queue.acquire(f"t{i}", 21, 1.0, ask=ask_for(system + [i])) for i in range(1, 5)]
         # a wins on cost every time, but with 3 sequences against none (past least + 2) b takes the next one; then
         # 3 against 1 is in balance again.
         assert granted == ["a", "a", "b", "a"], granted
-        assert queue.grant_of("t1").need == 2 and queue.grant_of("t3").need == 21  # 19 of its 21 blocks shared on a
+        assert grant_of(queue, "t1").need == 2 and grant_of(queue, "t3").need == 21  # 19 of its 21 blocks shared on a
 
     asyncio.run(run())
 

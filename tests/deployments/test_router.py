@@ -7,11 +7,11 @@ serving other work) and a request whose caller gave up must be dropped at once.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
-from ray.serve.request_router import PendingRequest
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 from deployments.replica import EngineRequest, ReplicaQuery
 from deployments.router import KvAwareRouter
@@ -38,6 +38,11 @@ class FakeReplica:
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
         return self.queue_len
+
+
+def running(*replicas: FakeReplica) -> list[RunningReplica]:
+    """The fakes, as the RunningReplicas they stand in for."""
+    return cast("list[RunningReplica]", list(replicas))
 
 
 class CountingRouter(KvAwareRouter):
@@ -82,7 +87,7 @@ async def _route_for(router: CountingRouter, request: PendingRequest) -> tuple[a
 def test_an_unplaceable_request_backs_off_and_a_cancelled_one_is_dropped(case: str) -> None:
     async def run() -> None:
         router = CountingRouter()
-        router.update_replicas([FakeReplica("a", free_blocks=4), FakeReplica("b", free_blocks=2)])
+        router.update_replicas(running(FakeReplica("a", free_blocks=4), FakeReplica("b", free_blocks=2)))
         if case == "granted replica missing":
             request = pending(kv_blocks=1, target_replica="starting-replica")  # not (yet) among the candidates
         else:
@@ -111,11 +116,11 @@ def test_an_unplaceable_request_backs_off_and_a_cancelled_one_is_dropped(case: s
 def test_a_granted_request_goes_to_its_replica_once_it_appears() -> None:
     async def run() -> None:
         router = CountingRouter()
-        router.update_replicas([FakeReplica("a", free_blocks=100)])
+        router.update_replicas(running(FakeReplica("a", free_blocks=100)))
         routing = asyncio.create_task(router._choose_replica_for_request(pending(4, target_replica="b")))
         await asyncio.sleep(0.2)
         assert not routing.done()  # "a" has room, but the grant is for "b"
-        router.update_replicas([FakeReplica("a", free_blocks=100), FakeReplica("b", free_blocks=0)])
+        router.update_replicas(running(FakeReplica("a", free_blocks=100), FakeReplica("b", free_blocks=0)))
         replica = await asyncio.wait_for(routing, timeout=2.0)  # within Serve's longest backoff (0.5 s)
         assert replica.replica_id.unique_id == "b"
 
@@ -126,7 +131,7 @@ def test_an_ungranted_request_goes_to_the_most_free_kv_net_of_what_was_sent() ->
     async def run() -> None:
         router = CountingRouter()
         a, b = FakeReplica("a", free_blocks=10), FakeReplica("b", free_blocks=8)
-        router.update_replicas([a, b])
+        router.update_replicas(running(a, b))
         first = await asyncio.wait_for(router._choose_replica_for_request(pending(4, None)), timeout=2.0)
         assert first.replica_id.unique_id == "a"
         router.on_request_routed(pending(4, None), first.replica_id, None)  # a: 10 - 4 = 6 left by this router
@@ -141,7 +146,7 @@ def test_a_call_addressed_by_replica_query_reaches_that_replica_and_no_other() -
     tie-break), so each call names its replica, whatever their free KV or queues."""
     async def run() -> None:
         router = CountingRouter()
-        router.update_replicas([FakeReplica("a", free_blocks=100), FakeReplica("b", free_blocks=1, queue_len=5)])
+        router.update_replicas(running(FakeReplica("a", free_blocks=100), FakeReplica("b", free_blocks=1, queue_len=5)))
         metadata = RequestMetadata(request_id="s", internal_request_id="s")
         for target in ["b", "a", "b", "b"]:
             call = PendingRequest(args=[ReplicaQuery(target)], kwargs={}, metadata=metadata)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import types
-from typing import Any
+from typing import Any, cast
 
 from ray.serve import context as serve_context
 
-from deployments.replica import Accepted
+from deployments.config import AppArgs
+from deployments.replica import Accepted, EngineRequest
 from deployments.sessions import Sessions
 
 
@@ -42,12 +43,13 @@ def test_the_choices_of_one_request_are_dispatched_as_calls_of_their_own() -> No
     engine = _RecordingEngine()
     sessions = object.__new__(Sessions)  # _dispatch reads only the engine handle and the dispatch timeout
     sessions.engine = engine
-    sessions.args = types.SimpleNamespace(dispatch_timeout_s=5.0)
+    sessions.args = cast(AppArgs, types.SimpleNamespace(dispatch_timeout_s=5.0))
 
     async def run() -> None:
         parent = dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="http-request")
-        serve_context._serve_request_context.set(parent)
-        results = await asyncio.gather(*(sessions._dispatch(types.SimpleNamespace(), "r") for _ in range(4)))
+        serve_context._serve_request_context.set(parent)  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
+        results = await asyncio.gather(
+            *(sessions._dispatch(cast(EngineRequest, types.SimpleNamespace()), "r") for _ in range(4)))
         assert all(stream is not None for stream, _, _ in results)
         assert serve_context._get_serve_request_context()._internal_request_id == "http-request"  # restored
 
@@ -73,7 +75,7 @@ def test_the_release_of_a_grant_runs_outside_its_request_so_a_disconnect_cannot_
 
     async def run() -> None:
         async def request() -> None:
-            serve_context._serve_request_context.set(dataclasses.replace(
+            serve_context._serve_request_context.set(dataclasses.replace(  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
                 serve_context._get_serve_request_context(), _internal_request_id="http-request"))
             sessions._release("ticket-1")
             await asyncio.sleep(10)

@@ -57,7 +57,7 @@ def test_the_first_token_at_once_then_one_item_per_interval_and_the_last_at_once
     assert received[0][0] == engine.produced_at[0] and items[0].new_token_ids == [0]  # TTFT unchanged
     assert received[-1][0] == engine.produced_at[-1] and items[-1].finished  # the end is not held back
     times = [t for t, _ in received]
-    gaps = [b - a for a, b in zip(times, times[1:-1])]
+    gaps = [b - a for a, b in zip(times, times[1:-1], strict=False)]
     assert all(gap >= interval - 1e-9 for gap in gaps), gaps  # at most one item per interval (the last excepted)
     duration = engine.produced_at[-1] - engine.produced_at[0]
     assert len(items) <= 2 + math.ceil(duration / interval)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -39,6 +39,13 @@ CAPACITY_BLOCKS = 32
 # Every Ray process of a test session: Ray exports metrics every second (10 s by default: too slow for the dashboard
 # test's Prometheus), Serve's handles push autoscaling metrics often.
 SESSION_ENV = {"RAY_metrics_report_interval_ms": "1000"}
+T = TypeVar("T")
+
+
+def present(value: T | None, what: str = "a field the test needs") -> T:
+    """value, asserted not None: the official clients type most fields of a reply as optional (usage, logprobs)."""
+    assert value is not None, f"the reply has no {what}"
+    return value
 
 
 def tiny_app_args(served_model_name: str, **overrides: Any) -> dict[str, Any]:
@@ -124,12 +131,12 @@ def serve_inter_deployment_grpc_ports(head: RayHead) -> dict[int, int]:
     each replica actor, so that a test tells that server from anything else."""
     import ray
 
-    found = {}
+    found: dict[int, int] = {}
     for app in (head.api.details().get("applications") or {}).values():
         for deployment in app["deployments"].values():
             for replica in deployment["replicas"]:
                 if replica["state"] == "RUNNING":
-                    actor = ray.get_actor(replica["actor_name"], namespace="serve")
+                    actor: Any = ray.get_actor(replica["actor_name"], namespace="serve")  # methods by name
                     port = actor.__ray_call__.remote(lambda a: a._replica_impl._internal_grpc_port)
                     found[int(replica["pid"])] = int(ray.get(port, timeout=60))
     return found
@@ -146,7 +153,11 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
     os.environ["RAY_AUTH_MODE"] = "token"
     local_cluster.bind_ray_to_loopback()  # this driver too listens on loopback only
     import ray
-    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+    from ray._raylet import (  # type: ignore[attr-defined]  # Ray's stub of the Cython _raylet lacks them
+        AuthenticationMode,
+        AuthenticationTokenLoader,
+        get_authentication_mode,
+    )
 
     if get_authentication_mode() != AuthenticationMode.TOKEN:
         raise RuntimeError("ray was imported before RAY_AUTH_MODE=token was set: this process cannot join a head "

@@ -181,7 +181,7 @@ class Load:
                 body["prompt"] = [(index * 7 + j) % 200 + 3 for j in range(40)]
             try:
                 await asyncio.wait_for(self._one(http, body, outcome), timeout=self.client_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 outcome.error = f"client timeout after {self.client_timeout_s:.0f}s"
             except httpx.HTTPError as err:
                 outcome.error = f"connection: {err!r}"

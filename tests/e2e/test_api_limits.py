@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -38,7 +38,7 @@ APP_ARGS = tiny_app_args(MODEL, api_keys_env="DCPSERVE_TEST_API_KEYS", max_reque
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     # The keys reach the ingress replicas through the app's runtime_env, as an operator would set them.
     runtime_env = {"env_vars": {"DCPSERVE_TEST_API_KEYS": ",".join(KEYS)}}
     with deploy_app(ray_head, APP_ARGS, runtime_env=runtime_env) as running:
@@ -75,7 +75,8 @@ def test_api_keys_guard_every_v1_route_and_health_stays_open(cluster: ServeClust
     for key in KEYS:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=key, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == [MODEL]
-        assert client.completions.create(model=MODEL, prompt="def hello", max_tokens=3).usage.completion_tokens == 3
+        answer = client.completions.create(model=MODEL, prompt="def hello", max_tokens=3)
+        assert present(answer.usage).completion_tokens == 3
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="nope", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -38,7 +38,7 @@ APP_ARGS = tiny_app_args(
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e import faults
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -48,7 +48,7 @@ IDLE_CPU_MAX_S = 2.5  # a wedged router loop burns ~IDLE_S; an idle ingress a fe
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 
@@ -77,7 +77,7 @@ def test_burst_of_long_sampled_requests_gets_200_or_429_and_the_app_stays_respon
             errors.append(f"{err.status_code}: {err.message}")
             return
         statuses.append(200)
-        output_lengths.append(reply.usage.completion_tokens)
+        output_lengths.append(present(reply.usage).completion_tokens)
         assert reply.choices[0].finish_reason in ("stop", "length"), reply
 
     async def burst() -> float:

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = REPO / ".venv-clients" / "bin"
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     args = tiny_app_args(MODEL, kv_cache_memory_bytes=1 << 20, max_num_seqs=16, max_queued_requests=64)
     with deploy_app(ray_head, args) as running:
         yield running
@@ -64,17 +64,19 @@ def test_sdk_n_seeds_logprobs_and_batched_prompts(cluster: ServeCluster) -> None
     reply = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=11,
                                       logprobs=3, extra_body={"ignore_eos": True})
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]  # prompt i, choice j -> i * n + j
-    assert reply.usage.prompt_tokens == 6 and reply.usage.completion_tokens == 24
+    usage = present(reply.usage)
+    assert usage.prompt_tokens == 6 and usage.completion_tokens == 24
     for choice in reply.choices:
-        assert len(choice.logprobs.tokens) == 6 and len(choice.logprobs.top_logprobs[0]) == 3
+        lp = present(choice.logprobs)
+        assert len(present(lp.tokens)) == 6 and len(present(lp.top_logprobs)[0]) == 3
     # Each choice equals a one-choice request with the derived seed (seed + j).
     for i, prompt in enumerate(prompts):
         for j in range(2):
             alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0,
                                               seed=11 + j, logprobs=3, extra_body={"ignore_eos": True})
             assert alone.choices[0].text == reply.choices[i * 2 + j].text
-            assert alone.choices[0].logprobs.token_logprobs == pytest.approx(
-                reply.choices[i * 2 + j].logprobs.token_logprobs, abs=1e-5)
+            assert present(alone.choices[0].logprobs).token_logprobs == pytest.approx(
+                present(reply.choices[i * 2 + j].logprobs).token_logprobs, abs=1e-5)
 
 
 def test_the_choices_of_concurrent_requests_are_all_delivered(cluster: ServeCluster) -> None:
@@ -102,12 +104,13 @@ def test_sdk_echo_scores_the_prompt_as_transformers_does(cluster: ServeCluster) 
     reply = api(cluster).completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
     [choice] = reply.choices
     expected = hf_logprobs(cluster.model_dir, prompt)
-    lp = choice.logprobs
-    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt)
+    lp = present(choice.logprobs)
+    token_logprobs, top_logprobs = present(lp.token_logprobs), present(lp.top_logprobs)
+    assert token_logprobs[0] is None and len(token_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
-        assert lp.token_logprobs[i] == pytest.approx(float(expected[i - 1, prompt[i]]), abs=1e-4)
-        assert max(lp.top_logprobs[i].values()) == pytest.approx(float(expected[i - 1].max()), abs=1e-4)
-    assert reply.usage.completion_tokens == 0
+        assert token_logprobs[i] == pytest.approx(float(expected[i - 1, prompt[i]]), abs=1e-4)
+        assert max(top_logprobs[i].values()) == pytest.approx(float(expected[i - 1].max()), abs=1e-4)
+    assert present(reply.usage).completion_tokens == 0
 
 
 def test_sdk_chat_logprobs_and_streams_with_usage(cluster: ServeCluster) -> None:
@@ -116,7 +119,7 @@ def test_sdk_chat_logprobs_and_streams_with_usage(cluster: ServeCluster) -> None
                                            temperature=0, logprobs=True, top_logprobs=2, n=2)
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy: the same
-    content = reply.choices[0].logprobs.content
+    content = present(present(reply.choices[0].logprobs).content)
     assert len(content) == 5 and all(len(item.top_logprobs) == 2 for item in content)
     assert all(item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-5) for item in content)
 
@@ -127,11 +130,11 @@ def test_sdk_chat_logprobs_and_streams_with_usage(cluster: ServeCluster) -> None
     finished = {c.index: c.finish_reason for chunk in chunks[:-1] for c in chunk.choices if c.finish_reason}
     assert finished == {0: "length", 1: "length", 2: "length", 3: "length"}
 
-    chat_stream = client.chat.completions.create(
+    chat_stream = client.chat.completions.create(  # type: ignore[call-overload]  # continuous_usage_stats: vLLM's, not in the SDK's types
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True})  # type: ignore[typeddict-unknown-key]
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = list(chat_stream)
-    assert all(chunk.usage is not None for chunk in chunks) and chunks[-1].usage.completion_tokens == 3
+    assert all(chunk.usage is not None for chunk in chunks) and present(chunks[-1].usage).completion_tokens == 3
 
 
 def test_sdk_penalties_bias_and_bad_values(cluster: ServeCluster) -> None:
@@ -139,15 +142,15 @@ def test_sdk_penalties_bias_and_bad_values(cluster: ServeCluster) -> None:
     with_ids = client.completions.create(model=MODEL, prompt=[10, 11], max_tokens=4, temperature=0,
                                          logit_bias={"77": 100}, logprobs=0,
                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-    assert with_ids.choices[0].logprobs.tokens == ["token_id:77"] * 4
+    assert present(with_ids.choices[0].logprobs).tokens == ["token_id:77"] * 4
     penalised = client.completions.create(model=MODEL, prompt=[10, 11], max_tokens=8, temperature=0,
                                           presence_penalty=2.0, frequency_penalty=2.0, logprobs=0,
                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-    assert len(penalised.choices[0].logprobs.tokens) == 8
+    assert len(present(present(penalised.choices[0].logprobs).tokens)) == 8
     for bad, fragment in [({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"presence_penalty": 9}, "presence"),
                           ({"logit_bias": {"99999": 1}}, "logit_bias")]:
         with pytest.raises(openai.BadRequestError, match=fragment):
-            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **bad)  # type: ignore[arg-type]
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **bad)  # type: ignore[arg-type]  # values the API refuses
 
 
 # ---- guidellm ------------------------------------------------------------------------------------------------------
@@ -250,4 +253,5 @@ def test_lm_eval_local_completions_scores_as_transformers(cluster: ServeCluster,
                             f"pretrained={cluster.model_dir},dtype=float32,add_bos_token=True")
     assert served[0] == reference[0]
     assert len(served[1]) == len(reference[1]) == 36
-    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(served[1], reference[1])), (served[1], reference[1])
+    assert all(math.isclose(a, b, abs_tol=1e-3)
+               for a, b in zip(served[1], reference[1], strict=True)), (served[1], reference[1])

@@ -1,7 +1,7 @@
-"""Faults under load on the session's Ray head (tests/e2e/cluster.py, tests/e2e/faults.py; these run last): a TP rank, a whole
-engine replica, the admission queue and the ingress are each SIGKILLed (by the pid the cluster's own APIs report)
-while streaming and non-streaming clients run. Every request ends (an answer or a clear error, never a hang), the
-app heals by itself (Serve replaces what died), new requests succeed, and no KV stays held afterwards.
+"""Faults under load on the session's Ray head (tests/e2e/cluster.py, tests/e2e/faults.py; these run last): a TP rank, a
+whole engine replica, the admission queue and the ingress are each SIGKILLed (by the pid the cluster's own APIs report)
+while streaming and non-streaming clients run. Every request ends (an answer or a clear error, never a hang), the app
+heals by itself (Serve replaces what died), new requests succeed, and no KV stays held afterwards.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e import faults
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
@@ -24,7 +24,7 @@ END_TIMEOUT_S = 90.0  # every request in flight at the fault has ended by then
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 

@@ -18,7 +18,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.e2e.cluster import CAPACITY_BLOCKS, ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -30,7 +30,7 @@ MAX_TOKENS = 450  # 3 x (60 + 450) = 1530 tokens > 1024: the streams cannot all 
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS) as running:
         yield running
 
@@ -63,7 +63,7 @@ def test_streams_outgrowing_the_kv_are_preempted_and_complete(cluster: ServeClus
             model=MODEL, messages=[{"role": "user", "content": "tell me everything"}], temperature=0,
             extra_body={"ignore_eos": True},
         )
-        return reply.usage.completion_tokens, reply.choices[0].finish_reason
+        return present(reply.usage).completion_tokens, reply.choices[0].finish_reason
 
     async def run() -> tuple[list[tuple[str, int, str | None]], tuple[int, str | None]]:
         client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=300)

@@ -10,22 +10,28 @@ by a long request that should still be running. The head comes from tests/e2e/cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
 from tests.e2e.cluster import (
     CAPACITY_BLOCKS,
+    RayHead,
     ServeCluster,
     deploy_app,
     non_loopback_listeners,
     serve_inter_deployment_grpc_ports,
     tiny_app_args,
 )
+
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -38,7 +44,7 @@ APP_ARGS = tiny_app_args(MODEL, admission="full", max_queued_requests=2, queue_t
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS, via_cli=True) as running:
         yield running
 
@@ -53,7 +59,7 @@ def model_dir(cluster: ServeCluster) -> Path:
     return cluster.model_dir
 
 
-def client(server: str):  # noqa: ANN201 - openai.OpenAI
+def client(server: str) -> openai.OpenAI:
     import openai
 
     return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
@@ -67,11 +73,14 @@ def test_openai_client_completions_chat_and_streams(server: str) -> None:
     c = client(server)
     assert [m.id for m in c.models.list().data] == [MODEL]
     out = c.completions.create(model=MODEL, prompt="def hello", max_tokens=6, temperature=0)
+    assert out.usage is not None
     assert out.choices[0].finish_reason in ("length", "stop") and out.usage.prompt_tokens > 0
     assert out.usage.completion_tokens <= 6 and out.choices[0].text
     chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                      temperature=0, seed=3)
-    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 5
+    chat_usage = chat.usage
+    assert chat_usage is not None
+    assert chat.choices[0].message.role == "assistant" and chat_usage.completion_tokens <= 5
     pieces, finishes = [], []
     for chunk in c.completions.create(model=MODEL, prompt="def hello", max_tokens=6, temperature=0, stream=True):
         pieces.append(chunk.choices[0].text)
@@ -83,15 +92,16 @@ def test_openai_client_completions_chat_and_streams(server: str) -> None:
                                             stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == chat.choices[0].message.content
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat_usage.completion_tokens
     # vLLM's continuous_usage_stats (guidellm's default streaming request): usage rides on every chunk.
-    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                            temperature=0, seed=3, stream=True,
-                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
-    assert all(ch.usage is not None for ch in chunks)
-    assert [ch.usage.completion_tokens for ch in chunks] == sorted(ch.usage.completion_tokens for ch in chunks)
-    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-    assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens == chat.usage.prompt_tokens
+    chunks = list(c.chat.completions.create(  # type: ignore[call-overload]  # continuous_usage_stats: vLLM's, not in the SDK's types
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, seed=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [ch.usage for ch in chunks]
+    assert all(usage is not None for usage in usages)
+    completion_tokens = [usage.completion_tokens for usage in usages if usage is not None]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == chat_usage.completion_tokens
+    assert completion_tokens[0] == 0 and usages[0] is not None and usages[0].prompt_tokens == chat_usage.prompt_tokens
 
 
 def test_greedy_output_equals_engine_llm(server: str, model_dir: Path) -> None:
@@ -159,7 +169,7 @@ BURST_PROMPT_TOKENS = 380
 HELD = {"held-19": 19, "held-13": 13}
 
 
-async def _wait_until(check, what: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001 - async () -> object
+async def _wait_until(check: Callable[[], Awaitable[object]], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not (seen := await check()):
         if time.monotonic() > deadline:
@@ -195,7 +205,7 @@ def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(cl
             samples.append((await http.get("/health")).json())
             await asyncio.sleep(0.1)
 
-    async def call(method: str, *args: object) -> object:
+    async def call(method: str, *args: object) -> Any:
         return await asyncio.to_thread(cluster.call, "KvAdmission", method, *args)
 
     async def run() -> dict[str, float]:
@@ -213,7 +223,7 @@ def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(cl
             for i in range(BURST_REQUESTS):
                 tasks.append(asyncio.create_task(one(http, i)))
                 if i < 2:  # one at a time, each once the queue visibly holds it: arrival order = submit order
-                    await _wait_until(lambda n=i + 1: queued(n), f"request {i} waits in the admission queue")
+                    await _wait_until(functools.partial(queued, i + 1), f"request {i} waits in the admission queue")
                 else:
                     await asyncio.wait_for(tasks[i], timeout=60)  # the queue is full: an answer at once
             assert not tasks[0].done() and not tasks[1].done()  # nothing could be granted: they still wait

@@ -12,14 +12,15 @@ from collections.abc import Iterator
 import pytest
 
 from bench import soak
-from tests.e2e.cluster import ServeCluster, deploy_app
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
-    with deploy_app(ray_head, soak.app_args(), runtime_env={"env_vars": {"DCPSERVE_SOAK_API_KEYS": soak.KEY}}) as running:
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
+    runtime_env = {"env_vars": {"DCPSERVE_SOAK_API_KEYS": soak.KEY}}
+    with deploy_app(ray_head, soak.app_args(), runtime_env=runtime_env) as running:
         yield running
 
 

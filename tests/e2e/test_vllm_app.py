@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import ServeCluster, deploy_app, tiny_app_args
+from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -48,7 +48,7 @@ PROMPTS = [[7], list(range(10, 42)), list(range(100, 171))]
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_head) -> Iterator[ServeCluster]:  # noqa: ANN001 - tests.e2e.cluster.RayHead
+def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
     with deploy_app(ray_head, APP_ARGS, deploy_timeout_s=400) as running:
         yield running
 
@@ -73,7 +73,7 @@ def test_greedy_tokens_equal_transformers(cluster: ServeCluster) -> None:
     from engine.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
-    tokenizer = load_tokenizer(str(cluster.model_dir), ())
+    tokenizer = present(load_tokenizer(str(cluster.model_dir), ()), "tokenizer")
     api = client(cluster)
     for prompt in PROMPTS:
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
@@ -82,7 +82,7 @@ def test_greedy_tokens_equal_transformers(cluster: ServeCluster) -> None:
                                        extra_body={"ignore_eos": True})
         # The API returns text: the same tokens decode to the same text with the model's tokenizer.
         assert reply.choices[0].text == tokenizer.decode(expected[0, len(prompt):].tolist()), prompt
-        assert reply.usage.completion_tokens == 12
+        assert present(reply.usage).completion_tokens == 12
 
 
 def test_capacity_is_what_vllm_sized(cluster: ServeCluster) -> None:
@@ -171,7 +171,8 @@ def test_disconnect_leaves_nothing_held_inside_vllm(cluster: ServeCluster) -> No
     assert 5 <= generated <= 900
     assert cluster.admission_stats()["num_leaked"] == 0
     # And the replica serves the next request normally.
-    assert client(cluster).completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens >= 1
+    reply = client(cluster).completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert present(reply.usage).completion_tokens >= 1
 
 
 def test_bad_input_is_a_400_from_either_backend(cluster: ServeCluster) -> None:
@@ -195,7 +196,7 @@ def test_client_features_pass_through_vllm(cluster: ServeCluster) -> None:
     model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-    token_logprobs = scored.choices[0].logprobs.token_logprobs
+    token_logprobs = present(present(scored.choices[0].logprobs).token_logprobs)
     assert token_logprobs[0] is None
     assert token_logprobs[1:] == pytest.approx([float(expected[i - 1, prompt[i]]) for i in range(1, 6)], abs=1e-4)
     both = api.completions.create(model=MODEL, prompt=[10, 11, 12], n=2, seed=3, max_tokens=5, temperature=1.0,
@@ -206,4 +207,4 @@ def test_client_features_pass_through_vllm(cluster: ServeCluster) -> None:
         assert alone.choices[0].text == both.choices[j].text
     chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        temperature=0, logprobs=True, top_logprobs=2)
-    assert all(len(item.top_logprobs) == 2 for item in chat.choices[0].logprobs.content)
+    assert all(len(item.top_logprobs) == 2 for item in present(present(chat.choices[0].logprobs).content))

@@ -23,6 +23,7 @@ from engine.loader import load_model
 from engine.models import CausalLM
 from engine.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
+from tests.engine.llm_parts import engine_of
 
 
 @dataclass
@@ -148,7 +149,7 @@ class PagedRunner:
                 sampled.append(seq)
         if sampled:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float().cpu()
-            for seq, row_logits in zip(sampled, logits):
+            for seq, row_logits in zip(sampled, logits, strict=True):
                 seq.logits.append(row_logits)
                 seq.tokens.append(int(row_logits.argmax()))
 
@@ -241,7 +242,7 @@ def dcp_capacity_and_concurrency(model_dir: Path, kv_cache_memory_bytes: int) ->
         with LLM(model_dir, tensor_parallel_size=4, decode_context_parallel_size=dcp,
                  kv_cache_memory_bytes=kv_cache_memory_bytes, admission="full", enable_prefix_caching=False) as llm:
             capacity[dcp] = llm.kv_capacity_tokens
-            engine = llm.engine
+            engine = engine_of(llm)
             for _ in range(16):
                 engine.add_request(prompt_token_ids=prompt, sampling_params=long_request)
             peak = 0

@@ -5,18 +5,20 @@ a cached run with an uncached one."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine.engine import LLMEngine
 from engine.llm import LLM
+from engine.outputs import ModelRunnerOutput
 from engine.protocol import TokenLogprob
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from tests.engine.llm_parts import engine_of
 
 LOGPROB_ATOL = 1e-4  # fp32, as the model-vs-transformers tests (test_sampling_features.py)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
@@ -97,8 +99,8 @@ def run_reference(llm: LLM, steps: list[ScenarioStep]) -> list[tuple[str, list[i
     history = [(prompt, first.outputs[0].token_ids)]
     rest = [step(history) for step in steps[1:]]
     outputs = llm.generate(prompt_token_ids=[p for _, p, _ in rest], sampling_params=[p for _, _, p in rest])
-    done += [(what, prompt, params, output) for (what, prompt, params), output in zip(rest, outputs)]
-    stats = llm.engine.stats()
+    done += [(what, prompt, params, output) for (what, prompt, params), output in zip(rest, outputs, strict=True)]
+    stats = engine_of(llm).stats()
     assert not stats.prefix_caching and stats.prefix_cache_queries == stats.prefix_cache_hits == 0
     assert stats.kv_blocks_cached == 0
     return done
@@ -109,12 +111,12 @@ def run_cached_and_compare(llm: LLM, reference: list[tuple[str, list[int], Sampl
     """The same prompts, one after another, on an engine with prefix caching: each request hits exactly the
     tokens CacheModel says (stats().prefix_cache_hits), and gives the reference's tokens and logprobs. Returns the
     tokens hit in all."""
-    model = CacheModel(llm.engine.block_manager.tokens_per_block)
+    model = CacheModel(engine_of(llm).block_manager.tokens_per_block)
     total = 0
     for what, prompt, params, expected in reference:
-        before = llm.engine.stats()
+        before = engine_of(llm).stats()
         output = generate_one(llm, prompt, params)
-        after = llm.engine.stats()
+        after = engine_of(llm).stats()
         looked_up = params.prompt_logprobs is None
         hits = model.hit_tokens(prompt) if looked_up else 0
         queried = len(prompt) if looked_up else 0
@@ -126,7 +128,7 @@ def run_cached_and_compare(llm: LLM, reference: list[tuple[str, list[int], Sampl
         assert_same_output(output, expected, f"{where}, {what} ({hits} tokens hit)")
         model.add(prompt, output.outputs[0].token_ids)
         total += hits
-    stats = llm.engine.stats()
+    stats = engine_of(llm).stats()
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0 and stats.kv_blocks_cached > 0
     return total
 
@@ -140,17 +142,19 @@ def assert_same_output(output: RequestOutput, expected: RequestOutput, where: st
     assert_same_logprobs(got.logprobs, want.logprobs, f"{where}, output")
     assert (output.prompt_logprobs is None) == (expected.prompt_logprobs is None), where
     if expected.prompt_logprobs is not None:
+        assert output.prompt_logprobs is not None
         assert output.prompt_logprobs[0] is None and expected.prompt_logprobs[0] is None
         assert_same_logprobs(output.prompt_logprobs[1:], expected.prompt_logprobs[1:], f"{where}, prompt")
 
 
-def assert_same_logprobs(got: list[TokenLogprob], want: list[TokenLogprob], where: str) -> None:
+def assert_same_logprobs(got: Sequence[TokenLogprob | None], want: Sequence[TokenLogprob | None], where: str) -> None:
     assert len(got) == len(want), where
-    for j, (a, b) in enumerate(zip(got, want)):
+    for j, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a is not None and b is not None, f"{where} {j}"
         assert a.token_id == b.token_id and a.rank == b.rank, f"{where} {j}"
         assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{where} {j}: {a.logprob} vs {b.logprob}"
         assert [t for t, _ in a.top] == [t for t, _ in b.top], f"{where} {j}: top tokens"
-        for (_, x), (_, y) in zip(a.top, b.top):
+        for (_, x), (_, y) in zip(a.top, b.top, strict=True):
             assert abs(x - y) <= LOGPROB_ATOL, f"{where} {j}: top logprobs {a.top} vs {b.top}"
 
 
@@ -159,11 +163,11 @@ def spy_steps(engine: LLMEngine) -> list[SchedulerOutput]:
     seen: list[SchedulerOutput] = []
     execute = engine.executor.execute
 
-    def recording(output: SchedulerOutput):  # noqa: ANN202 - whatever the executor returns
+    def recording(output: SchedulerOutput) -> ModelRunnerOutput:
         seen.append(output)
         return execute(output)
 
-    engine.executor.execute = recording  # type: ignore[method-assign]
+    engine.executor.execute = recording  # type: ignore[method-assign]  # wrapped, to record each step
     return seen
 
 
@@ -203,13 +207,13 @@ def check_preempted_request_hits_its_own_blocks(model: Path, block_size: int, tp
                 kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * block_size * 512, admission="usage", kv_headroom=0.0)
     with LLM(model, enable_prefix_caching=False, **args) as llm:
         expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert llm.engine.stats().num_preemptions > 0
+        assert engine_of(llm).stats().num_preemptions > 0
     with LLM(model, **args) as llm:
-        steps = spy_steps(llm.engine)
+        steps = spy_steps(engine_of(llm))
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        stats = llm.engine.stats()
+        stats = engine_of(llm).stats()
     assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
     assert readmissions_with_hits(steps) == [("req-1", 2 * tpb)]
-    for output, want in zip(outputs, expected):
+    for output, want in zip(outputs, expected, strict=True):
         assert_same_output(output, want, f"tp={tp} dcp={dcp}, prompt of {len(output.prompt_token_ids)}")
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0

@@ -167,22 +167,23 @@ def test_llm_takes_exactly_the_engine_args(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="unknown engine arguments gpu_memory, tp;"):
         LLM(tmp_path, tp=2, gpu_memory=0.5)
     with pytest.raises(TypeError):
-        LLM(tmp_path, 2)  # type: ignore[misc]  # keyword arguments only, as EngineArgs' fields are named
+        LLM(tmp_path, 2)  # type: ignore[call-arg]  # keyword arguments only, as EngineArgs' fields are named
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(tmp_path, tensor_parallel_size=0)
 
 
 def test_create_engine_config(model_dir: Path) -> None:
-    config = EngineArgs(model_dir, device="cpu", gpu_memory_utilization=0.5, block_size=8, admission="full",
+    # A Path: EngineArgs takes os.PathLike too, and stores it as a str.
+    config = EngineArgs(model_dir, device="cpu", gpu_memory_utilization=0.5, block_size=8, admission="full",  # type: ignore[arg-type]  # see above
                         enable_chunked_prefill=False, seed=3).create_engine_config()
     assert config.model == str(model_dir) and config.device == "cpu" and config.dtype == "float32"
     assert (config.cache.block_size, config.cache.gpu_memory_utilization) == (8, 0.5)
     assert config.scheduler.max_model_len == 1024 == config.scheduler.max_num_batched_tokens  # no chunking
     assert (config.scheduler.admission, config.seed) == ("full", 3)
     with pytest.raises(ValueError, match="the vLLM backend builds its own config"):
-        EngineArgs(model_dir, backend="vllm").create_engine_config()
+        EngineArgs(str(model_dir), backend="vllm").create_engine_config()
     with pytest.raises(ValueError, match="max_model_len=2048 exceeds the model's max_position_embeddings=1024"):
-        EngineArgs(model_dir, max_model_len=2048).create_engine_config()
+        EngineArgs(str(model_dir), max_model_len=2048).create_engine_config()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         EngineArgs(str(model_dir / "missing")).create_engine_config()
 

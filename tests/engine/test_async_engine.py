@@ -38,19 +38,19 @@ def test_concurrent_streams_equal_batch_generation(tiny: Path) -> None:
         expected = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
 
     async def main() -> list[tuple[list[int], str, str | None]]:
-        engine = AsyncEngine(EngineArgs(tiny).create_engine_config())
+        engine = AsyncEngine(EngineArgs(str(tiny)).create_engine_config())
         try:
             return await asyncio.gather(*(collect(engine, p, params) for p in prompts))
         finally:
             await engine.shutdown()
 
-    for (tokens, text, reason), (want_tokens, want_text) in zip(asyncio.run(main()), expected):
+    for (tokens, text, reason), (want_tokens, want_text) in zip(asyncio.run(main()), expected, strict=True):
         assert tokens == want_tokens and text == want_text and reason == "length"
 
 
 def test_abandoned_stream_aborts_and_frees_kv(tiny: Path) -> None:
     async def main() -> None:
-        engine = AsyncEngine(EngineArgs(tiny).create_engine_config())
+        engine = AsyncEngine(EngineArgs(str(tiny)).create_engine_config())
         try:
             stream = engine.generate("a long one", SamplingParams(max_tokens=500, ignore_eos=True))
             async for delta in stream:
@@ -74,7 +74,7 @@ def test_abandoned_stream_aborts_and_frees_kv(tiny: Path) -> None:
 
 def test_never_fits_raises_before_anything_is_queued(tiny: Path) -> None:
     async def main() -> None:
-        engine = AsyncEngine(EngineArgs(tiny, max_model_len=64).create_engine_config())
+        engine = AsyncEngine(EngineArgs(str(tiny), max_model_len=64).create_engine_config())
         try:
             with pytest.raises(RequestRejected, match="exceeds max_model_len=64"):
                 await collect(engine, "hi", SamplingParams(max_tokens=100))
@@ -95,14 +95,14 @@ def test_a_request_that_cannot_be_scheduled_does_not_busy_loop(tiny: Path) -> No
     from engine.request import Request
 
     async def main() -> None:
-        engine = AsyncEngine(EngineArgs(tiny, kv_cache_memory_bytes=64 * 1024).create_engine_config())
+        engine = AsyncEngine(EngineArgs(str(tiny), kv_cache_memory_bytes=64 * 1024).create_engine_config())
         blocks = engine.engine.block_manager
         holder = Request("holder", [1], SamplingParams(max_tokens=1))
         assert blocks.reserve(holder, blocks.capacity_tokens) and blocks.num_free_blocks == 0
         steps = 0
         step = engine.engine.step
 
-        def counted_step():  # noqa: ANN202
+        def counted_step():
             nonlocal steps
             steps += 1
             return step()
@@ -131,11 +131,11 @@ def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tin
     from engine.protocol import EngineDeadError
 
     async def main() -> None:
-        engine = AsyncEngine(EngineArgs(tiny).create_engine_config())
+        engine = AsyncEngine(EngineArgs(str(tiny)).create_engine_config())
         step = engine.engine.step
         steps = 0
 
-        def failing_step():  # noqa: ANN202
+        def failing_step():
             nonlocal steps
             steps += 1
             if steps == 5:
@@ -145,9 +145,9 @@ def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tin
         engine.engine.step = failing_step  # type: ignore[method-assign]
         params = SamplingParams(temperature=1.0, seed=4, max_tokens=400, ignore_eos=True)
         try:
-            streams = [await engine.submit(f"prompt {i}", params) for i in range(4)]
+            streams = [await engine.submit(params, prompt=f"prompt {i}") for i in range(4)]
 
-            async def drain(stream) -> BaseException | None:  # noqa: ANN001 - an async iterator of deltas
+            async def drain(stream) -> BaseException | None:
                 try:
                     async for _ in stream:
                         pass
@@ -160,7 +160,7 @@ def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tin
             with pytest.raises(EngineDeadError):
                 await engine.check_health()
             with pytest.raises(EngineDeadError):
-                await engine.submit("after", params)
+                await engine.submit(params, prompt="after")
             with pytest.raises(EngineDeadError):
                 await engine.admission_need([1, 2, 3], 4)
             assert not engine.stats().healthy and engine.stats().num_pending == 0

@@ -20,8 +20,10 @@ BASE = {
 
 
 def test_reads_a_llama_config_with_llama3_scaling(tmp_path: Path) -> None:
-    raw = {**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "eos_token_id": [1, 2]}
+    raw = {**BASE, "rope_theta": 500000.0,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+           "eos_token_id": [1, 2]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = ModelConfig.from_pretrained(tmp_path)
     assert (config.head_dim, config.num_key_value_heads, config.eos_token_ids) == (8, 2, (1, 2))
@@ -70,7 +72,7 @@ def test_scheduler_config_names_a_bad_admission_or_headroom() -> None:
     with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got 1.5"):
         SchedulerConfig(max_model_len=64, kv_headroom=1.5)
     with pytest.raises(ValueError, match=r"admission must be 'full' or 'usage', got 'prompt'"):
-        SchedulerConfig(max_model_len=64, admission="prompt")  # type: ignore[arg-type]
+        SchedulerConfig(max_model_len=64, admission="prompt")  # type: ignore[arg-type]  # no such mode: its error is tested
 
 
 def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:

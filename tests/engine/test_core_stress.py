@@ -39,22 +39,23 @@ reported in one assertion (count and first example of each kind).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import math
 import random
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
-from engine.prefix_cache import CACHED, PINNED
+from engine.prefix_cache import CACHED, PINNED, PrefixReport
+from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
 
@@ -84,26 +85,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-async def _maybe_await(value):  # whatever the engine returns, awaited if it is awaitable
-    if inspect.isawaitable(value):
-        value = await value
-    return value
+async def _submit(engine: AsyncEngine, **kw: Any) -> AsyncGenerator[RequestDelta]:
+    return await engine.submit(**kw)
 
 
-async def _submit(engine: AsyncEngine, **kw):  # an async iterator of RequestDelta
-    """engine.submit(...), awaited when a refactored engine makes it a coroutine."""
-    stream = engine.submit(**kw)
-    if inspect.isawaitable(stream):
-        stream = await stream
-    return stream
-
-
-async def _prefix_report(engine: AsyncEngine, epoch: str | None, version: int):  # PrefixReport | None
-    return await _maybe_await(engine.prefix_report(epoch, version))
+async def _prefix_report(engine: AsyncEngine, epoch: str | None, version: int) -> PrefixReport | None:
+    return await engine.prefix_report(epoch, version)
 
 
 async def _abort(engine: AsyncEngine, request_id: str) -> None:
-    await _maybe_await(engine.abort(request_id))
+    engine.abort(request_id)
 
 
 class Failures:
@@ -370,7 +361,7 @@ async def _stress(tiny: Path, seed: int, burst: int = QUERY_BURST) -> tuple[Fail
                 failures.exception("snapshot()", err)
         prompt = make_prompt()
         try:
-            need = await _maybe_await(engine.admission_need(prompt, rng.randint(1, MAX_TOKENS)))
+            need = await engine.admission_need(prompt, rng.randint(1, MAX_TOKENS))
             if tpb is not None and not 1 <= need <= math.ceil(len(prompt) / tpb):
                 failures.add("admission_need outside [1, prompt blocks]",
                              f"need {need} for a prompt of {len(prompt)} tokens ({tpb} per block)")

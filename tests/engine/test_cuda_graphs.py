@@ -6,15 +6,18 @@ the test at the end, which runs there."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, emulated_capture
+from engine.cuda_graphs import Capture, DecodeGraphs, emulated_capture
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
+from tests.engine.llm_parts import engine_of, runner_of
 
 SIZES = (1, 2, 4, 8)
 
@@ -28,8 +31,8 @@ def _llm(tiny: Path, **kwargs: object) -> LLM:
     return LLM(tiny, block_size=8, max_num_seqs=16, kv_cache_memory_bytes=4 << 20, **kwargs)
 
 
-def _capture(llm: LLM, sizes: tuple[int, ...] = SIZES, capture=emulated_capture) -> None:  # noqa: ANN001
-    runner = llm.engine.executor.runner
+def _capture(llm: LLM, sizes: tuple[int, ...] = SIZES, capture: Capture = emulated_capture) -> None:
+    runner = runner_of(llm)
     runner.capture_decode_graphs(capture)
     if runner.decode_graphs is not None and sizes != tuple(runner.decode_graphs.sizes):
         # The engine captures every size up to max_num_seqs; a few are enough here and keep the test fast.
@@ -51,22 +54,23 @@ def test_graph_replays_equal_the_eager_engine(tiny: Path) -> None:
     prompts, params = _workload()
     with _llm(tiny) as eager:
         expected = eager.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert eager.engine.executor.runner.decode_graphs is None  # CPU: eager unless a capture is given
+        assert runner_of(eager).decode_graphs is None  # CPU: eager unless a capture is given
     with _llm(tiny) as graphed:
         _capture(graphed)
         got = graphed.generate(prompt_token_ids=prompts, sampling_params=params)
-        graphs = graphed.engine.executor.runner.decode_graphs
+        graphs = runner_of(graphed).decode_graphs
     assert graphs is not None and graphs.replays > 0
-    for want, have in zip(expected, got):
+    for want, have in zip(expected, got, strict=True):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
-        for a, b in zip(have.outputs[0].logprobs, want.outputs[0].logprobs):
+        assert have.outputs[0].logprobs is not None and want.outputs[0].logprobs is not None
+        for a, b in zip(have.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
 
 
 def test_a_step_no_graph_serves_runs_eagerly(tiny: Path) -> None:
     with _llm(tiny) as llm:
         _capture(llm, sizes=(1, 2))
-        graphs = llm.engine.executor.runner.decode_graphs
+        graphs = runner_of(llm).decode_graphs
         assert graphs is not None
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=params)  # 3 decodes: past the largest size
@@ -80,30 +84,31 @@ def test_padding_rows_store_nothing(tiny: Path) -> None:
     ones the 3 sequences write."""
     with _llm(tiny) as llm:
         _capture(llm, sizes=(4,))
-        runner = llm.engine.executor.runner
+        runner = runner_of(llm)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         for i in range(3):
-            llm.engine.add_request(prompt_token_ids=[9 + i] * 5, sampling_params=params)
-        llm.engine.step()  # the prefill: every prompt's KV written, the first tokens sampled
+            engine_of(llm).add_request(prompt_token_ids=[9 + i] * 5, sampling_params=params)
+        engine_of(llm).step()  # the prefill: every prompt's KV written, the first tokens sampled
         before = [k.clone() for k, _ in runner.kv_caches]
-        pages = {b for r in llm.engine.scheduler.running for b in r.block_ids}
-        llm.engine.step()  # one decode step of 3 through the graph of 4
-        assert runner.decode_graphs.replays == 1
+        pages = {b for r in engine_of(llm).scheduler.running for b in r.block_ids}
+        engine_of(llm).step()  # one decode step of 3 through the graph of 4
+        assert runner.decode_graphs is not None and runner.decode_graphs.replays == 1
         for layer, (k, _) in enumerate(runner.kv_caches):
             changed = {int(p) for p in (k != before[layer]).flatten(1).any(dim=1).nonzero()[:, 0]}
             assert changed and changed <= pages, (changed, pages)
 
 
 def test_a_failed_or_wrong_capture_leaves_decode_eager(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
-    def failing(fn):  # noqa: ANN001, ANN202
+    def failing(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         raise RuntimeError("capture not permitted")
 
-    def stale(fn):  # noqa: ANN001, ANN202 - a "graph" whose replay never updates its output
+    def stale(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
+        """A "graph" whose replay never updates its output."""
         output = fn()
         return (lambda: None), output
 
     with _llm(tiny) as llm:
-        runner = llm.engine.executor.runner
+        runner = runner_of(llm)
         with caplog.at_level(logging.ERROR, logger="engine.model_runner"):
             runner.capture_decode_graphs(failing)
             assert runner.decode_graphs is None and "capture not permitted" in caplog.text
@@ -116,7 +121,7 @@ def test_a_failed_or_wrong_capture_leaves_decode_eager(tiny: Path, caplog: pytes
 
 def test_enforce_eager_skips_the_capture(tiny: Path) -> None:
     with _llm(tiny, enforce_eager=True) as llm:
-        runner = llm.engine.executor.runner
+        runner = runner_of(llm)
         runner.capture_decode_graphs(emulated_capture)
         assert runner.decode_graphs is None
 
@@ -130,7 +135,7 @@ def test_cuda_graphs_on_the_device(tiny: Path) -> None:
     with LLM(tiny, device="cuda", enforce_eager=True) as eager:
         expected = eager.generate(prompt_token_ids=prompts, sampling_params=params)
     with LLM(tiny, device="cuda") as graphed:
-        graphs = graphed.engine.executor.runner.decode_graphs
+        graphs = runner_of(graphed).decode_graphs
         assert graphs is not None
         got = graphed.generate(prompt_token_ids=prompts, sampling_params=params)
         assert graphs.replays > 0
@@ -143,5 +148,5 @@ def test_moe_models_stay_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture)
 
     with LLM(write_tiny_mla_model(tmp_path / "mla", seed=0), kv_cache_memory_bytes=1 << 20) as llm:
         with caplog.at_level(logging.DEBUG, logger="engine.model_runner"):
-            llm.engine.executor.runner.capture_decode_graphs(emulated_capture)
-        assert llm.engine.executor.runner.decode_graphs is None and "MoE layers" in caplog.text
+            runner_of(llm).capture_decode_graphs(emulated_capture)
+        assert runner_of(llm).decode_graphs is None and "MoE layers" in caplog.text

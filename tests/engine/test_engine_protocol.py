@@ -53,7 +53,7 @@ def engine_args(tiny: Path, backend: str, **overrides: object) -> EngineArgs:
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def engine(request: pytest.FixtureRequest, tiny: Path):  # noqa: ANN201 - yields (loop, EngineClient)
+def engine(request: pytest.FixtureRequest, tiny: Path):
     """One engine per backend for the module, on an event loop of its own (vLLM binds its output loop to it)."""
     loop = asyncio.new_event_loop()
 
@@ -108,7 +108,7 @@ def test_greedy_tokens_equal_transformers(engine, hf_expected) -> None:
     async def run() -> list[tuple[list[int], str | None]]:
         return list(await asyncio.gather(*(_collect(client, p, params, f"greedy-{i}") for i, p in enumerate(PROMPTS))))
 
-    for prompt, (tokens, reason) in zip(PROMPTS, loop.run_until_complete(run())):
+    for prompt, (tokens, reason) in zip(PROMPTS, loop.run_until_complete(run()), strict=True):
         assert tokens == hf_expected[tuple(prompt)], prompt
         assert reason == "length"
 
@@ -151,7 +151,7 @@ def test_kv_full_refuses_and_nothing_is_lost(engine) -> None:
         assert refused.value.need == per_request and refused.value.free_blocks == capacity % per_request
         assert not client.has_request("one-more")
 
-        async def drain(stream) -> int:  # noqa: ANN001 - an async iterator of deltas
+        async def drain(stream) -> int:
             return sum([len(d.new_token_ids) async for d in stream])
 
         assert await asyncio.gather(*(drain(s) for s in streams)) == [56] * len(streams)

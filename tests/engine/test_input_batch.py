@@ -5,6 +5,7 @@ adds, finishes, preemptions and aborts; and what a step sends does not grow with
 from __future__ import annotations
 
 import pickle
+from typing import Literal
 
 import pytest
 import torch
@@ -46,7 +47,8 @@ actions = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions=actions, dcp=st.sampled_from([1, 2, 4]), admission=st.sampled_from(["full", "usage"]),
        block_size=st.sampled_from([2, 4]))
-def test_incremental_batch_equals_a_full_rebuild(actions: list[tuple[str, int]], dcp: int, admission: str,
+def test_incremental_batch_equals_a_full_rebuild(actions: list[tuple[str, int]], dcp: int,
+                                                 admission: Literal["full", "usage"],
                                                  block_size: int) -> None:
     # A pool small enough that "usage" preempts, a budget small enough that prompts are cut into chunks.
     config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16, max_num_seqs=6,

@@ -13,6 +13,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected
 from engine.tiny_model import TinyModelSpec, write_tiny_model
+from tests.engine.llm_parts import engine_of, runner_of
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_greedy_batch_equals_transformers(model_name: str, chunked: bool, reques
     options = {"max_num_batched_tokens": 24} if chunked else {"enable_chunked_prefill": False, "max_model_len": 512}
     with LLM(model_dir, **options) as llm:
         outputs = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
-    for tokens, output in zip(batch, outputs):
+    for tokens, output in zip(batch, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(model_dir, tokens, 32)
         assert output.outputs[0].finish_reason == "length"
 
@@ -75,11 +76,11 @@ def test_stop_strings_stop_tokens_and_text(tiny: Path) -> None:
         text = free.outputs[0].text
         assert len(text) > 6
         stop = text[3:6]
-        stopped = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+        stopped = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))[0].outputs[0]
         assert stopped.finish_reason == "stop"
         assert stopped.text == text[: text.find(stop)]
         token = free.outputs[0].token_ids[4]
-        by_id = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token]))[0]
+        by_id = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(token,)))[0]
         assert by_id.outputs[0].token_ids == free.outputs[0].token_ids[: free.outputs[0].token_ids.index(token) + 1]
         assert by_id.outputs[0].finish_reason == "stop"
 
@@ -88,11 +89,11 @@ def test_bad_input_gives_clear_errors(tiny: Path, tiny_gqa: Path, tmp_path: Path
     with pytest.raises(ValueError, match="dcp=2 must divide tp=1"):
         LLM(tiny, decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="dcp=2 needs tp > kv_heads: model has 2 KV heads, tp=2"):
-        EngineArgs(tiny_gqa, tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
+        EngineArgs(str(tiny_gqa), tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match=r"dcp=4 must be <= tp // kv_heads = 4 // 2 = 2"):
-        EngineArgs(tiny_gqa, tensor_parallel_size=4, decode_context_parallel_size=4).create_engine_config()
+        EngineArgs(str(tiny_gqa), tensor_parallel_size=4, decode_context_parallel_size=4).create_engine_config()
     with pytest.raises(ValueError, match="tp=3 must divide the model's 4 attention heads"):
-        EngineArgs(tiny, tensor_parallel_size=3).create_engine_config()
+        EngineArgs(str(tiny), tensor_parallel_size=3).create_engine_config()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
@@ -108,7 +109,7 @@ def test_bad_input_gives_clear_errors(tiny: Path, tiny_gqa: Path, tmp_path: Path
         with pytest.raises(ValueError, match=r"prompt_token_ids must be integers in \[0, 512\)"):
             llm.generate(prompt_token_ids=[[5, 99999]])
         # Nothing was queued by the failed calls: the engine still serves.
-        assert not llm.engine.has_unfinished_requests()
+        assert not engine_of(llm).has_unfinished_requests()
         assert len(llm.generate("ok", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
 
 
@@ -122,16 +123,16 @@ def test_preempted_requests_recompute_to_the_same_tokens(tiny: Path) -> None:
     tight = {"block_size": 4, "kv_cache_memory_bytes": 64 << 10, "admission": "usage", "kv_headroom": 0.0}
     with LLM(tiny, **tight) as llm:
         greedy_out = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
-        greedy_preemptions = llm.engine.stats().num_preemptions
+        greedy_preemptions = engine_of(llm).stats().num_preemptions
         sampled_out = llm.generate(prompt_token_ids=batch, sampling_params=sampled)
-        stats = llm.engine.stats()
+        stats = engine_of(llm).stats()
     assert greedy_preemptions > 0 and stats.num_preemptions > greedy_preemptions
     assert stats.num_recomputed_tokens > 0
-    for tokens, output in zip(batch, greedy_out):
+    for tokens, output in zip(batch, greedy_out, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(tiny, tokens, 24)
     with LLM(tiny, block_size=4) as roomy:  # 128 MiB: no preemption
         expected = roomy.generate(prompt_token_ids=batch, sampling_params=sampled)
-        assert roomy.engine.stats().num_preemptions == 0
+        assert engine_of(roomy).stats().num_preemptions == 0
     assert [o.outputs[0].token_ids for o in sampled_out] == [o.outputs[0].token_ids for o in expected]
 
 
@@ -141,7 +142,7 @@ def test_the_profiling_step_leaves_no_trace(tiny: Path) -> None:
     before, and greedy tokens still equal transformers'."""
     prompt = list(range(3, 40))
     with LLM(tiny, max_num_batched_tokens=300, max_model_len=128, max_num_seqs=4) as llm:
-        runner = llm.engine.executor.runner
+        runner = runner_of(llm)
         caches, blocks = runner.kv_caches, runner.num_blocks
         assert runner.profile_run() == 0  # no CUDA peak to measure on CPU
         assert runner.kv_caches is caches and runner.num_blocks == blocks and len(runner.batch) == 0
@@ -163,18 +164,15 @@ def test_stale_or_poisoned_kv_never_reaches_another_request(tiny: Path) -> None:
     with LLM(tiny, **options) as clean:
         expected = [o.outputs[0].token_ids for o in clean.generate(prompt_token_ids=batch, sampling_params=greedy)]
     with LLM(tiny, **options) as llm:
-        engine = llm.engine
-        assert engine is not None
-        caches = engine.executor.runner.kv_caches
+        caches = runner_of(llm).kv_caches
         for k_cache, v_cache in caches:
             k_cache.fill_(float("nan"))
             v_cache.fill_(float("nan"))
         outputs = llm.generate(prompt_token_ids=batch, sampling_params=greedy)
         assert [o.outputs[0].token_ids for o in outputs] == expected
     with LLM(tiny, **options) as llm:  # a fresh pool: the first request admitted gets page 0
-        engine = llm.engine
-        assert engine is not None
-        caches = engine.executor.runner.kv_caches
+        engine = engine_of(llm)
+        caches = runner_of(engine).kv_caches
         ids = [engine.add_request(prompt_token_ids=p, sampling_params=greedy) for p in batch]
         tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
 
@@ -191,6 +189,6 @@ def test_stale_or_poisoned_kv_never_reaches_another_request(tiny: Path) -> None:
             v_cache[victim.block_ids] = float("nan")
         while engine.has_unfinished_requests():
             step()
-    for request_id, want in zip(ids, expected):
+    for request_id, want in zip(ids, expected, strict=True):
         if request_id != victim.request_id:
             assert tokens[request_id] == want, request_id

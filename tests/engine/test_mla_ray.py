@@ -5,6 +5,7 @@ concurrent long sequences exactly 4-fold at the same per-rank memory."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_mla_model
+from tests.engine.llm_parts import engine_of
 from tests.engine.model_harness import dcp_capacity_and_concurrency
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
@@ -36,7 +38,7 @@ def hf_greedy_ignoring_eos(model_dir: Path, prompts: list[list[int]], max_tokens
                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
 
 
-def skip_without_gpus(ray_module, tp: int) -> None:  # noqa: ANN001 - the ray module
+def skip_without_gpus(ray_module: ModuleType, tp: int) -> None:
     if ray_module.cluster_resources().get("GPU", 0) < tp:
         pytest.skip(f"needs {tp} (logical) GPUs")
 
@@ -47,8 +49,8 @@ def test_tp4_dcp4_greedy_equals_transformers(tiny_mla: Path, ray_cluster) -> Non
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(tiny_mla, tensor_parallel_size=4, decode_context_parallel_size=4, max_num_batched_tokens=40) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-        stats = llm.engine.stats()
-    for prompt, output, tokens in zip(PROMPTS, outputs, expected):
+        stats = engine_of(llm).stats()
+    for prompt, output, tokens in zip(PROMPTS, outputs, expected, strict=True):
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)}"
     assert stats.tp == 4 and stats.dcp == 4 and stats.kv_blocks_used == 0
 

@@ -13,8 +13,9 @@ in chunks that cut blocks, then decodes 24 tokens.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig, ParallelConfig
+from engine.layers.attention import KernelBackend
 from engine.layers.moe import TopKRouter
 from engine.loader import load_model
 from engine.models import DeepseekV2ForCausalLM
@@ -40,7 +42,8 @@ SHAPE: dict[str, Any] = dict(
     n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, max_position_embeddings=256,
     initializer_range=0.15,
 )
-YARN = dict(yarn_factor=4.0, yarn_original_max_position_embeddings=64, yarn_mscale=0.9, yarn_mscale_all_dim=0.7)
+YARN: dict[str, Any] = dict(yarn_factor=4.0, yarn_original_max_position_embeddings=64, yarn_mscale=0.9,
+                            yarn_mscale_all_dim=0.7)
 # DeepSeek-V2 checkpoints from the project's generator (engine/tiny_model.py), and the (tp, dcp) layouts run as
 # processes.
 TINY_MLA: dict[str, tuple[TinyMlaSpec, list[tuple[int, int]]]] = {
@@ -142,13 +145,13 @@ def test_single_rank_matches_transformers(name: str, checkpoints: dict[str, Path
 
 @pytest.mark.parametrize("kernels", ["ref", "triton"])
 def test_single_rank_reference_and_triton_kernels_match_transformers(
-    kernels: str, checkpoints: dict[str, Path], device: torch.device, tmp_path: Path
+    kernels: KernelBackend, checkpoints: dict[str, Path], device: torch.device, tmp_path: Path
 ) -> None:
     """The Attention layer's MLA call sites on the exact references and on Triton (CUDA, or its interpreter)."""
     name = "v2_q_lora_bias_group_limited"
     config = ModelConfig.from_pretrained(checkpoints[name])
     scenario = scenarios(1) if kernels == "ref" else (Scenario((prompt(9), prompt(2)), 5, 4),)
-    job = Job(name, str(checkpoints[name]), scenario, kernels=kernels,  # type: ignore[arg-type]
+    job = Job(name, str(checkpoints[name]), scenario, kernels=kernels,
               device=str(device) if kernels == "triton" else "cpu")
     results = run_job(job, config, ParallelState.single(1), 1, tmp_path, BLOCK_SIZE)
     assert results["kernels"] == [kernels]
@@ -236,8 +239,8 @@ def test_experts_split_by_rank_sum_to_the_whole_expert(checkpoints: dict[str, Pa
         parallel = ParallelState(tp_size=tp, tp_rank=rank, dcp_size=1, dcp_rank=0, num_kv_heads=1)
         model = DeepseekV2ForCausalLM(config, parallel, torch.float32, torch.device("cpu"))
         model.load_weights((name, tensor) for name, tensor in full.items())
-        experts = model.model.layers[1].mlp.experts  # type: ignore[union-attr]
-        slices.append((experts.w13[5].detach().clone(), experts.w2[5].detach().clone()))
+        w13, w2 = (model.get_parameter(f"model.layers.1.mlp.experts.{name}") for name in ("w13", "w2"))
+        slices.append((w13[5].detach().clone(), w2[5].detach().clone()))
     rows = 16 // tp
     gate = torch.cat([w13[:rows] for w13, _ in slices])
     up = torch.cat([w13[rows:] for w13, _ in slices])

@@ -16,8 +16,9 @@ import gc
 import json
 import socket
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -116,14 +117,14 @@ def scenarios(dcp: int) -> tuple[Scenario, ...]:
     return (Scenario(prompts, prefill_chunk=block + 1, max_new_tokens=MAX_NEW_TOKENS),)
 
 
-@functools.lru_cache(maxsize=None)
-def hf_model(model_dir: str, dtype: str = "float32") -> torch.nn.Module:
+@functools.cache
+def hf_model(model_dir: str, dtype: str = "float32") -> Any:  # transformers types from_pretrained(...).eval() as Any
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_reference(model_dir: str, tokens: tuple[int, ...], max_new_tokens: int,
                  dtype: str = "float32") -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens, and its full-forward logits (as fp32) at every position that chose one of them,
@@ -158,7 +159,8 @@ def check_against_hf(job: Job, results: dict[str, list], atol: float = LOGITS_AT
             ours_tokens, ours_logits = results["tokens"][index], results["logits"][index]
             index += 1
             where = f"{name}, prompt of {len(tokens)} tokens in a batch of {len(scenario.prompts)}"
-            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens)) if a != b), len(ref_tokens))
+            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens, strict=False)) if a != b),
+                        len(ref_tokens))
             steps = min(same + 1, len(ref_tokens))
             error = (ours_logits[:steps] - ref_logits[:steps]).abs().amax(dim=-1)
             assert float(error.max()) <= atol, f"{where}: logits differ by {error.tolist()} per step"
@@ -263,7 +265,7 @@ def test_multi_rank_matches_transformers(
         check_against_hf(job, per_rank[0])
         for rank, other in enumerate(per_rank[1:], start=1):
             assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
-            for a, b in zip(other["logits"], per_rank[0]["logits"]):
+            for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{job.name}: rank {rank} logits differ")
 
 
@@ -328,7 +330,7 @@ def test_loader_casts_to_the_requested_dtype(checkpoints: dict[str, Path]) -> No
     model = load_model(directory, config, parallel, torch.bfloat16, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     reference = load_file(directory / "model.safetensors")["model.layers.0.self_attn.q_norm.weight"]
-    assert torch.equal(model.model.layers[0].self_attn.q_norm.weight, reference.to(torch.bfloat16))
+    assert torch.equal(model.get_parameter("model.layers.0.self_attn.q_norm.weight"), reference.to(torch.bfloat16))
 
 
 def test_model_is_freed_without_the_cycle_collector(checkpoints: dict[str, Path]) -> None:
@@ -354,7 +356,8 @@ def test_llama3_inv_freq_is_transformers_exactly() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling: dict[str, Any] = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}
     hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128,
                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling})
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
@@ -369,7 +372,8 @@ def test_vocab_shards_pad_and_a_trailing_rank_may_hold_no_rows() -> None:
     for rank in range(4):
         parallel = ParallelState(tp_size=4, tp_rank=rank, dcp_size=1, dcp_rank=0, num_kv_heads=1)
         embedding = VocabParallelEmbedding(5, 2, parallel, torch.float32, torch.device("cpu"))
-        embedding.weight.weight_loader(embedding.weight, TensorSource(full), "model.embed_tokens.weight", None)
+        embedding.weight.weight_loader(  # type: ignore[attr-defined]  # the loader new_parameter attached
+            embedding.weight, TensorSource(full), "model.embed_tokens.weight", None)
         shards.append(embedding.weight.detach().clone())
     assert torch.equal(torch.cat(shards)[:5], full)
     assert torch.equal(torch.cat(shards)[5:], torch.zeros(3, 2))

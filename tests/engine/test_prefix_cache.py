@@ -13,6 +13,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ from engine.llm import LLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
+from tests.engine.llm_parts import engine_of
 from tests.engine.prefix_harness import (
-    check_preempted_request_hits_its_own_blocks,
     GREEDY,
+    check_preempted_request_hits_its_own_blocks,
     exactness_scenario,
     generate_one,
     run_cached_and_compare,
@@ -55,7 +57,7 @@ def test_cached_run_equals_uncached_run_at_tp1(tiny: Path) -> None:
     with LLM(tiny, block_size=BLOCK_SIZE, enable_prefix_caching=False) as llm:  # each prompt in one chunk
         reference = run_reference(llm, steps)
     with LLM(tiny, block_size=BLOCK_SIZE, max_num_batched_tokens=SMALL_BUDGET) as llm:
-        assert llm.engine.block_manager.verify_hits  # tests/conftest.py: every hit compares token ids
+        assert engine_of(llm).block_manager.verify_hits  # tests/conftest.py: every hit compares token ids
         hit = run_cached_and_compare(llm, reference, "tp=1")
     assert hit > 0
 
@@ -71,7 +73,7 @@ def test_penalties_see_the_cached_prefix(tiny: Path) -> None:
     # The penalties matter here: the same prompts without them give other tokens.
     with LLM(tiny, block_size=BLOCK_SIZE, enable_prefix_caching=False) as llm:
         plain = [generate_one(llm, prompt, GREEDY).outputs[0].token_ids for _, prompt, _, _ in penalized]
-    assert all(p != out.outputs[0].token_ids for p, (_, _, _, out) in zip(plain, penalized))
+    assert all(p != out.outputs[0].token_ids for p, (_, _, _, out) in zip(plain, penalized, strict=True))
 
 
 def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp1(tiny: Path) -> None:
@@ -81,7 +83,9 @@ def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp1(tiny: Path
 
 
 @pytest.mark.parametrize("admission", ["usage", "full"])
-def test_concurrent_requests_share_prefix_blocks_and_the_ledger_counts_them_once(tiny: Path, admission: str) -> None:
+def test_concurrent_requests_share_prefix_blocks_and_the_ledger_counts_them_once(
+    tiny: Path, admission: Literal["full", "usage"]
+) -> None:
     """A request that arrives while another holds its prefix takes the same blocks (reference count 2) and adds
     only its own: the ledger charges the shared blocks to one of them, a newcomer's admission need leaves them out,
     and both give the tokens they give alone."""
@@ -150,8 +154,8 @@ def test_engine_random_shared_prefix_workload_never_over_commits(tiny: Path, adm
     arrivals.sort(key=lambda a: a[0])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     # 24 blocks of 4 tokens: the arrivals' prompts do not all fit at once.
-    args = dict(block_size=BLOCK_SIZE, kv_cache_memory_bytes=24 * BLOCK_SIZE * 512, admission=admission,
-                max_num_batched_tokens=16, kv_headroom=0.1)
+    args: dict[str, Any] = dict(block_size=BLOCK_SIZE, kv_cache_memory_bytes=24 * BLOCK_SIZE * 512,
+                                admission=admission, max_num_batched_tokens=16, kv_headroom=0.1)
 
     def run(enable: bool) -> tuple[dict[str, list[int]], LLMEngine]:
         engine = LLMEngine(EngineArgs(model=str(tiny), enable_prefix_caching=enable, **args).create_engine_config())
@@ -237,7 +241,7 @@ def test_caching_off_never_looks_anything_up(tiny: Path, monkeypatch: pytest.Mon
     prompt = list(range(10, 31))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with LLM(tiny, block_size=BLOCK_SIZE, enable_prefix_caching=False) as llm:
-        engine = llm.engine
+        engine = engine_of(llm)
         llm.generate(prompt_token_ids=[prompt, prompt], sampling_params=params)
         llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         engine.kv_ledger()
@@ -254,8 +258,8 @@ def test_prefix_caching_needs_a_full_block_before_the_last_token(tiny: Path, tp:
                                                                 max_model_len: int) -> None:
     """block_size * dcp >= max_model_len: no request could ever hit a block; a clear error at config time, and
     the same arguments with prefix caching off (or one more token of context) are fine."""
-    args = dict(model=str(tiny), tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=block_size,
-                max_model_len=max_model_len)
+    args: dict[str, Any] = dict(model=str(tiny), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                                block_size=block_size, max_model_len=max_model_len)
     with pytest.raises(ValueError, match=(
             rf"enable_prefix_caching caches full logical blocks of block_size \* dcp = {block_size} \* {dcp} = "
             rf"{block_size * dcp} tokens, but max_model_len={max_model_len} leaves no request a full block before "

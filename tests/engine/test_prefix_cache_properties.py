@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,9 +34,10 @@ SEED = b"test-seed"
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random lifecycles of requests whose tokens come from a 2-token alphabet (so prefixes repeat), driven the way
     the scheduler drives the block manager: admit (takes the cached run), allocate + compute + cache_computed,
-    sample, finish, preempt; and reports of the cache to a reader, some lost. The model kept here: which request holds which block in which order (the charged
-    holder is the first of the current holders), what tokens were written into each block's slots and the token
-    run from the start of its sequence, the order unreferenced cached blocks were released in (LRU)."""
+    sample, finish, preempt; and reports of the cache to a reader, some lost. The model kept here: which request
+    holds which block in which order (the charged holder is the first of the current holders), what tokens were
+    written into each block's slots and the token run from the start of its sequence, the order unreferenced cached
+    blocks were released in (LRU)."""
 
     @initialize(block_size=st.sampled_from([1, 2, 3]), dcp=st.sampled_from([1, 2]), num_blocks=st.integers(2, 12))
     def setup(self, block_size: int, dcp: int, num_blocks: int) -> None:
@@ -216,11 +218,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """The replica reports its cache to a reader (the router's PrefixIndex); a lost report makes the next one
         the whole state. A delivered one leaves the reader with exactly the cache's blocks and states, and it then
         matches every fresh waiting prompt as the engine's own lookup does."""
-        report = self.manager.reporter.report(self.index.epoch, self.index.version)
+        reporter = self.manager.reporter
+        assert reporter is not None  # prefix caching is on
+        report = reporter.report(self.index.epoch, self.index.version)
         if lose:
             return
         self.index.apply(report)
-        assert self.index.blocks == self.manager.reporter.state
+        assert self.index.blocks == reporter.state
         for request in self.waiting:
             if request.output_token_ids:
                 continue  # a preempted request: its lookup covers its outputs too, the ingress sees only prompts
@@ -335,7 +339,8 @@ def cached_block_ids(m: BlockManager, tokens: list[int]) -> list[int]:
 @given(seed=st.integers(0, 2**32 - 1), admission=st.sampled_from(["full", "usage"]), block_size=st.sampled_from([1, 2]),
        dcp=st.sampled_from([1, 2]), num_blocks=st.integers(6, 16), budget=st.sampled_from([3, 8, 64]))
 def test_admission_with_caching_never_over_commits_and_returns_every_block(
-        seed: int, admission: str, block_size: int, dcp: int, num_blocks: int, budget: int) -> None:
+        seed: int, admission: Literal["full", "usage"], block_size: int, dcp: int, num_blocks: int,
+        budget: int) -> None:
     """Random arrivals whose prompts share prefixes (and prefixes of earlier requests' outputs), some with
     penalties, under both policies: at every step the referenced + promised blocks fit the pool and the ledger's
     per-request counts add up to exactly them (each shared block once); a request that starts after a cached run

@@ -9,11 +9,13 @@ back after its own cached blocks to the same tokens."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from engine.llm import LLM
 from engine.tiny_model import write_tiny_model
+from tests.engine.llm_parts import engine_of
 from tests.engine.prefix_harness import (
     check_preempted_request_hits_its_own_blocks,
     exactness_scenario,
@@ -31,7 +33,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def skip_without_gpus(ray_module, tp: int) -> None:  # noqa: ANN001 - the ray module
+def skip_without_gpus(ray_module: ModuleType, tp: int) -> None:
     if ray_module.cluster_resources().get("GPU", 0) < tp:
         pytest.skip(f"needs {tp} (logical) GPUs")
 
@@ -45,7 +47,7 @@ def test_cached_run_equals_uncached_run(tp: int, dcp: int, tiny: Path, ray_clust
     with LLM(tiny, enable_prefix_caching=False, **args) as llm:  # each prompt in one chunk
         reference = run_reference(llm, steps)
     with LLM(tiny, max_num_batched_tokens=tpb + 3, **args) as llm:  # chunks that straddle logical blocks
-        assert llm.engine.block_manager.tokens_per_block == tpb
+        assert engine_of(llm).block_manager.tokens_per_block == tpb
         hit = run_cached_and_compare(llm, reference, f"tp={tp} dcp={dcp}")
     assert hit > 0
 

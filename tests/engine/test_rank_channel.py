@@ -41,7 +41,12 @@ def test_frames_of_every_size_arrive_whole_and_in_order(listener: ChannelListene
     driver, rank = accepted[1], connected[0]
     assert isinstance(rank, FrameSocket)
     frames = [b"", b"x", bytes(range(256)) * 3, b"s" * SMALL_FRAME_BYTES, bytes(range(251)) * 40_000]  # up to 10 MB
-    sender = threading.Thread(target=lambda: [driver.send(frame) for frame in frames])  # large frames need a reader
+
+    def send_all() -> None:
+        for frame in frames:
+            driver.send(frame)
+
+    sender = threading.Thread(target=send_all)  # large frames need a reader
     sender.start()
     received = [bytes(rank.recv()) for _ in frames]
     sender.join()

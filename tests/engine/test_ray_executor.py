@@ -4,12 +4,14 @@ greedy tokens as Hugging Face transformers, and DCP multiplies KV capacity and c
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
+from tests.engine.llm_parts import engine_of
 from tests.engine.model_harness import dcp_capacity_and_concurrency, hf_greedy
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
@@ -28,7 +30,7 @@ def hf_expected(tiny: Path) -> dict[tuple[int, ...], list[int]]:
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 2 blocks, 71, short
 
 
-def skip_without_gpus(ray_module, tp: int) -> None:  # noqa: ANN001 - the ray module
+def skip_without_gpus(ray_module: ModuleType, tp: int) -> None:
     if ray_module.cluster_resources().get("GPU", 0) < tp:
         pytest.skip(f"needs {tp} (logical) GPUs")
 
@@ -39,8 +41,8 @@ def test_worker_group_greedy_equals_transformers(tp: int, dcp: int, tiny: Path, 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(tiny, tensor_parallel_size=tp, decode_context_parallel_size=dcp, max_num_batched_tokens=40) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-        stats = llm.engine.stats()
-    for prompt, output in zip(PROMPTS, outputs):
+        stats = engine_of(llm).stats()
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"tp={tp} dcp={dcp} prompt of {len(prompt)}"
     assert stats.tp == tp and stats.dcp == dcp and len(stats.per_rank) == tp
     assert stats.kv_blocks_used == 0  # everything finished and freed
@@ -57,9 +59,9 @@ def test_preempted_requests_recompute_to_the_same_greedy_tokens_at_tp2_dcp2(tiny
     with LLM(tiny, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
              kv_cache_memory_bytes=32 << 10, admission="usage", kv_headroom=0.0) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-        stats = llm.engine.stats()
+        stats = engine_of(llm).stats()
     assert stats.kv_blocks_total == 16 and stats.num_preemptions > 0, stats
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_expected[tuple(prompt)], f"prompt of {len(prompt)}"
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
 

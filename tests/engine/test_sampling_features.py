@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from engine.request import RequestOutput
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tiny_model import BOS_TOKEN, write_tiny_model
 from engine.tokenizer import TextStream, load_tokenizer
+from tests.engine.llm_parts import engine_of
 
 LOGPROB_ATOL = 1e-4  # fp32, as the model-vs-transformers logits
 # 1 token, a long one cut into chunks of the small token budget (crossing logical blocks), a short one.
@@ -60,7 +62,7 @@ def check_entry(entry: TokenLogprob, expected: torch.Tensor, token: int, num_top
     assert 1 + higher <= entry.rank <= 1 + not_lower, f"{where}: rank {entry.rank}, expected {1 + higher}"
     assert len(entry.top) == num_top, where
     top_values = expected.topk(num_top).values.tolist() if num_top else []
-    for (top_id, value), best in zip(entry.top, top_values):
+    for (top_id, value), best in zip(entry.top, top_values, strict=True):
         assert abs(value - best) <= LOGPROB_ATOL, f"{where}: top {entry.top} vs {top_values}"
         assert abs(value - float(expected[top_id])) <= LOGPROB_ATOL, f"{where}: top token {top_id}"
 
@@ -72,15 +74,15 @@ def check_logprobs(hf: torch.nn.Module, prompt: list[int], output: RequestOutput
     expected = hf_logprobs(hf, prompt + tokens)
     logprobs = output.outputs[0].logprobs
     assert logprobs is not None and len(logprobs) == len(tokens), where
-    for j, (entry, token) in enumerate(zip(logprobs, tokens)):
+    for j, (entry, token) in enumerate(zip(logprobs, tokens, strict=True)):
         check_entry(entry, expected[len(prompt) - 1 + j], token, params.logprobs or 0, f"{where}, output {j}")
     prompt_logprobs = output.prompt_logprobs
     assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt), where
     assert prompt_logprobs[0] is None, where
     for i in range(1, len(prompt)):
-        entry = prompt_logprobs[i]
-        assert entry is not None, where
-        check_entry(entry, expected[i - 1], prompt[i], params.prompt_logprobs or 0, f"{where}, prompt {i}")
+        prompt_entry = prompt_logprobs[i]
+        assert prompt_entry is not None, where
+        check_entry(prompt_entry, expected[i - 1], prompt[i], params.prompt_logprobs or 0, f"{where}, prompt {i}")
 
 
 # Temperature and top-k change the draw, not the reported (raw) logprobs; sampled tokens also show ranks > 1.
@@ -95,7 +97,7 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(tiny: Path, hf: torch.n
     prompts = PROMPTS + [[5, 6], list(range(60, 80))]
     with LLM(tiny, **SMALL_BUDGET) as llm:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    for prompt, output, p in zip(prompts, outputs, params):
+    for prompt, output, p in zip(prompts, outputs, params, strict=True):
         if p is other:
             assert output.outputs[0].logprobs is None and output.prompt_logprobs is None
             continue
@@ -115,7 +117,7 @@ def test_logprobs_equal_transformers_at_tp2_dcp2(tiny: Path, hf: torch.nn.Module
     with LLM(tiny, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4, **SMALL_BUDGET) as llm:
         outputs = llm.generate(prompt_token_ids=PROMPTS + [PROMPTS[1]],
                                sampling_params=[LOGPROB_PARAMS] * len(PROMPTS) + [penalized])
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=False):
         check_logprobs(hf, prompt, output, LOGPROB_PARAMS, f"tp=2 dcp=2, prompt of {len(prompt)}")
     assert outputs[-1].outputs[0].token_ids == reference_greedy(hf, PROMPTS[1], penalized)
 
@@ -127,11 +129,11 @@ def reference_greedy(hf: torch.nn.Module, prompt: list[int], params: SamplingPar
     """Greedy decoding, one full transformers forward per token, with the documented adjustments to the raw
     logits: logit_bias added; the repetition penalty for every token of prompt + output (positive logit divided,
     negative multiplied); presence (once) and frequency (per occurrence) penalties for the output tokens."""
-    tokens, output = list(prompt), []
+    tokens, output = list(prompt), list[int]()
     for _ in range(params.max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([tokens])).logits[0, -1].float().clone()
-        for token, bias in params.logit_bias or ():
+        for token, bias in params.logit_bias_map().items():
             logits[token] += bias
         for token in set(tokens):
             value = logits[token]
@@ -148,7 +150,7 @@ def reference_greedy(hf: torch.nn.Module, prompt: list[int], params: SamplingPar
 
 
 def penalty_cases() -> list[tuple[list[int], SamplingParams]]:
-    greedy = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    greedy: dict[str, Any] = dict(temperature=0, max_tokens=16, ignore_eos=True)
     return [
         (PROMPTS[0], SamplingParams(**greedy, presence_penalty=1.5)),
         (PROMPTS[1], SamplingParams(**greedy, frequency_penalty=1.0)),
@@ -166,7 +168,7 @@ def test_penalties_and_logit_bias_equal_a_reference(tiny: Path, hf: torch.nn.Mod
         outputs = llm.generate(prompt_token_ids=[p for p, _ in cases], sampling_params=[s for _, s in cases])
         plain = llm.generate(prompt_token_ids=[p for p, _ in cases],
                              sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for (prompt, params), output, unpenalized in zip(cases, outputs, plain):
+    for (prompt, params), output, unpenalized in zip(cases, outputs, plain, strict=True):
         tokens = output.outputs[0].token_ids
         assert tokens == reference_greedy(hf, prompt, params), f"prompt of {len(prompt)}: {params}"
         if params != SamplingParams(temperature=0, max_tokens=16, ignore_eos=True):
@@ -180,8 +182,8 @@ def test_penalties_survive_preemption(tiny: Path, hf: torch.nn.Module) -> None:
     tight = {"block_size": 4, "kv_cache_memory_bytes": 64 << 10, "admission": "usage", "kv_headroom": 0.0}
     with LLM(tiny, **tight, **SMALL_BUDGET) as llm:
         outputs = llm.generate(prompt_token_ids=[p for p, _ in cases], sampling_params=[s for _, s in cases])
-        assert llm.engine.stats().num_preemptions > 0
-    for (prompt, params), output in zip(cases, outputs):
+        assert engine_of(llm).stats().num_preemptions > 0
+    for (prompt, params), output in zip(cases, outputs, strict=True):
         assert output.outputs[0].token_ids == reference_greedy(hf, prompt, params), f"prompt of {len(prompt)}"
 
 
@@ -208,7 +210,7 @@ def test_min_tokens_masks_eos_and_stop_tokens(tiny: Path) -> None:
                                                     min_tokens=5))[0].outputs[0]
         assert len(held.token_ids) == 6 and eos not in held.token_ids[:5] and held.token_ids[5] == eos
         assert held.finish_reason == "stop"
-        stop_first = SamplingParams(temperature=1.0, seed=1, max_tokens=20, stop_token_ids=[77], logit_bias={77: 100},
+        stop_first = SamplingParams(temperature=1.0, seed=1, max_tokens=20, stop_token_ids=(77,), logit_bias={77: 100},
                                     min_tokens=3)
         stopped = llm.generate("hello", stop_first)[0].outputs[0]
         assert len(stopped.token_ids) == 4 and 77 not in stopped.token_ids[:3] and stopped.token_ids[3] == 77
@@ -226,9 +228,9 @@ def test_include_stop_str_in_output(tiny: Path) -> None:
         stop = text[3:6]
         assert len(stop) == 3
         cut = text.find(stop)
-        kept = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+        kept = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=(stop,),
                                                           include_stop_str_in_output=True))[0].outputs[0]
-        dropped = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+        dropped = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))[0].outputs[0]
     assert kept.text == text[: cut + len(stop)] and kept.finish_reason == "stop"
     assert dropped.text == text[:cut] and dropped.finish_reason == "stop"
 
@@ -238,7 +240,7 @@ def test_skip_special_tokens(tiny: Path) -> None:
     skip_special_tokens=False."""
     with LLM(tiny) as llm:
         bos = llm.tokenizer.bos_token_id
-        base = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={bos: 100})
+        base: dict[str, Any] = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={bos: 100})
         skipped = llm.generate("hi", SamplingParams(**base))[0].outputs[0]
         shown = llm.generate("hi", SamplingParams(**base, skip_special_tokens=False))[0].outputs[0]
     assert skipped.token_ids == shown.token_ids == [bos] * 3
@@ -263,8 +265,8 @@ def test_text_stream_stop_strings_with_min_tokens_and_include(tiny: Path) -> Non
     ids = tokenizer.encode("x = 1\nx = 2\nx = 3", add_special_tokens=False)
     text = tokenizer.decode(ids)
 
-    def run(**options: object) -> tuple[str, bool]:
-        stream = TextStream(tokenizer, [], ["x ="], **options)  # type: ignore[arg-type]
+    def run(**options: Any) -> tuple[str, bool]:
+        stream = TextStream(tokenizer, [], ["x ="], **options)
         pieces, stopped = [], False
         for i, token in enumerate(ids):
             piece, stopped = stream.push([token], i == len(ids) - 1)
@@ -350,16 +352,16 @@ def test_batched_filtering_equals_the_row_by_row_filter_bit_for_bit(trial: int) 
     ({"detokenize": False, "stop": ["\n"]}, r"stop strings \['\\n'\] are matched in the output text: they need "
                                              r"detokenize=True \(or use stop_token_ids\)"),
 ])
-def test_invalid_values_name_the_field(options: dict[str, object], message: str) -> None:
+def test_invalid_values_name_the_field(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SamplingParams(**options)  # type: ignore[arg-type]
+        SamplingParams(**options)
 
 
 def test_logit_bias_is_stored_as_sorted_pairs_and_hashable() -> None:
     params = SamplingParams(logit_bias={9: 1, 3: -2.5})
     assert params.logit_bias == ((3, -2.5), (9, 1.0))
     assert params.logit_bias_map() == {3: -2.5, 9: 1.0}
-    assert hash(params) == hash(SamplingParams(logit_bias=[(3, -2.5), (9, 1.0)]))
+    assert hash(params) == hash(SamplingParams(logit_bias=[(3, -2.5), (9, 1.0)]))  # type: ignore[arg-type]  # a list of pairs: taken, stored as a tuple
 
 
 def test_unknown_logit_bias_id_is_refused_before_anything_is_queued(tiny: Path) -> None:
@@ -368,8 +370,8 @@ def test_unknown_logit_bias_id_is_refused_before_anything_is_queued(tiny: Path) 
         with pytest.raises(ValueError, match=r"logit_bias names token ids \[512\].*\[0, 512\)"):
             llm.generate(prompt_token_ids=[[5, 6], [7]], sampling_params=[SamplingParams(max_tokens=3), bad])
         with pytest.raises(ValueError, match=r"logit_bias names token ids \[600\]"):
-            llm.engine.add_request(prompt_token_ids=[5], sampling_params=SamplingParams(logit_bias={600: 1.0}))
-        assert not llm.engine.has_unfinished_requests()
+            engine_of(llm).add_request(prompt_token_ids=[5], sampling_params=SamplingParams(logit_bias={600: 1.0}))
+        assert not engine_of(llm).has_unfinished_requests()
 
 
 # ---- the vLLM backend ----------------------------------------------------------------------------------------
@@ -378,7 +380,9 @@ def test_unknown_logit_bias_id_is_refused_before_anything_is_queued(tiny: Path) 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_vllm_backend_logprobs_and_pass_through(tiny: Path, hf: torch.nn.Module) -> None:
-    eos = min(load_tokenizer(tiny).eos_token_ids)  # type: ignore[union-attr]
+    tokenizer = load_tokenizer(tiny)
+    assert tokenizer is not None
+    eos = min(tokenizer.eos_token_ids)
     cases = penalty_cases()[:4]
     # No seeds: vLLM 0.32's CPU runner dies rewinding a seeded CPU generator (set_offset) when a chunked prefill
     # discards its sample.
@@ -390,9 +394,9 @@ def test_vllm_backend_logprobs_and_pass_through(tiny: Path, hf: torch.nn.Module)
             temperature=1.0, max_tokens=4, ignore_eos=True, logit_bias={123: 100}))[0]
         held = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(
             temperature=0, max_tokens=20, logit_bias={eos: 100}, min_tokens=5))[0].outputs[0]
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         check_logprobs(hf, prompt, output, unseeded, f"vLLM, prompt of {len(prompt)}")
-    for (prompt, params), output in zip(cases, penalized):
+    for (prompt, params), output in zip(cases, penalized, strict=True):
         assert output.outputs[0].token_ids == reference_greedy(hf, prompt, params), f"vLLM: {params}"
     assert forced.outputs[0].token_ids == [123] * 4
     assert len(held.token_ids) == 6 and held.token_ids[5] == eos and eos not in held.token_ids[:5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -15,12 +16,12 @@ from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 EOS = 0
 
 
-def make(num_blocks: int = 16, block_size: int = 4, dcp: int = 1, **config: object) -> Scheduler:
+def make(num_blocks: int = 16, block_size: int = 4, dcp: int = 1, **config: Any) -> Scheduler:
     settings = {"max_model_len": 4096, "max_num_batched_tokens": 64, "admission": "full", **config}
     return Scheduler(SchedulerConfig(**settings), BlockManager(num_blocks, block_size, dcp), frozenset({EOS}))
 
 
-def req(name: str, prompt: int, max_tokens: int = 4, **params: object) -> Request:
+def req(name: str, prompt: int, max_tokens: int = 4, **params: Any) -> Request:
     return Request(name, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, **params))
 
 
@@ -49,7 +50,8 @@ def test_chunked_prefill_then_decode_follows_the_invariant() -> None:
     scheduler = make(max_num_batched_tokens=8)
     scheduler.add_request(req("a", prompt=20, max_tokens=3))
     chunks = [run_step(scheduler).scheduled[0] for _ in range(3)]
-    assert [(c.start_position, len(c.token_ids), c.sample) for c in chunks] == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert [(c.start_position, len(c.token_ids), c.sample) for c in chunks] == [
+        (0, 8, False), (8, 8, False), (16, 4, True)]
     decode = run_step(scheduler).scheduled[0]
     assert decode.is_decode and decode.start_position == 20 and decode.token_ids == [7]
     run_step(scheduler)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,9 @@ def test_writes_the_expected_files(tiny_dir: Path) -> None:
 def test_loads_in_transformers_and_runs_a_forward_pass(tiny_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, info = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True, output_loading_info=True)
+    # output_loading_info=True: (model, info), where transformers' annotation has the model alone.
+    loaded: Any = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True, output_loading_info=True)
+    model, info = loaded
     assert not info["missing_keys"]
     assert not info["unexpected_keys"]
     assert model.dtype == torch.float32
@@ -138,7 +141,8 @@ def test_mla_model_loads_in_transformers_and_in_the_engine(tiny_mla_dir: Path) -
     from transformers import AutoModelForCausalLM
 
     assert sorted(p.name for p in tiny_mla_dir.iterdir()) == sorted(WRITTEN_FILES)
-    model, info = AutoModelForCausalLM.from_pretrained(tiny_mla_dir, local_files_only=True, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(tiny_mla_dir, local_files_only=True, output_loading_info=True)
+    model, info = loaded  # (model, info), as above
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert type(model).__name__ == "DeepseekV2ForCausalLM"
     config = ModelConfig.from_pretrained(tiny_mla_dir)

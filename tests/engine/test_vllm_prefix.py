@@ -142,12 +142,12 @@ def _args(tiny: Path, **overrides: object) -> EngineArgs:
     return EngineArgs(**options)  # type: ignore[arg-type]
 
 
-def _start(tiny: Path, **overrides: object):  # noqa: ANN202 - yields (loop, VllmEngine)
+def _start(tiny: Path, **overrides: object):
     from engine.protocol import start_engine
 
     loop = asyncio.new_event_loop()
 
-    async def start():  # noqa: ANN202
+    async def start():
         return start_engine(_args(tiny, **overrides))
 
     client = loop.run_until_complete(start())
@@ -159,25 +159,25 @@ def _start(tiny: Path, **overrides: object):  # noqa: ANN202 - yields (loop, Vll
 
 
 @pytest.fixture(scope="module")
-def cached(tiny: Path):  # noqa: ANN201
+def cached(tiny: Path):
     yield from _start(tiny)
 
 
 @pytest.fixture(scope="module")
-def uncached(tiny: Path):  # noqa: ANN201
+def uncached(tiny: Path):
     yield from _start(tiny, enable_prefix_caching=False)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
-async def _collect(client, prompt: list[int], request_id: str,  # noqa: ANN001 - a VllmEngine
+async def _collect(client, prompt: list[int], request_id: str,
                    params: SamplingParams = GREEDY) -> list[int]:
     stream = await client.submit(sampling_params=params, prompt_token_ids=prompt, request_id=request_id)
     return [t async for d in stream for t in d.new_token_ids]
 
 
-async def _until(condition, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+async def _until(condition, what: str, timeout_s: float = 30.0) -> None:
     """vLLM's events and stat records arrive on their own: wait for them."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
@@ -281,7 +281,7 @@ def test_greedy_tokens_are_the_same_with_the_cache_off(cached, uncached, tiny: P
     loop_on, on = cached
     loop_off, off = uncached
 
-    def run(loop, client, prompts_, tag):  # noqa: ANN001, ANN202
+    def run(loop, client, prompts_, tag):
         async def go() -> list[list[int]]:
             return [await _collect(client, p, f"{tag}-{i}") for i, p in enumerate(prompts_)]
         return loop.run_until_complete(go())

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from engine.protocol import EngineDeadError
 from engine.ray_executor import PING_TIMEOUT_S, RayWorkerGroup, WorkerGroupError
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import TinyModelSpec, write_tiny_model
+from tests.engine.llm_parts import engine_of, worker_group_of
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
 
@@ -38,7 +40,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def llm(tiny: Path, ray_cluster) -> Iterator[LLM]:  # noqa: ANN001 - the ray module
+def llm(tiny: Path, ray_cluster: ModuleType) -> Iterator[LLM]:
     if ray_cluster.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("needs 2 (logical) GPUs")
     import ray.cloudpickle
@@ -82,9 +84,10 @@ def _pid(worker: Any) -> int:
 
 def _start_request(llm: LLM, max_tokens: int = 50) -> None:
     """One greedy request, past its prefill step (its decode steps follow)."""
-    llm.engine.add_request(prompt_token_ids=PROMPT, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                                    ignore_eos=True))
-    llm.engine.step()
+    engine = engine_of(llm)
+    engine.add_request(prompt_token_ids=PROMPT, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                            ignore_eos=True))
+    engine.step()
 
 
 def _assert_dead(group: RayWorkerGroup, reason: str) -> None:
@@ -93,7 +96,7 @@ def _assert_dead(group: RayWorkerGroup, reason: str) -> None:
     with pytest.raises(WorkerGroupError, match=reason):
         group.check_health()
     with pytest.raises(WorkerGroupError, match=reason):
-        group.execute(object())  # type: ignore[arg-type] - never sent: the group is dead
+        group.execute(object())  # type: ignore[arg-type]  # never sent: the group is dead
     assert time.monotonic() - start < 1.0
 
 
@@ -101,22 +104,22 @@ def _assert_dead(group: RayWorkerGroup, reason: str) -> None:
 def test_a_rank_that_raises_fails_the_step_at_once(failing_rank: int, llm: LLM) -> None:
     """The other rank is left blocked in the step's first collective (gloo's timeout is 300 s): the step still
     raises as soon as the failing rank replies, names it and its exception, and the group is dead."""
-    group = llm.engine.executor
+    group = worker_group_of(llm)
     _start_request(llm)
     _on_rank(group, failing_rank, _raise_in_every_step)
     start = time.monotonic()
     with pytest.raises(WorkerGroupError, match=f"TP rank {failing_rank} of 2 raised in the step") as raised:
-        llm.engine.step()
+        engine_of(llm).step()
     assert time.monotonic() - start < PROMPTLY_S
     assert "injected failure before any collective" in str(raised.value)
     _assert_dead(group, f"TP rank {failing_rank} of 2 raised")
     start = time.monotonic()
-    llm.engine.shutdown()  # the ranks were stopped with the failure: nothing to wait for
+    engine_of(llm).shutdown()  # the ranks were stopped with the failure: nothing to wait for
     assert time.monotonic() - start < PROMPTLY_S
 
 
 def test_sigkill_of_a_rank_mid_step_fails_the_step_and_health_at_once(llm: LLM) -> None:
-    group = llm.engine.executor
+    group = worker_group_of(llm)
     _start_request(llm)
     _on_rank(group, 0, _slow_steps(3.0))  # every step now takes 3 s on rank 0
     victim = _on_rank(group, 1, _pid)
@@ -124,7 +127,7 @@ def test_sigkill_of_a_rank_mid_step_fails_the_step_and_health_at_once(llm: LLM) 
 
     def step() -> None:
         try:
-            llm.engine.step()
+            engine_of(llm).step()
             outcome.append(None)
         except BaseException as err:  # noqa: BLE001 - the test inspects it
             outcome.append(err)
@@ -145,16 +148,16 @@ def test_sigkill_of_a_rank_mid_step_fails_the_step_and_health_at_once(llm: LLM) 
 
 
 def test_async_engine_ends_every_stream_and_fails_health_when_a_rank_dies(
-    tiny: Path, ray_cluster  # noqa: ANN001 - the ray module
+    tiny: Path, ray_cluster: ModuleType
 ) -> None:
     if ray_cluster.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("needs 2 (logical) GPUs")
-    config = EngineArgs(tiny, tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
+    config = EngineArgs(str(tiny), tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
 
     async def main() -> None:
         engine = AsyncEngine(config)
         try:
-            group = engine.engine.executor
+            group = worker_group_of(engine.engine)
             params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
             streams = [engine.generate(prompt_token_ids=[5 + i] * 8, sampling_params=params) for i in range(3)]
             firsts = [await stream.__anext__() for stream in streams]  # every request is decoding
@@ -177,7 +180,7 @@ def test_async_engine_ends_every_stream_and_fails_health_when_a_rank_dies(
 
 
 def test_a_16k_token_prompt_with_prompt_logprobs_equals_the_in_process_engine(
-    tmp_path: Path, ray_cluster  # noqa: ANN001 - the ray module
+    tmp_path: Path, ray_cluster: ModuleType
 ) -> None:
     """The steps of a long prompt and their large replies (4096 positions of prompt logprobs with the top 5 each,
     ~0.4 MB pickled) cross the step channel intact: tokens equal and logprobs close to tp=1's, which has no channel."""
@@ -193,14 +196,17 @@ def test_a_16k_token_prompt_with_prompt_logprobs_equals_the_in_process_engine(
             [outputs[tp]] = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
     single, grouped = outputs[1], outputs[2]
     assert grouped.outputs[0].token_ids == single.outputs[0].token_ids
+    assert grouped.prompt_logprobs is not None and single.prompt_logprobs is not None
     assert len(grouped.prompt_logprobs) == len(single.prompt_logprobs) == len(prompt)
     worst = 0.0
-    for position, (ours, reference) in enumerate(zip(grouped.prompt_logprobs[1:], single.prompt_logprobs[1:]), 1):
+    for position, (ours, reference) in enumerate(
+            zip(grouped.prompt_logprobs[1:], single.prompt_logprobs[1:], strict=True), 1):
+        assert ours is not None and reference is not None, position
         assert ours.token_id == reference.token_id == prompt[position]
         values = [ours.logprob] + [logprob for _, logprob in ours.top]
         reference_values = [reference.logprob] + [logprob for _, logprob in reference.top]
         assert all(math.isfinite(value) for value in values)
-        worst = max([worst] + [abs(a - b) / max(abs(b), 1.0) for a, b in zip(values, reference_values)])
+        worst = max([worst] + [abs(a - b) / max(abs(b), 1.0) for a, b in zip(values, reference_values, strict=True)])
         # The same alternatives, except where two of them tie within rounding (their order may then swap).
         reference_top = dict(reference.top)
         for token, logprob in ours.top:

@@ -5,13 +5,16 @@ references; its tests run on CPU tensors whatever the test device (tests/kernels
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import pytest
 import torch
 
 import kernels
 from kernels.decode_attention import paged_decode_attention_split
 
-IMPLS: dict[str, dict[str, object]] = {
+IMPLS: dict[str, dict[str, Callable[..., Any]]] = {
     "ref": {
         "store_kv": kernels.store_kv_ref,
         "decode": kernels.paged_decode_attention_ref,
@@ -44,7 +47,7 @@ TEST_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.i
 INTERPRETED_HALF_MAX_DCP = 2
 
 
-def attention_params(cases: list[tuple[int, ...]], impls: list[str]) -> list[object]:
+def attention_params(cases: Sequence[tuple[int, ...]], impls: list[str]) -> list[object]:
     """pytest parameters (case, dtype, impl) for an attention test whose case starts with its DCP size; ids as
     "N{dcp}-B{block}-I{interleave}-kv{heads}-g{group}-d{head_dim}-{dtype}-{impl}"."""
     params: list[object] = []

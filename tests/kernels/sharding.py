@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -73,7 +73,8 @@ def shard_kv(
         store(all_keys, all_values, k_cache, v_cache, slots)
         local = dcp_local_seq_lens(seq_lens, dcp_size, rank, interleave)
         if int((slots >= 0).sum()) != int(local.sum()):
-            raise AssertionError(f"rank {rank}: {(slots >= 0).sum()} owned slots but local lengths sum to {local.sum()}")
+            raise AssertionError(
+                f"rank {rank}: {(slots >= 0).sum()} owned slots but local lengths sum to {local.sum()}")
         k_caches.append(k_cache)
         v_caches.append(v_cache)
         local_lens.append(local)
@@ -112,7 +113,8 @@ def assert_close_rows(
     ref_out = ref_out.cpu()
     ref_lse = ref_lse.cpu()
     if torch.isnan(out64).any() or torch.isnan(lse64).any():
-        raise AssertionError(f"NaN in output ({int(torch.isnan(out64).sum())} out, {int(torch.isnan(lse64).sum())} lse)")
+        raise AssertionError(
+            f"NaN in output ({int(torch.isnan(out64).sum())} out, {int(torch.isnan(lse64).sum())} lse)")
     empty = torch.isinf(ref_lse)
     if not torch.equal(torch.isinf(lse64) & (lse64 < 0), empty):
         raise AssertionError("rows with no keys must have lse = -inf, and only those")

@@ -27,9 +27,9 @@ def test_combine_of_disjoint_parts_equals_whole(num_parts, dtype, impl, device) 
     outs, lses = [], []
     for part in range(num_parts):
         sel = owner == part
-        o, l = dense_attention_f64(q, keys[sel], values[sel], 0.2)
+        o, lse = dense_attention_f64(q, keys[sel], values[sel], 0.2)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse)
     stacked_out = torch.stack(outs).to(dtype).to(device)
     stacked_lse = torch.stack(lses).float().to(device)
     out = poisoned((3, heads, head_dim), dtype, device)

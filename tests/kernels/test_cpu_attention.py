@@ -4,6 +4,7 @@ references'. (The shared decode / prefill suites run them on DCP-sharded hostile
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,10 +31,11 @@ def run_prefill(spec: list[tuple[int, int]], num_kv_heads: int, group: int, head
     full_k = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in spec]
     full_v = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in spec]
     q = torch.randn(sum(n for _, n in spec), num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], [v[:c] for v, (c, _) in zip(full_v, spec)],
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)],
+                      [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)],
                       1, block_size, 1, store_kv_ref, gen, CPU)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]) if with_new else None
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)]) if with_new else None
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]) if with_new else None
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)]) if with_new else None
     starts = torch.tensor([0] + [n for _, n in spec]).cumsum(0).to(torch.int32)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32)
     scale = 1.0 / math.sqrt(head_dim)
@@ -42,7 +44,7 @@ def run_prefill(spec: list[tuple[int, int]], num_kv_heads: int, group: int, head
     paged_prefill_attention_cpu(q, new_k, new_v, shards.k_caches[0], shards.v_caches[0], shards.block_table, starts,
                                 context, scale, out=out, lse_out=lse)
     row = 0
-    for (ctx, n), k, v in zip(spec, full_k, full_v):
+    for (ctx, n), k, v in zip(spec, full_k, full_v, strict=True):
         keys, values = (k, v) if with_new else (k[:ctx], v[:ctx])
         ref_out, ref_lse = dense_attention_f64(q[row : row + n], keys, values, scale,
                                                causal_offset=ctx if with_new else None)
@@ -75,16 +77,18 @@ def test_prefill_float64_is_exact() -> None:
     full_k = [torch.randn(c + n, 1, 16, generator=gen, dtype=torch.float64) for c, n in spec]
     full_v = [torch.randn(c + n, 1, 16, generator=gen, dtype=torch.float64) for c, n in spec]
     q = torch.randn(sum(n for _, n in spec), 2, 16, generator=gen, dtype=torch.float64)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], [v[:c] for v, (c, _) in zip(full_v, spec)],
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)],
+                      [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)],
                       1, 4, 1, store_kv_ref, gen, CPU)
     starts = torch.tensor([0, 9, 13, 14], dtype=torch.int32)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32)
     out, lse = paged_prefill_attention_cpu(
-        q, torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]), torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)]),
+        q, torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]),
+        torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)]),
         shards.k_caches[0], shards.v_caches[0], shards.block_table, starts, context, 0.25)
     assert out.dtype == torch.float64 and lse.dtype == torch.float32
     row = 0
-    for (ctx, n), k, v in zip(spec, full_k, full_v):
+    for (ctx, n), k, v in zip(spec, full_k, full_v, strict=True):
         ref_out, ref_lse = dense_attention_f64(q[row : row + n], k, v, 0.25, causal_offset=ctx)
         assert (out[row : row + n] - ref_out).abs().max() < 1e-12
         assert (lse[row : row + n].double() - ref_lse).abs().max() < 1e-5
@@ -121,6 +125,7 @@ def test_a_step_plan_gives_the_same_bits_in_every_layer(lengths: list[int]) -> N
     shards = shard_kv(keys, values, 1, 16, 1, store_kv_ref, gen, CPU)
     table, lens = shards.block_table, shards.local_lens[0]
     k_cache, v_cache = shards.k_caches[0], shards.v_caches[0]
+    assert v_cache is not None
     # A second layer: other cache contents (stale slots included) under the same block table.
     other = (torch.randn(k_cache.shape, generator=gen), torch.randn(v_cache.shape, generator=gen))
     layers = [(k_cache, v_cache), other]
@@ -149,16 +154,19 @@ def test_a_finite_tail_plan_masks_without_zeroing(lengths: list[int]) -> None:
     shards = shard_kv(keys, values, 1, 16, 1, store_kv_ref, gen, CPU)
     table, lens = shards.block_table, shards.local_lens[0]
     caches = []
-    for cache in (shards.k_caches[0], shards.v_caches[0]):  # never-written slots: stale finite values, not NaN
+    v_cache = shards.v_caches[0]
+    assert v_cache is not None
+    for cache in (shards.k_caches[0], v_cache):  # never-written slots: stale finite values, not NaN
         cache = cache.clone()
         stale = torch.isnan(cache)
         cache[stale] = 100 * torch.randn(int(stale.sum()), generator=gen)
         caches.append(cache)
     q = torch.randn(len(lengths), 4, 32, generator=gen)
     num_blocks = caches[0].shape[0]
-    zeroed = paged_decode_attention_cpu(q, *caches, table, lens, 0.2,
+    k_cache, v_cache = caches
+    zeroed = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 0.2,
                                         plan=plan_decode_cpu(table, lens, num_blocks, 16, torch.float32))
-    masked = paged_decode_attention_cpu(q, *caches, table, lens, 0.2, plan=plan_decode_cpu(
+    masked = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 0.2, plan=plan_decode_cpu(
         table, lens, num_blocks, 16, torch.float32, validate=False, finite_tail=True))
     assert torch.equal(zeroed[0], masked[0]) and torch.equal(zeroed[1], masked[1])
     for i in range(len(lengths)):
@@ -191,7 +199,7 @@ def test_empty_batches() -> None:
     assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
 
 
-def raised(fn, *args, **kwargs) -> tuple[type, str]:  # noqa: ANN001 - a kernel
+def raised(fn: Callable[..., object], *args: object, **kwargs: object) -> tuple[type, str]:
     with pytest.raises(Exception) as info:
         fn(*args, **kwargs)
     return type(info.value), str(info.value)
@@ -220,14 +228,13 @@ def test_errors_match_the_references() -> None:
         torch.tensor([5, 1, -3], dtype=torch.int32),
     ]
     for context in prefill_cases:
-        args = (q, kv, kv, cache, cache, table, starts, context, 1.0)
-        assert raised(paged_prefill_attention_cpu, *args) == raised(paged_prefill_attention_ref, *args)
+        prefill_args = (q, kv, kv, cache, cache, table, starts, context, 1.0)
+        assert raised(paged_prefill_attention_cpu, *prefill_args) == raised(paged_prefill_attention_ref, *prefill_args)
     # A sequence without new tokens is not read: its bad page is no error for either.
     skip = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
     context = torch.tensor([1, 17, 0], dtype=torch.int32)
-    args = (q[:2], kv[:2], kv[:2], cache, cache, table, skip, context, 1.0)
-    out, lse = paged_prefill_attention_cpu(*args)
-    ref_out, ref_lse = paged_prefill_attention_ref(*args)
+    out, lse = paged_prefill_attention_cpu(q[:2], kv[:2], kv[:2], cache, cache, table, skip, context, 1.0)
+    ref_out, ref_lse = paged_prefill_attention_ref(q[:2], kv[:2], kv[:2], cache, cache, table, skip, context, 1.0)
     assert torch.allclose(out, ref_out) and torch.allclose(lse, ref_lse)
 
 

@@ -55,7 +55,7 @@ def test_sharded_decode_matches_dense(case, dtype, impl, device) -> None:
         lses.append(lse)
     out, lse = ops["combine"](torch.stack(outs), torch.stack(lses))
 
-    for i, n in enumerate(lengths):
+    for i in range(len(lengths)):
         ref_out, ref_lse = dense_attention_f64(q[i : i + 1].cpu(), keys[i], values[i], scale)
         assert_close_rows(out[i : i + 1], lse[i : i + 1], ref_out, ref_lse, dtype)
 

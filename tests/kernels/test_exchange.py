@@ -23,6 +23,7 @@ from kernels import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from kernels.exchange import ExchangeMethod
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 HEADS_PER_RANK = 2
@@ -70,7 +71,8 @@ def _check_prefill_context(exchange: DcpAttentionExchange, dcp_size: int, dcp_ra
     full_k = [torch.randn(c + n, 1, HEAD_DIM, generator=gen) for c, n in spec]
     full_v = [torch.randn(c + n, 1, HEAD_DIM, generator=gen) for c, n in spec]
     q = torch.randn(sum(n for _, n in spec), dcp_size * HEADS_PER_RANK, HEAD_DIM, generator=gen)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], [v[:c] for v, (c, _) in zip(full_v, spec)],
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)],
+                      [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)],
                       dcp_size, BLOCK_SIZE, 1, store_kv_ref, gen, torch.device("cpu"))
     starts = torch.tensor([0] + [n for _, n in spec]).cumsum(0).to(torch.int32)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32)
@@ -82,19 +84,19 @@ def _check_prefill_context(exchange: DcpAttentionExchange, dcp_size: int, dcp_ra
     local_ctx = dcp_local_seq_lens(context, dcp_size, dcp_rank)
     ctx_out, ctx_lse = exchange.combine(*paged_prefill_attention_ref(
         exchange.gather_queries(q_own), None, None, kc, vc, shards.block_table, starts, local_ctx, scale))
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)])
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)])
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)])
     new_out, new_lse = paged_prefill_attention_ref(q_own, new_k, new_v, kc, vc, shards.block_table, starts,
                                                    torch.zeros_like(context), scale)
     out, lse = combine_lse_ref(torch.stack([ctx_out, new_out]), torch.stack([ctx_lse, new_lse]))
     row = 0
-    for (ctx, n), k, v in zip(spec, full_k, full_v):
+    for (ctx, n), k, v in zip(spec, full_k, full_v, strict=True):
         ref_out, ref_lse = dense_attention_f64(q_own[row : row + n], k, v, scale, causal_offset=ctx)
         assert_close_rows(out[row : row + n], lse[row : row + n], ref_out, ref_lse, torch.float32)
         row += n
 
 
-def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: str) -> None:
+def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: ExchangeMethod) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                            timeout=timedelta(seconds=60))
     try:

@@ -69,7 +69,7 @@ def test_ownership_properties(dcp_size, block_size, interleave_choice, seq_lens)
         mine = slots[slots >= 0]
         # Slots are unique on each rank ...
         assert mine.unique().numel() == mine.numel()
-        for seq, n in enumerate(seq_lens):
+        for seq in range(len(seq_lens)):
             seq_slots = slots[(seq_idx == seq) & (slots >= 0)]
             # ... and dense: they are exactly the first local_len slots of the sequence's pages, in page order.
             count = int(local[rank, seq])

@@ -97,11 +97,12 @@ def test_sharded_chunked_prefill_with_narrower_values_matches_dense(case, impl, 
     spec = [(0, 1), (0, logical + 1), (logical - 1, 3), (1, 0), (logical + 1, 17), (100, 5)]
     full_k, full_v = make_kv([c + n for c, n in spec], head_dim, separate, dtype, gen)
     q = torch.randn(sum(n for _, n in spec), num_heads, head_dim, generator=gen).to(dtype).to(device)
-    context_v = [v[:c] for v, (c, _) in zip(full_v, spec)] if full_v is not None else None
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], context_v, dcp_size, block_size, interleave,
-                      ops["store_kv"], gen, device)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]).to(device)
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)]).to(device) if full_v is not None else None
+    context_v = [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)] if full_v is not None else None
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)], context_v, dcp_size, block_size,
+                      interleave, ops["store_kv"], gen, device)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]).to(device)
+    new_v = (torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)]).to(device) if full_v is not None
+             else None)
     starts = torch.tensor([0] + [n for _, n in spec]).cumsum(0).to(torch.int32).to(device)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32, device=device)
     scale = 0.3
@@ -122,7 +123,7 @@ def test_sharded_chunked_prefill_with_narrower_values_matches_dense(case, impl, 
                    v_head_dim=v_head_dim)
     out, lse = ops["combine"](torch.stack(outs + [new_out]), torch.stack(lses + [new_lse]))
     row = 0
-    for index, ((ctx, n), k) in enumerate(zip(spec, full_k)):
+    for index, ((ctx, n), k) in enumerate(zip(spec, full_k, strict=True)):
         rows = value_rows(k, full_v[index] if full_v is not None else None, v_head_dim)
         ref_out, ref_lse = dense_attention_f64(q[row : row + n].cpu(), k, rows, scale, causal_offset=ctx)
         assert_close_rows(out[row : row + n], lse[row : row + n], ref_out, ref_lse, dtype)
@@ -140,8 +141,9 @@ def test_one_call_prefill_and_the_same_tensor_as_value_cache(impl, device) -> No
     spec = [(7, 4), (0, 9), (33, 1)]
     full_k, _ = make_kv([c + n for c, n in spec], head_dim, False, dtype, gen)
     q = torch.randn(sum(n for _, n in spec), heads, head_dim, generator=gen).to(device)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], None, 1, 4, 1, ops["store_kv"], gen, device)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]).to(device)
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)], None, 1, 4, 1, ops["store_kv"], gen,
+                      device)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]).to(device)
     starts = torch.tensor([0, 4, 13, 14], dtype=torch.int32, device=device)
     context = torch.tensor([c for c, _ in spec], dtype=torch.int32, device=device)
     cache = shards.k_caches[0]
@@ -151,7 +153,7 @@ def test_one_call_prefill_and_the_same_tensor_as_value_cache(impl, device) -> No
                           v_head_dim=v_head_dim)
     assert torch.equal(key_only[0], same[0]) and torch.equal(key_only[1], same[1])
     row = 0
-    for (ctx, n), k in zip(spec, full_k):
+    for (ctx, n), k in zip(spec, full_k, strict=True):
         ref_out, ref_lse = dense_attention_f64(q[row : row + n].cpu(), k, k[..., :v_head_dim], 0.2,
                                                causal_offset=ctx)
         assert_close_rows(key_only[0][row : row + n], key_only[1][row : row + n], ref_out, ref_lse, dtype)

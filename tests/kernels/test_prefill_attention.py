@@ -35,17 +35,18 @@ def build(case, dtype, impl, device):
     full_k = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in spec]
     full_v = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in spec]
     q = torch.randn(sum(n for _, n in spec), num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec)], [v[:c] for v, (c, _) in zip(full_v, spec)],
+    shards = shard_kv([k[:c] for k, (c, _) in zip(full_k, spec, strict=True)],
+                      [v[:c] for v, (c, _) in zip(full_v, spec, strict=True)],
                       dcp_size, block_size, interleave, IMPLS[impl]["store_kv"], gen, device)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec)]).to(device)
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec)]).to(device)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, spec, strict=True)]).to(device)
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, spec, strict=True)]).to(device)
     starts = torch.tensor([0] + [n for _, n in spec], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
     return spec, full_k, full_v, q.to(device), new_k, new_v, shards, starts
 
 
 def check_against_dense(spec, full_k, full_v, q, out, lse, scale, dtype) -> None:
     row = 0
-    for (ctx, n), k, v in zip(spec, full_k, full_v):
+    for (ctx, n), k, v in zip(spec, full_k, full_v, strict=True):
         ref_out, ref_lse = dense_attention_f64(q[row : row + n].cpu(), k, v, scale, causal_offset=ctx)
         assert_close_rows(out[row : row + n], lse[row : row + n], ref_out, ref_lse, dtype)
         row += n
@@ -89,9 +90,10 @@ def test_new_part_fused_into_one_rank(case, impl, device) -> None:
     for rank in range(dcp_size):
         local = dcp_local_seq_lens(context, dcp_size, rank, interleave)
         k, v = (new_k, new_v) if rank == 0 else (None, None)
-        o, l = prefill(q, k, v, shards.k_caches[rank], shards.v_caches[rank], shards.block_table, starts, local, scale)
+        o, lse = prefill(q, k, v, shards.k_caches[rank], shards.v_caches[rank], shards.block_table, starts, local,
+                         scale)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse)
     out, lse = IMPLS[impl]["combine"](torch.stack(outs), torch.stack(lses))
     check_against_dense(spec, full_k, full_v, q, out, lse, scale, dtype)
 

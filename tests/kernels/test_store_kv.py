@@ -32,7 +32,7 @@ def test_triton_store_equals_reference_exactly(block_size, dcp_size, interleave,
             v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
             IMPLS[impl]["store_kv"](key, value, k_cache, v_cache, slots)
             caches[impl] = (k_cache, v_cache)
-        for ref, got in zip(caches["ref"], caches["triton"]):
+        for ref, got in zip(caches["ref"], caches["triton"], strict=True):
             assert torch.equal(torch.isnan(ref), torch.isnan(got))
             assert torch.equal(ref.nan_to_num(0.0), got.nan_to_num(0.0))
         # Every owned token landed at its slot; the number of written slots equals the owned count.
