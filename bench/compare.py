@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import itertools
+import json
 import os
 import platform
 import shlex
@@ -59,9 +60,16 @@ class RequestRecord:
     first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
+    chunks: int = 0  # content chunks (those with choices): one per replica stream item that carried text or finished
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+
+    @property
+    def tokens_per_chunk(self) -> float | None:
+        """Output tokens per content chunk: how many engine steps each SSE chunk (= each replica -> ingress stream
+        item, bar the few that carried no text) spans."""
+        return self.completion_tokens / self.chunks if self.chunks else None
 
 
 @dataclass
@@ -111,6 +119,11 @@ class BurstResult:
         return statistics.median((r.last_token - r.first_token) / (r.completion_tokens - 1) for r in self.records
                                  if r.first_token is not None and r.last_token is not None and r.completion_tokens > 1)
 
+    @property
+    def tokens_per_chunk_median(self) -> float:
+        """Median over requests of completion_tokens / content chunks."""
+        return statistics.median(r.tokens_per_chunk for r in self.records if r.tokens_per_chunk is not None)
+
 
 R = TypeVar("R", bound=BurstResult)
 
@@ -125,9 +138,11 @@ def kv_budget_bytes(model: ModelConfig, tp: int, block_size: int, pages: int) ->
 
 
 def app_config(tp: int, dcp: int, block_size: int, budget_bytes: int, max_model_len: int, admission: str,
-               max_queued_requests: int, backend: str = "native") -> dict[str, Any]:
+               max_queued_requests: int, backend: str = "native",
+               stream_interval_s: float | None = None) -> dict[str, Any]:
     """The Serve config of one replica (the 4 logical GPUs) of the tiny model, float32, with `budget_bytes` of KV
-    per rank; requests wait in the admission FIFO up to `max_queued_requests`, and for up to 900 s."""
+    per rank; requests wait in the admission FIFO up to `max_queued_requests`, and for up to 900 s. A
+    `stream_interval_s` given sets the replica's (None: the app's default)."""
     args = {
         "model": "filled in by local_cluster.write_config",
         "served_model_name": MODEL_NAME,
@@ -145,6 +160,8 @@ def app_config(tp: int, dcp: int, block_size: int, budget_bytes: int, max_model_
         "kv_report_period_s": 0.25,
         "autoscaling": {"min_replicas": 1, "max_replicas": 1},  # one replica = the 4 logical GPUs
     }
+    if stream_interval_s is not None:
+        args["stream_interval_s"] = stream_interval_s
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": 8000},
@@ -203,6 +220,24 @@ class ServeHead:
             raise SystemExit(f"{label}: expected one engine replica; Serve lists {len(replicas)}, /health {counts}")
         return replicas[0]["replica_id"], {"capacity": counts["kv_capacity_blocks"], "num_grants": counts["num_grants"]}
 
+    def serve_stats(self, deployment: str, method: str, calls: int) -> list[dict[str, Any]]:
+        """`method`'s answers from the deployment through Serve handles, in a driver of its own (this process never
+        joins the cluster); calls > 1: that many calls, e.g. until every replica answered (told apart by
+        replica_id)."""
+        script = (
+            "import json, ray; from ray import serve; "
+            f"ray.init(address='127.0.0.1:{self.settings.ray_port}', log_to_driver=False); "
+            f"h = serve.get_deployment_handle({deployment!r}, app_name='dcpserve'); "
+            f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) "
+            f"for _ in range({calls})]))"
+        )
+        result = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True,
+                                timeout=300, cwd=REPO_ROOT)
+        line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
+        if line is None:
+            raise SystemExit(f"could not read {deployment}.{method}: {result.stderr[-2000:]}")
+        return json.loads(line[len("STATS"):])
+
     def shutdown_serve(self, timeout_s: float = 120) -> None:
         """`serve shutdown`, then waits until no application is left (its replicas' GPUs are free again)."""
         address = f"http://127.0.0.1:{self.settings.dashboard_port}"
@@ -260,6 +295,7 @@ async def run_burst(base_url: str, prompts: list[list[int]], max_tokens: int, re
                 async for chunk in stream:
                     now = time.perf_counter() - start
                     if chunk.choices:
+                        record.chunks += 1
                         choice = chunk.choices[0]
                         parts.append(choice.text or "")
                         record.finish_reason = choice.finish_reason or record.finish_reason
@@ -339,14 +375,17 @@ class Comparison:
     def docs(self) -> DocsSection:
         return DocsSection(self.script)
 
-    def parse_args(self, description: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
-        """--quick, --write-docs, --deploy-timeout."""
+    def parse_args(self, description: str, quick_help: str, argv: list[str] | None,
+                   extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+        """--quick, --write-docs, --deploy-timeout, and whatever `extra(parser)` adds."""
         parser = argparse.ArgumentParser(description=description)
         parser.add_argument("--quick", action="store_true", help=quick_help)
         parser.add_argument("--write-docs", action="store_true",
                             help=f"write {self.plot_path.relative_to(REPO_ROOT)} and this script's section of "
                                  f"{self.docs.path.relative_to(REPO_ROOT)}")
         parser.add_argument("--deploy-timeout", type=float, default=300.0, help="seconds to wait for each deploy")
+        if extra is not None:
+            extra(parser)
         return parser.parse_args(argv)
 
     def markdown_section(self, command: str, headline: str, rows: list[Row], info: list[str]) -> str:

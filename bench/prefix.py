@@ -25,7 +25,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -121,20 +120,8 @@ def app_config(caching: bool, routing: bool, max_model_len: int) -> dict[str, An
 
 
 def serve_stats(head: compare.ServeHead, deployment: str, method: str, calls: int) -> list[dict[str, Any]]:
-    """`method`'s answers from the deployment through Serve handles, in a driver of its own (calls > 1: until
-    every replica answered, told apart by replica_id)."""
-    script = (
-        "import json, ray; from ray import serve; "
-        f"ray.init(address='127.0.0.1:{head.settings.ray_port}', log_to_driver=False); "
-        f"h = serve.get_deployment_handle({deployment!r}, app_name='dcpserve'); "
-        f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) for _ in range({calls})]))"
-    )
-    result = subprocess.run([sys.executable, "-c", script], env=head.env, capture_output=True, text=True,
-                            timeout=300, cwd=REPO_ROOT)
-    line = next((x for x in result.stdout.splitlines() if x.startswith("STATS")), None)
-    if line is None:
-        raise SystemExit(f"could not read {deployment}.{method}: {result.stderr[-2000:]}")
-    return json.loads(line[len("STATS"):])
+    """`method`'s answers from the deployment through Serve handles (compare.ServeHead.serve_stats)."""
+    return head.serve_stats(deployment, method, calls)
 
 
 def engine_counters(head: compare.ServeHead) -> tuple[int, int]:
