@@ -15,7 +15,7 @@ from deployments.admission import KvAdmission
 from deployments.config import AppArgs, parse_args
 from deployments.ingress import OpenAIIngress
 from deployments.replica import EngineReplica, replica_bundles
-from engine.protocol import validate_engine_args
+from engine.backends import validate_engine_args
 
 
 def engine_deployment(args: AppArgs) -> Any:

@@ -31,8 +31,9 @@ from deployments.config import AppArgs
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
 from deployments.sessions import Sessions
+from engine.backends import model_limits
 from engine.block_manager import admission_blocks
-from engine.protocol import RequestDelta, model_limits
+from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 

@@ -162,7 +162,7 @@ class EngineReplica:
     """Serve deployment class (wrapped by build_app): runs one engine and reports its KV."""
 
     async def __init__(self, args: AppArgs, admission: Any = None) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
-        from engine.protocol import start_engine
+        from engine.backends import start_engine
 
         device = args.device
         if device is None:

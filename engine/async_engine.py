@@ -37,6 +37,7 @@ from engine.prefix_cache import PrefixReport
 from engine.protocol import EngineDeadError, EngineStats, KvLedger, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 
 # How long shutdown() waits for the core to finish its step and stop before it stops the executor under it.
 CORE_STOP_TIMEOUT_S = 30.0
@@ -66,7 +67,7 @@ class AsyncEngine:
     # ---- public API ------------------------------------------------------------------------------------------
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     @property

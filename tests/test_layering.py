@@ -55,3 +55,88 @@ def test_engine_does_not_need_vllm_or_serve() -> None:
                     if name.split(".")[0] == "vllm":
                         assert path.name in ("vllm_engine.py", "vllm_args.py", "vllm_prefix.py", "vllm_stats.py"), (
                             f"{path.name} imports vllm (only the vLLM adapter may)")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Line numbers of imports under `if TYPE_CHECKING:` (they never run, so they make no circle)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, at the top or lazily inside a function."""
+    modules = {_module_name(path): path for path in sorted((ROOT / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from a.b import c` imports a.b, and a.b.c when c is a module of its own.
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_import_circle_inside_a_package(package: str) -> None:
+    """Within a package, module imports (lazy ones inside functions included, TYPE_CHECKING ones not) form no
+    circle: a module that needs one of its importers' names is in the wrong place (engine.protocol once imported
+    its own implementations to start them; engine.backends does that now)."""
+    assert not _cycles(_module_graph(package)), _cycles(_module_graph(package))
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

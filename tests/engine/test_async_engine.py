@@ -10,8 +10,8 @@ import pytest
 from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
 from engine.llm import LLM
+from engine.request import RequestRejected
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejected
 from engine.tiny_model import write_tiny_model
 
 

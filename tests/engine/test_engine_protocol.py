@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine.args import EngineArgs
-from engine.protocol import EngineClient, EngineStats, KvFull, KvLedger, start_engine
+from engine.backends import start_engine
+from engine.protocol import EngineClient, EngineStats, KvFull, KvLedger
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import write_tiny_model
 from tests.engine.model_harness import hf_greedy

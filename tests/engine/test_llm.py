@@ -10,8 +10,8 @@ import torch
 
 from engine.args import EngineArgs
 from engine.llm import LLM
+from engine.request import RequestRejected
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejected
 from engine.tiny_model import TinyModelSpec, write_tiny_model
 from tests.engine.llm_parts import engine_of, runner_of
 

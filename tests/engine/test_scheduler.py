@@ -9,9 +9,9 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request, RequestRejected, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0
 

@@ -143,7 +143,7 @@ def _args(tiny: Path, **overrides: object) -> EngineArgs:
 
 
 def _start(tiny: Path, **overrides: object):
-    from engine.protocol import start_engine
+    from engine.backends import start_engine
 
     loop = asyncio.new_event_loop()
 

@@ -88,7 +88,7 @@ def test_graceful_close_and_a_reused_pid() -> None:
 VLLM_REPLICA = """
 import asyncio, os, sys, time
 from engine.args import EngineArgs
-from engine.protocol import start_engine
+from engine.backends import start_engine
 from engine.vllm_reaper import descendants
 
 async def start():
@@ -140,7 +140,7 @@ import psutil, vllm.v1.utils
 from multiprocessing import resource_tracker
 from engine import vllm_engine
 from engine.args import EngineArgs
-from engine.protocol import start_engine
+from engine.backends import start_engine
 from engine.vllm_reaper import descendants, start_time
 
 def racing_kill_process_tree(pid):
