@@ -431,7 +431,8 @@ def build_engine(model_dir: Path, batch: int, prompt_len: int, max_tokens: int) 
     torch.set_num_threads(1)
     kv_bytes_per_token = 2 * 2 * 1 * 32 * 4  # tiny model: 2 layers, 1 KV head, head_dim 32, float32
     engine = LLMEngine(EngineArgs(
-        model_dir, kv_cache_memory_bytes=2 * batch * (prompt_len + max_tokens + 64) * kv_bytes_per_token + (1 << 20),
+        str(model_dir),
+        kv_cache_memory_bytes=2 * batch * (prompt_len + max_tokens + 64) * kv_bytes_per_token + (1 << 20),
         block_size=32, max_num_seqs=max(256, batch), max_num_batched_tokens=max(2048, batch * prompt_len),
     ).create_engine_config())
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -694,7 +695,7 @@ def measure_ray(args: argparse.Namespace) -> tuple[list[list[str]], dict[str, An
     decoder = msgspec.msgpack.Decoder(list[DeltaStruct])
     try:
         deltas = make_batch(batch, False)  # built here: this module's Structs do not survive cloudpickle
-        actor = Streamer.remote(deltas, msgspec.msgpack.encode(as_structs(deltas)), steps)
+        actor = Streamer.remote(deltas, msgspec.msgpack.encode(as_structs(deltas)), steps)  # type: ignore[attr-defined]  # mypy applies no class decorator: an ActorClass
         ray.get(actor.ready.remote())
 
         async def per_request() -> int:
