@@ -41,9 +41,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
+from cluster.tiny_model import write_tiny_model
 from engine.block_manager import blocks_needed
 from engine.config import ModelConfig
-from engine.tiny_model import write_tiny_model
 
 TP, DCP, BLOCK_SIZE, MAX_MODEL_LEN = 2, 2, 16, 2048
 TOKENS_PER_BLOCK = BLOCK_SIZE * DCP  # a logical block
@@ -293,7 +293,7 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
         f"{compare.cpu_run_line(TP)} (with the Ray head, Serve and this client). Per-step cost is dominated by fixed "
         f"gloo / Ray overhead, so throughput tracks how many sequences each step batches; the admission and "
         f"concurrency numbers are exact",
-        f"model: the tiny model (engine.tiny_model), float32, {model.kv_bytes_per_token_per_rank(TP, torch.float32)} "
+        f"model: the tiny model (cluster.tiny_model), float32, {model.kv_bytes_per_token_per_rank(TP, torch.float32)} "
         f"KV bytes per token per rank before DCP sharding",
         f"layout: one replica (autoscaling min = max = 1) of tp={TP} x dcp={DCP}, block_size {BLOCK_SIZE} (a logical "
         f"block is {TOKENS_PER_BLOCK} tokens), max_model_len {MAX_MODEL_LEN}; per-rank KV budget {budget_bytes:,} "

@@ -52,9 +52,9 @@ if str(REPO_ROOT) not in sys.path:
 from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
 from bench.docs_section import DocsSection
+from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
 from engine.block_manager import blocks_needed
 from engine.config import ModelConfig
-from engine.tiny_model import write_tiny_mla_model, write_tiny_model
 
 TP, DCPS, BLOCK_SIZE = 4, (1, 4), 16
 BACKENDS_TP, BACKENDS_BLOCK_SIZE = 2, 32  # --backend both: vLLM's CPU attention pages in multiples of 32 tokens
@@ -72,8 +72,8 @@ MLA_COMPARISON = compare.Comparison("bench/capacity.py --model tiny-mla", ("dcp=
                                     REPO_ROOT / "docs" / "img" / "capacity_mla.png", "dcp=1 vs dcp=4, MLA")
 # --model -> (how the checkpoint is written, what the docs call it, its comparison)
 MODELS: dict[str, tuple[Callable[[Path], Path], str, compare.Comparison]] = {
-    "tiny": (write_tiny_model, "the tiny model (engine.tiny_model)", COMPARISON),
-    "tiny-mla": (write_tiny_mla_model, "the tiny DeepSeek-V2 (engine.tiny_model.write_tiny_mla_model: MLA + MoE)",
+    "tiny": (write_tiny_model, "the tiny model (cluster.tiny_model)", COMPARISON),
+    "tiny-mla": (write_tiny_mla_model, "the tiny DeepSeek-V2 (cluster.tiny_model.write_tiny_mla_model: MLA + MoE)",
                  MLA_COMPARISON),
 }
 BACKENDS_COMPARISON = compare.Comparison(
@@ -522,7 +522,7 @@ def main_backends(argv: list[str]) -> int:
         info = [
             f"{compare.cpu_run_line(BACKENDS_TP)}; vLLM's CPU build runs the model in processes of its own (one core "
             f"per rank), the native engine in Ray rank actors over gloo",
-            f"model: the tiny model (engine.tiny_model), float32; per-rank KV budget {budget_bytes:,} bytes "
+            f"model: the tiny model (cluster.tiny_model), float32; per-rank KV budget {budget_bytes:,} bytes "
             f"(kv_cache_memory_bytes) = {pages} pages of {BACKENDS_BLOCK_SIZE} tokens: {pages - 1} for the sequences "
             f"and the one vLLM keeps as its null page (the native engine keeps no null page, so it has one more)",
             f"workload: a burst of {workload.num_requests} requests, random prompt ids (seed {workload.seed}) of "

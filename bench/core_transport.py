@@ -610,7 +610,7 @@ ENGINE_MODES = ["alone (no loop)", "today: asyncio.to_thread per step", "core th
 
 
 def measure_engine(args: argparse.Namespace, ctx: Any, work_dir: Path) -> tuple[list[list[str]], dict[str, Any]]:
-    from engine.tiny_model import write_tiny_model
+    from cluster.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(work_dir / "tiny", seed=0)
     rows = []
@@ -841,7 +841,7 @@ def section(command: str, info: list[str], parts: dict[str, Any], args: argparse
               *markdown_table(parts["format_columns"], parts["formats"])]
     if parts.get("engine"):
         lines += ["", "### In the loop: the tiny model's decode steps", "",
-                  f"- the tiny model (engine.tiny_model, tp=1, float32, 1 torch thread per engine), batch "
+                  f"- the tiny model (cluster.tiny_model, tp=1, float32, 1 torch thread per engine), batch "
                   f"{'/'.join(map(str, args.engine_batches))}, {args.engine_prompt_len}-token random prompts, "
                   f"{args.engine_tokens} greedy tokens each (ignore_eos, detokenized, logprobs "
                   f"{args.engine_logprobs}), {args.engine_rounds} rounds per mode; the prefill step is left out",

@@ -53,9 +53,9 @@ from bench.engine_timing import (
     make_engines,
     run_round,
 )
+from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.config import EngineConfig
-from engine.tiny_model import write_tiny_model
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
 DOCS = DocsSection("bench/engine.py")
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, Instrumented] = {}
     try:
         model_dir = args.model or write_tiny_model(work_dir / "tiny", seed=0)
-        model_label = str(args.model) if args.model else "the tiny model (engine.tiny_model, seed 0)"
+        model_label = str(args.model) if args.model else "the tiny model (cluster.tiny_model, seed 0)"
         if any(CONFIGS[label][0] == "native" and CONFIGS[label][1] > 1 for label in args.configs):
             ray_dir = start_ray()
         engines = {} if args.sweep_only else make_engines(args, model_dir, args.configs, max(args.batches),

@@ -20,8 +20,8 @@ from bench.engine_timing import (
     run_alone,
     run_round,
 )
+from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
-from engine.tiny_model import write_tiny_model
 
 SWEEP_COLUMNS = ("config", "context", "batch", "prefill s", "HF prefill s", "ours/HF prefill", "decode tok/s",
                  "HF tok/s", "ours/HF", "step ms", "forward ms", "overhead ms", "tokens = HF")
@@ -34,7 +34,7 @@ def cold_cache_probe(touch_bytes: int, rounds: int = 30) -> tuple[float, float]:
     forward evicts the caches the host work runs from, so host time grows with context without any host work
     growing."""
     from engine.input_batch import build_step_inputs
-    from engine.scheduler import ScheduledRequest
+    from engine.step import ScheduledRequest
 
     rows = [ScheduledRequest(f"probe-{i}", [1], 100 + i, [], True, 0) for i in range(8)]
     table = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)
@@ -58,7 +58,7 @@ def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device
     """The sweep: per context, one round of --sweep-batch prompts on each native config and (up to
     --hf-max-context) HF, alternating step by step. Returns the table rows and summary lines (host overhead at each
     context against the shortest one's, per config)."""
-    from engine.tiny_model import TinyModelSpec
+    from cluster.tiny_model import TinyModelSpec
 
     longest = max(args.contexts) + args.sweep_tokens + 64
     if args.model is not None:

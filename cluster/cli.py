@@ -25,8 +25,8 @@ import torch
 
 from cluster.model_specs import load_model_spec
 from cluster.planner import PLAN_DTYPES, PlanRequest, format_plan, plan_layouts
+from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
 from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
-from engine.tiny_model import write_tiny_mla_model, write_tiny_model
 from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from kernels.layout import check_dcp_args
 

@@ -95,7 +95,7 @@ def port_in_use(port: int) -> bool:
 
 def ensure_tiny_model(state_dir: Path, model: str = "tiny") -> Path:
     """The tiny model `model` (a key of TINY_MODELS) under state_dir, written the first time."""
-    from engine.tiny_model import is_tiny_model_dir, write_tiny_mla_model, write_tiny_model
+    from cluster.tiny_model import is_tiny_model_dir, write_tiny_mla_model, write_tiny_model
 
     model_dir = state_dir / TINY_MODELS[model][0]
     if is_tiny_model_dir(model_dir) and (model_dir / "model.safetensors").is_file():

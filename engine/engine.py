@@ -21,7 +21,8 @@ from engine.prefix_cache import PrefixReport
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.request import FinishReason, Request, resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.step import SchedulerOutput
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from kernels import dcp_local_seq_lens
 

@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput
 from engine.parallel import ParallelState
-from engine.scheduler import SchedulerOutput
+from engine.step import SchedulerOutput
 
 
 class Executor(Protocol):

@@ -26,7 +26,7 @@ from engine.parallel import ParallelState
 from engine.protocol import TokenLogprob
 from engine.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step import ScheduledRequest, SchedulerOutput
 from engine.step_timer import ExchangeTimer
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput
 from engine.rank_channel import ChannelListener, FrameSocket, connect_rank
-from engine.scheduler import SchedulerOutput
+from engine.step import SchedulerOutput
 
 PING_TIMEOUT_S = 10.0  # check_health: a rank that does not answer a ping within this is reported (Serve: 30 s)
 LIVENESS_PERIOD_S = 1.0  # a step without replies for this long checks that every rank's step loop still runs

@@ -34,7 +34,7 @@ def llama(**overrides: object) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-# The tiny model's shape (engine/tiny_model.py defaults).
+# The tiny model's shape (cluster/tiny_model.py defaults).
 TINY = llama(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=1, head_dim=32, max_position_embeddings=8192)
 LLAMA_8B = llama()

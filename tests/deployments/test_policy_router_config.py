@@ -82,7 +82,7 @@ def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from cluster.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
 

@@ -17,7 +17,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from cluster.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
 

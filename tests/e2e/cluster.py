@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from cluster.tiny_model import write_tiny_model
 from deployments import local_cluster
-from engine.tiny_model import write_tiny_model
 
 APP_NAME = "dcpserve"
 

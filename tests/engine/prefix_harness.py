@@ -17,7 +17,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.protocol import TokenLogprob
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.step import SchedulerOutput
 from tests.engine.llm_parts import engine_of
 
 LOGPROB_ATOL = 1e-4  # fp32, as the model-vs-transformers tests (test_sampling_features.py)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
 from engine.llm import LLM
 from engine.request import RequestRejected
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="module")

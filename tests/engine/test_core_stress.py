@@ -52,12 +52,12 @@ from typing import Any
 
 import pytest
 
+from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
 from engine.prefix_cache import CACHED, PINNED, PrefixReport
 from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_model
 
 STRESS_SECONDS = 20.0
 DELTA_TIMEOUT_S = 60.0  # longest wait for a stream's next delta (queued behind preemptions on a busy machine)

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from cluster.tiny_model import write_tiny_model
 from engine.cuda_graphs import Capture, DecodeGraphs, emulated_capture
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_model
 from tests.engine.llm_parts import engine_of, runner_of
 
 SIZES = (1, 2, 4, 8)
@@ -144,7 +144,7 @@ def test_cuda_graphs_on_the_device(tiny: Path) -> None:
 
 def test_moe_models_stay_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The MoE layers' expert loop reads the routing back to the host, which a graph cannot replay."""
-    from engine.tiny_model import write_tiny_mla_model
+    from cluster.tiny_model import write_tiny_mla_model
 
     with LLM(write_tiny_mla_model(tmp_path / "mla", seed=0), kv_cache_memory_bytes=1 << 20) as llm:
         with caplog.at_level(logging.DEBUG, logger="engine.model_runner"):

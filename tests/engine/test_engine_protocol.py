@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.backends import start_engine
 from engine.protocol import EngineClient, EngineStats, KvFull, KvLedger
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_model
 from tests.engine.model_harness import hf_greedy
 
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 1 block, several, short

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.tiny_model import TinyModelSpec, write_tiny_model
 from engine.args import EngineArgs
 from engine.llm import LLM
 from engine.request import RequestRejected
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import TinyModelSpec, write_tiny_model
 from tests.engine.llm_parts import engine_of, runner_of
 
 

@@ -10,10 +10,10 @@ from types import ModuleType
 import pytest
 import torch
 
+from cluster.tiny_model import write_tiny_mla_model
 from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_mla_model
 from tests.engine.llm_parts import engine_of
 from tests.engine.model_harness import dcp_capacity_and_concurrency
 

@@ -22,13 +22,13 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from cluster.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from engine.config import ModelConfig, ParallelConfig
 from engine.layers.attention import KernelBackend
 from engine.layers.moe import TopKRouter
 from engine.loader import load_model
 from engine.models import DeepseekV2ForCausalLM
 from engine.parallel import ParallelState
-from engine.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 from tests.engine.test_model_vs_hf import BLOCK_SIZE, VOCAB, check_against_hf, prompt
 
@@ -44,7 +44,7 @@ SHAPE: dict[str, Any] = dict(
 )
 YARN: dict[str, Any] = dict(yarn_factor=4.0, yarn_original_max_position_embeddings=64, yarn_mscale=0.9,
                             yarn_mscale_all_dim=0.7)
-# DeepSeek-V2 checkpoints from the project's generator (engine/tiny_model.py), and the (tp, dcp) layouts run as
+# DeepSeek-V2 checkpoints from the project's generator (cluster/tiny_model.py), and the (tp, dcp) layouts run as
 # processes.
 TINY_MLA: dict[str, tuple[TinyMlaSpec, list[tuple[int, int]]]] = {
     "v2_no_q_lora_yarn_greedy": (TinyMlaSpec(**SHAPE, q_lora_rank=None, **YARN), [(2, 1), (2, 2), (4, 4)]),

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 import engine.block_manager as block_manager_module
+from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.block_manager import BlockManager, PrefixCacheCorruption
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_model
 from tests.engine.llm_parts import engine_of
 from tests.engine.prefix_harness import (
     GREEDY,

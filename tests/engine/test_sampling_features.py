@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from cluster.tiny_model import BOS_TOKEN, write_tiny_model
 from engine.llm import LLM
 from engine.protocol import TokenLogprob
 from engine.request import RequestOutput
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.tiny_model import BOS_TOKEN, write_tiny_model
 from engine.tokenizer import TextStream, load_tokenizer
 from tests.engine.llm_parts import engine_of
 

@@ -11,7 +11,8 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import FinishReason, Request, RequestRejected, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.step import SchedulerOutput
 
 EOS = 0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny_model import write_tiny_model
+from cluster.tiny_model import write_tiny_model
 from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 TEXTS = [

@@ -128,7 +128,7 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from cluster.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
@@ -330,7 +330,7 @@ def test_evictions_are_reported(cached, tiny: Path) -> None:
 def test_configurations_vllm_would_run_uncached_are_refused_at_deploy(tiny: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.vllm_args as vllm_args
-    from engine.tiny_model import write_tiny_mla_model
+    from cluster.tiny_model import write_tiny_mla_model
 
     with pytest.raises(ValueError, match=r"enable_prefix_caching caches full logical blocks of block_size \* dcp = "
                                          r"32 \* 1 = 32 tokens, but max_model_len=32 .* enable_prefix_caching=false"):

@@ -105,7 +105,7 @@ time.sleep(600)
 def test_a_killed_vllm_replica_leaves_no_engine_core(tmp_path: Path) -> None:
     """The leak this module exists for: SIGKILL the process that owns an AsyncLLM, and vLLM's engine core (and its
     worker) go too, instead of running on with PPID 1."""
-    from engine.tiny_model import write_tiny_model
+    from cluster.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", seed=0)
     replica = subprocess.Popen([sys.executable, "-c", VLLM_REPLICA, str(model)], cwd=REPO_ROOT,
@@ -167,7 +167,7 @@ def test_a_failing_vllm_shutdown_still_ends_its_processes_and_spares_the_resourc
     """VllmEngine.shutdown() neither raises vLLM's force-kill failure nor leaves the engine core and its worker
     behind (the reaper ends them), and it leaves multiprocessing's resource tracker, which serves the whole process
     and cleans up after it, alone."""
-    from engine.tiny_model import write_tiny_model
+    from cluster.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", seed=0)
     script = tmp_path / "replica.py"

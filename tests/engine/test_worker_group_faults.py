@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from cluster.tiny_model import TinyModelSpec, write_tiny_model
 from engine.args import EngineArgs
 from engine.async_engine import AsyncEngine
 from engine.llm import LLM
 from engine.protocol import EngineDeadError
 from engine.ray_executor import PING_TIMEOUT_S, RayWorkerGroup, WorkerGroupError
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import TinyModelSpec, write_tiny_model
 from tests.engine.llm_parts import engine_of, worker_group_of
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]

@@ -9,9 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import ModelConfig, ParallelConfig
-from engine.deepseek_config import YarnScaling
-from engine.tiny_model import (
+from cluster.tiny_model import (
     MARKER_FILE,
     TinyMlaSpec,
     TinyModelSpec,
@@ -19,6 +17,8 @@ from engine.tiny_model import (
     write_tiny_mla_model,
     write_tiny_model,
 )
+from engine.config import ModelConfig, ParallelConfig
+from engine.deepseek_config import YarnScaling
 
 WRITTEN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", MARKER_FILE)
