@@ -115,7 +115,7 @@ class AsyncEngine:
         admitted: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._queues[request_id] = queue
         self._admitting[request_id] = admitted
-        core.send(AddRequest(Request(request_id, prompt_token_ids, params), prompt, check_kv))
+        core.send(AddRequest(Request(request_id, prompt_token_ids, params, prompt=prompt), check_kv))
         try:
             admission = await admitted
         except BaseException:

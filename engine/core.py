@@ -43,11 +43,11 @@ IDLE_RETRY_S = 0.1
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """A new request. From the moment it is sent only the core touches `request`. With check_kv the core first
-    checks its admission need against the ledger and refuses it (KvFull) when it does not fit now."""
+    """A new request, its prompt already token ids checked against the vocabulary. From the moment it is sent only
+    the core touches `request`. With check_kv the core first checks its admission need against the ledger and
+    refuses it (KvFull) when it does not fit now."""
 
     request: Request
-    prompt: str | None = None
     check_kv: bool = False
 
 
@@ -262,8 +262,7 @@ class EngineCore:
             need = engine.admission_need(request)
             if message.check_kv:
                 engine.kv_ledger().require(need)
-            engine.add_request(message.prompt, request.sampling_params, request.prompt_token_ids,
-                               request.request_id)
+            engine.add(request)
         except (KvFull, ValueError) as err:  # RequestRejected is a ValueError: the caller's answer, not a failure
             return Admission(request.request_id, 0, err)
         return Admission(request.request_id, need)

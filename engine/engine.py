@@ -84,11 +84,16 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         prompt_token_ids = self.prompt_token_ids(prompt, prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(request_id, prompt_token_ids, params, prompt=prompt)
-        self.scheduler.add_request(request)
-        if params.detokenize:
-            self._text[request_id] = TextStream.for_params(self.tokenizer, prompt_token_ids, params)
+        self.add(Request(request_id, prompt_token_ids, params, prompt=prompt))
         return request_id
+
+    def add(self, request: Request) -> None:
+        """Queues a request whose prompt is already token ids checked against the vocabulary (prompt_token_ids):
+        the engine core's path, which keeps the Request it measured (its block hashes) instead of building another."""
+        self.scheduler.add_request(request)
+        if request.sampling_params.detokenize:
+            self._text[request.request_id] = TextStream.for_params(self.tokenizer, request.prompt_token_ids,
+                                                                   request.sampling_params)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its KV; the next step tells the workers to drop its state."""
