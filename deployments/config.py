@@ -134,9 +134,9 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
         "the most free KV alone"
     )
     stream_interval_s: float = Field(
-        0.05, ge=0, description="a replica sends each request's first token at once, then at most one stream item per "
-        "this interval carrying every token since (and the last at once): fewer Ray stream items under load; 0: one "
-        "item per engine step"
+        0.05, ge=0, description="a replica sends an ingress the deltas of all of its requests there as one Ray stream "
+        "item per engine step, and at most one per this interval when steps are faster (a request's first and last "
+        "token at once); 0: one item per engine step"
     )
     routing_stats_period_s: float = Field(1.0, gt=0, description="how often replicas report KV to the routers")
     kv_report_period_s: float = Field(0.5, gt=0, description="how often replicas reconcile KV with the admission queue")

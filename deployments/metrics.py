@@ -130,7 +130,9 @@ class ReplicaMetrics:
         self.accepted = _counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
                                  ("admission",))
         self.stream_items = _counter(
-            "dcpserve_stream_items", "stream items this replica sent to the ingress (each: every token since the last)")
+            "dcpserve_stream_items",
+            "stream items this replica sent to the ingress replicas (each: their requests' tokens since the last)",
+        )
         self.stream_tokens = _counter("dcpserve_stream_tokens", "generated tokens this replica sent to the ingress")
         self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
         self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",

@@ -4,8 +4,9 @@ group, in the replica's own placement group.
 The replica is the authority on its KV, and its engine's ledger (EngineClient.kv_ledger) is the one place that
 counts it: a request is accepted only when its admission blocks under the app's policy (prompt + max_tokens under
 "full", the prompt under "usage", where the headroom keeps growth room for the sequences already there) fit what
-the ledger has free. generate() therefore first yields Accepted, Refused or Rejected, then the token deltas, batched
-(at most one stream item per stream_interval_s after the first). It reports KV to the routers
+the ledger has free. generate() therefore answers Accepted, Refused or Rejected; an accepted request's deltas go to
+its ingress on that ingress' delta stream (deltas(), deployments.streams: one item per engine step for all of its
+requests here), and abort() stops one the ingress is done with. It reports KV to the routers
 (record_routing_stats), to the admission queue (every kv_report_period_s: what it holds per ticket, its headroom)
 and to the autoscaler (record_autoscaling_stats).
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,8 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
-from engine.protocol import EngineClient, EngineStats, RequestDelta, merge_deltas
+from deployments.streams import DeltaBatch, Outbox, Subscribed
+from engine.protocol import EngineClient, EngineStats
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -39,6 +42,10 @@ logger = logging.getLogger("ray.serve")
 # held every stopping replica (and its GPUs) for its whole graceful_shutdown_timeout_s (drain_timeout_s, 120 s).
 # Without the call the queue still forgets the replica, once its reports stop (replica_ttl_s).
 REMOVE_FROM_QUEUE_TIMEOUT_S = 5.0
+
+# How many aborted tickets a replica remembers, so that a generate() the ingress gave up on before it arrived (its
+# abort overtook it) is refused instead of running with nobody reading it.
+ABORTED_REMEMBERED = 10_000
 
 
 @dataclass
@@ -50,18 +57,20 @@ class EngineRequest:
     sampling_params: SamplingParams
     kv_blocks: int  # blocks the queue counts for it on target_replica (admission_blocks less shared cached prefix)
     target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
+    reply_to: str = ""  # the ingress whose delta stream (deployments.streams) carries its deltas
+    attempt: int = 0  # how many grants of this ticket came back before this one (an abort names its attempt)
 
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """The first message of generate(): the replica took the request; RequestDelta items follow."""
+    """generate()'s answer when the replica took the request: its deltas follow on the ingress' delta stream."""
 
     replica_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """The first and only message of generate(): the request does not fit the replica's free KV now."""
+    """generate()'s answer when the request does not fit the replica's free KV now."""
 
     replica_id: str
     free_blocks: int
@@ -69,7 +78,7 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The first and only message of generate(): the request can never run here (the client's error)."""
+    """generate()'s answer when the request can never run here (the client's error)."""
 
     replica_id: str
     message: str
@@ -84,61 +93,6 @@ class ReplicaQuery:
     `handle.stats.remote(ReplicaQuery(replica_id))` for each id of KvAdmission.stats()["replicas"]."""
 
     target_replica: str
-
-
-async def batched_deltas(stream: AsyncIterator[RequestDelta], interval_s: float) -> AsyncGenerator[RequestDelta]:
-    """One request's deltas, merged (engine.protocol.merge_deltas) so that after the first at most one comes per
-    interval_s, carrying every delta since; the finishing one comes at once. interval_s = 0: as they come.
-
-    A task of its own reads the engine's stream, so waiting out the interval never cancels a read of it; closing
-    this generator cancels that task, which ends the engine's stream (and aborts its request, if unfinished)."""
-    if interval_s <= 0:
-        async for delta in stream:
-            yield delta
-        return
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Queue[RequestDelta | BaseException | None] = asyncio.Queue()  # None: the stream ended
-    ended = asyncio.Event()  # the finishing delta, an error or the end is in `ready`
-
-    async def read() -> None:
-        try:
-            async for delta in stream:
-                ready.put_nowait(delta)
-                if delta.finished:
-                    ended.set()
-            ready.put_nowait(None)
-        except Exception as err:  # noqa: BLE001 - re-raised to the reader of this generator
-            ready.put_nowait(err)
-        ended.set()
-
-    reader = loop.create_task(read())
-    try:
-        next_at = loop.time()  # the first delta goes at once
-        while True:
-            items = [await ready.get()]
-            wait = next_at - loop.time()
-            if wait > 0 and not ended.is_set():
-                try:
-                    await asyncio.wait_for(ended.wait(), wait)
-                except TimeoutError:
-                    pass
-            while not ready.empty():
-                items.append(ready.get_nowait())
-            deltas = [item for item in items if isinstance(item, RequestDelta)]
-            if deltas:
-                yield merge_deltas(deltas)
-                next_at = loop.time() + interval_s
-            last = items[-1]
-            if isinstance(last, BaseException):
-                raise last
-            if last is None or (deltas and deltas[-1].finished):
-                return
-    finally:
-        reader.cancel()
-        try:
-            await reader
-        except asyncio.CancelledError:
-            pass
 
 
 def replica_bundles(tp: int) -> list[dict[str, float]]:
@@ -185,6 +139,9 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admission = admission
         self.admission_queued = 0
+        self._outboxes: dict[str, Outbox] = {}  # subscribed ingress replica -> its delta stream's outbox
+        self._aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # (ticket, attempt) given up, newest last
+        self._attempts: dict[str, int] = {}  # accepted tickets still forwarding -> their attempt
         # Stream items sent to the ingress and the generated tokens they carried, since the replica started.
         self.num_stream_items = 0
         self.num_stream_tokens = 0
@@ -206,14 +163,46 @@ class EngineReplica:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[Admission | RequestDelta]:
-        """Yields Accepted, Refused (no room now) or Rejected (it can never run here), then, once accepted, the
-        request's deltas: the first at once, then at most one per stream_interval_s carrying every delta since."""
+    async def deltas(self, query: ReplicaQuery, subscriber: str) -> AsyncIterator[Subscribed | DeltaBatch]:
+        """The delta stream of one ingress replica (deployments.streams): Subscribed, then forever one DeltaBatch per
+        engine step (at most one per stream_interval_s, a request's first and last delta at once) carrying the
+        deltas of every request that ingress has here. When the ingress closes it, or goes away, its requests
+        still running here are aborted."""
+        self._check_addressed(query, "deltas")
+        metrics = self.metrics
+        assert metrics is not None  # set in the constructor, before any call
+        outbox = Outbox(subscriber)
+        replaced = self._outboxes.get(subscriber)
+        if replaced is not None:  # the ingress lost its earlier stream and opened a new one
+            replaced.close()
+        self._outboxes[subscriber] = outbox
+        try:
+            yield Subscribed(self.replica_id)
+            async for batch in outbox.batches(self.args.stream_interval_s):
+                tokens = batch.num_tokens
+                self.num_stream_items += 1
+                self.num_stream_tokens += tokens
+                metrics.stream_items.inc()
+                if tokens:
+                    metrics.stream_tokens.inc(tokens)
+                yield batch
+        finally:
+            if self._outboxes.get(subscriber) is outbox:
+                del self._outboxes[subscriber]
+            outbox.close()
+
+    async def generate(self, request: EngineRequest) -> Admission:
+        """Accepted (its deltas follow on the delta stream of request.reply_to), Refused (no room now) or Rejected
+        (it can never run here)."""
         from engine.protocol import KvFull
 
-        if self.engine.has_request(request.ticket):  # an earlier dispatch of this ticket is still here
-            yield Refused(self.replica_id, self.engine.kv_ledger().free_blocks)
-            return
+        outbox = self._outboxes.get(request.reply_to)
+        if outbox is None:  # the ingress' stream ended before this call came: it opens a new one and asks again
+            raise RuntimeError(f"no delta stream from ingress {request.reply_to!r} is open on replica "
+                               f"{self.replica_id}")
+        if self.engine.has_request(request.ticket) or (request.ticket, request.attempt) in self._aborted:
+            # An earlier dispatch of this ticket is still here, or the ingress gave up on it already.
+            return Refused(self.replica_id, self.engine.kv_ledger().free_blocks)
         try:
             stream = await self.engine.submit(sampling_params=request.sampling_params,
                                               prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
@@ -223,34 +212,43 @@ class EngineReplica:
             # decides (its next report corrects the queue).
             logger.debug("ticket %s: the queue counted %d blocks, the replica needs %d of %d free", request.ticket,
                          request.kv_blocks, full.need, full.free_blocks)
-            yield Refused(self.replica_id, full.free_blocks)
-            return
+            return Refused(self.replica_id, full.free_blocks)
         except ValueError as err:  # never fits this engine, or bad token ids: the client's error, not a retry
-            yield Rejected(self.replica_id, str(err))
-            return
-        finished = False
+            return Rejected(self.replica_id, str(err))
         metrics = self.metrics
         assert metrics is not None  # set in the constructor, before any call
-        try:
-            metrics.accepted.inc(tags={"admission": self.args.admission})
-            yield Accepted(self.replica_id)
-            async for delta in batched_deltas(stream, self.args.stream_interval_s):
-                finished = delta.finished
-                self.num_stream_items += 1
-                self.num_stream_tokens += len(delta.new_token_ids)
-                metrics.stream_items.inc()
-                if delta.new_token_ids:
-                    metrics.stream_tokens.inc(len(delta.new_token_ids))
-                yield delta
-        finally:
-            if not finished:
-                # Cancellation (client gone) lands here too, even before the stream was iterated: abort frees the KV.
-                self.engine.abort(request.ticket)
+        metrics.accepted.inc(tags={"admission": self.args.admission})
+        if outbox.closed:  # the stream ended while the engine took the request: nobody would read its deltas
+            self.engine.abort(request.ticket)
+            raise RuntimeError(f"the delta stream from ingress {request.reply_to!r} ended")
+        self._attempts[request.ticket] = request.attempt
+        outbox.forward(request.ticket, stream, self._forwarded)
+        return Accepted(self.replica_id)
+
+    def _forwarded(self, ticket: str, finished: bool) -> None:
+        self._attempts.pop(ticket, None)
+        if not finished:  # aborted by the ingress, its stream gone, or failed: abort frees the KV
+            self.engine.abort(ticket)
+
+    async def abort(self, query: ReplicaQuery, ticket: str, attempt: int = 0) -> bool:
+        """The ingress is done with one attempt of a request before it finished (client gone, timeout): stop it and
+        free its KV. A generate() of that attempt that comes after this is refused. False when it was not running
+        here."""
+        self._check_addressed(query, "abort")
+        self._aborted[(ticket, attempt)] = None
+        while len(self._aborted) > ABORTED_REMEMBERED:
+            self._aborted.popitem(last=False)
+        if self._attempts.get(ticket, attempt) != attempt:
+            return False  # a later attempt of the ticket runs here now: not the one the ingress gave up on
+        return any(outbox.cancel(ticket) for outbox in self._outboxes.values())
+
+    def _check_addressed(self, query: ReplicaQuery | None, method: str) -> None:
+        if query is not None and query.target_replica != self.replica_id:
+            raise ValueError(f"{method}() addressed to replica {query.target_replica} reached {self.replica_id}")
 
     async def stats(self, query: ReplicaQuery | None = None) -> dict[str, Any]:
         """This replica's engine stats, KV report and id; `query` only addresses the call (the router's)."""
-        if query is not None and query.target_replica != self.replica_id:
-            raise ValueError(f"stats() addressed to replica {query.target_replica} reached {self.replica_id}")
+        self._check_addressed(query, "stats")
         stats = self.engine.stats().as_dict()
         stats.update(self._kv_report())
         stats["replica_id"] = self.replica_id

@@ -11,7 +11,7 @@ import contextvars
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from ray.serve import context as serve_context
@@ -20,7 +20,8 @@ from deployments.config import AppArgs
 from deployments.http_edge import ApiError
 from deployments.metrics import IngressMetrics
 from deployments.prefix_routing import PrefixAsk
-from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected
+from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected, ReplicaQuery
+from deployments.streams import DeltaLinks, Item, StreamLost
 from engine.prefix_cache import prompt_hashes
 from engine.protocol import ModelLimits, RequestDelta
 from engine.sampling_params import SamplingParams
@@ -61,6 +62,11 @@ class Sessions:
         self.prefix_caching = limits.prefix_caching
         self.prefix_hash_seed = limits.prefix_hash_seed
         self._background: set[asyncio.Task[Any]] = set()
+        # The delta streams from the engine replicas (deployments.streams), opened on a replica's first request.
+        self.links = DeltaLinks(self._open_delta_stream)
+
+    def _open_delta_stream(self, replica_id: str, subscriber: str) -> Any:
+        return self.engine.options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
 
     async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
                    need: int) -> AsyncGenerator[RequestDelta]:
@@ -70,7 +76,9 @@ class Sessions:
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         deadline = arrived + self.args.queue_timeout_s
-        stream = None
+        queue: asyncio.Queue[Item] | None = None  # the request's deltas, once a replica accepted it
+        replica_id = ""
+        attempt = 0
         finished = False
         num_generated = 0
         last_token_at = arrived
@@ -99,9 +107,11 @@ class Sessions:
                     raise ApiError(status, message, code=reply["error"],
                                    retry_after=self.args.retry_after_s if status in (429, 503) else None)
                 replica_id = reply["replica_id"]
-                request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id)
-                stream, first, problem = await self._dispatch(request, replica_id)
-                if stream is not None:
+                attempt = len(returned)
+                request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id,
+                                        reply_to=self.links.subscriber, attempt=attempt)
+                queue, first, problem = await self._dispatch(request, replica_id)
+                if queue is not None:
                     break
                 if isinstance(first, Refused):  # it holds less free KV than the queue knew
                     await self.admission.refused.remote(ticket, replica_id, first.free_blocks)
@@ -118,12 +128,12 @@ class Sessions:
             request_deadline = arrived + self.args.request_timeout_s
             while True:
                 try:
-                    delta = await asyncio.wait_for(stream.__anext__(), timeout=max(request_deadline - loop.time(), 0))
-                except StopAsyncIteration:
-                    break
+                    delta = await asyncio.wait_for(queue.get(), timeout=max(request_deadline - loop.time(), 0))
                 except TimeoutError:
                     raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
                                    f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
+                if isinstance(delta, BaseException):  # the replica's stream failed, or the request's engine stream
+                    raise delta
                 now = loop.time()
                 if delta.new_token_ids:
                     # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
@@ -142,10 +152,12 @@ class Sessions:
             raise
         except Exception as err:  # an engine failure becomes an OpenAI error (logged with its traceback)
             logger.exception("request %s failed", ticket)
-            raise ApiError(500 if stream is not None else 503, f"the engine failed: {err}") from None
+            raise ApiError(500 if queue is not None else 503, f"the engine failed: {err}") from None
         finally:
-            if stream is not None and not finished:
-                stream.cancel()  # the replica's generator ends; AsyncEngine aborts the request and frees its KV
+            if queue is not None:
+                if not finished:
+                    self._abort(replica_id, ticket, attempt)  # the replica stops it and frees its KV
+                self.links.unregister(replica_id, ticket)
             if num_generated:
                 self.metrics.generation_tokens.inc(num_generated)
             self._release(ticket)
@@ -158,41 +170,71 @@ class Sessions:
         hashes = prompt_hashes(token_ids, self.tokens_per_block, self.prefix_hash_seed)
         return PrefixAsk(tuple(hashes), self.tokens_per_block, self.prefix_hash_seed, len(token_ids))
 
-    async def _dispatch(self, request: EngineRequest, replica_id: str) -> tuple[Any, Admission | None, str]:
-        """Sends a granted request to its replica and waits (at most dispatch_timeout_s) for its first message.
-        Returns (stream, first, "") when the replica accepted it, (None, first, why) when it refused it, and
+    async def _dispatch(self, request: EngineRequest,
+                        replica_id: str) -> tuple[asyncio.Queue[Item] | None, Admission | None, str]:
+        """Sends a granted request to its replica, over this ingress' delta stream from it (opened now if there is
+        none), and waits at most dispatch_timeout_s for the stream and the answer. Returns (the queue its deltas
+        arrive in, first, "") when the replica accepted it, (None, first, why) when it refused it, and
         (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
         draining, or gone)."""
-        stream = _call_as_own_request(lambda: self.engine.options(stream=True).generate.remote(request))
+        loop = asyncio.get_running_loop()
         timeout = self.args.dispatch_timeout_s
+        deadline = loop.time() + timeout
+        queue, subscribed = self.links.register(replica_id, request.ticket)
+        accepted = False
         try:
-            first = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
-        except TimeoutError:
-            stream.cancel()
-            return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
-        except StopAsyncIteration:
-            return None, None, "ended the call without an answer"
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
-            stream.cancel()
-            return None, None, f"failed the call ({type(err).__name__}: {err})"
-        if isinstance(first, Accepted):
-            return stream, first, ""
-        if isinstance(first, Rejected):
-            raise ApiError(400, f"the engine refused the request: {first.message}")
-        if isinstance(first, Refused):
-            return None, first, f"refused it (it had {first.free_blocks} free KV blocks)"
-        stream.cancel()
-        return None, None, f"answered {type(first).__name__} instead of an admission"
+            try:
+                await asyncio.wait_for(asyncio.shield(subscribed), timeout)
+            except TimeoutError:
+                return None, None, f"did not open a delta stream within dispatch_timeout_s={timeout:g}s"
+            except StreamLost as lost:
+                return None, None, str(lost)
+            response = _call_as_own_request(lambda: self.engine.generate.remote(request))
+            try:
+                first = await asyncio.wait_for(response, timeout=max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                response.cancel()
+                self._abort(replica_id, request.ticket, request.attempt)  # in case it took it after all
+                return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
+            except asyncio.CancelledError:
+                response.cancel()
+                self._abort(replica_id, request.ticket, request.attempt)
+                raise
+            except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
+                return None, None, f"failed the call ({type(err).__name__}: {err})"
+            if isinstance(first, Accepted):
+                accepted = True
+                return queue, first, ""
+            if isinstance(first, Rejected):
+                raise ApiError(400, f"the engine refused the request: {first.message}")
+            if isinstance(first, Refused):
+                return None, first, f"refused it (it had {first.free_blocks} free KV blocks)"
+            return None, None, f"answered {type(first).__name__} instead of an admission"
+        finally:
+            if not accepted:
+                self.links.unregister(replica_id, request.ticket)
+
+    def _abort(self, replica_id: str, ticket: str, attempt: int) -> None:
+        """Tells the replica to stop a request this ingress is done with (fire-and-forget, in a fresh context like
+        _release: a client disconnect must not cancel it). If it never arrives, the request still ends: when this
+        ingress' delta stream from the replica closes, the replica aborts every request of it still running."""
+        self._in_background(self._abort_async(replica_id, ticket, attempt))
+
+    async def _abort_async(self, replica_id: str, ticket: str, attempt: int) -> None:
+        try:
+            await self.engine.abort.remote(ReplicaQuery(replica_id), ticket, attempt)
+        except Exception as err:  # noqa: BLE001 - the replica is gone (its KV with it) or the stream's close aborts it
+            logger.warning("aborting ticket %s on replica %s failed: %r", ticket, replica_id, err)
 
     def _release(self, ticket: str) -> None:
         """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a
         copy of the request's would carry Serve's request context, and Serve cancels the calls a cancelled request
         made (a client disconnect), so the release itself would be cancelled and the grant leak until the queue's
         leak reconciliation (leak_grace_s)."""
-        task = asyncio.get_running_loop().create_task(self._release_async(ticket), context=contextvars.Context())
+        self._in_background(self._release_async(ticket))
+
+    def _in_background(self, call: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(call, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -12,49 +12,82 @@ from ray.serve import context as serve_context
 from deployments.config import AppArgs
 from deployments.replica import Accepted, EngineRequest
 from deployments.sessions import Sessions
+from deployments.streams import DeltaLinks, Subscribed
 
 
 class _RecordingEngine:
-    """The engine deployment's handle: each generate() call records the Serve request context it was made in."""
+    """The engine deployment's handle: each generate() call records the Serve request context it was made in;
+    deltas() opens a delta stream that says Subscribed and then waits."""
 
     def __init__(self) -> None:
         self.internal_ids: list[str] = []
+        self.stream_contexts: list[str] = []
 
     def options(self, **_: Any) -> _RecordingEngine:
         return self
 
     @property
     def generate(self) -> Any:
-        return types.SimpleNamespace(remote=self._remote)
+        return types.SimpleNamespace(remote=self._generate)
 
-    def _remote(self, request: Any) -> Any:
+    @property
+    def deltas(self) -> Any:
+        return types.SimpleNamespace(remote=self._deltas)
+
+    def _generate(self, request: Any) -> Any:
         self.internal_ids.append(serve_context._get_serve_request_context()._internal_request_id)
 
-        async def stream() -> Any:
-            yield Accepted("r")
+        async def answer() -> Any:
+            return Accepted("r")
 
-        return types.SimpleNamespace(__anext__=stream().__anext__, cancel=lambda: None)
+        return _Response(answer())
+
+    def _deltas(self, query: Any, subscriber: str) -> Any:
+        self.stream_contexts.append(serve_context._get_serve_request_context()._internal_request_id)
+        items: asyncio.Queue[Any] = asyncio.Queue()
+        items.put_nowait(Subscribed(query.target_replica))
+        return types.SimpleNamespace(__anext__=items.get, cancel=lambda: None)
+
+
+class _Response:
+    """A unary DeploymentResponse: awaitable, cancellable."""
+
+    def __init__(self, coro: Any) -> None:
+        self._coro = coro
+
+    def __await__(self) -> Any:
+        return self._coro.__await__()
+
+    def cancel(self) -> None:
+        self._coro.close()
 
 
 def test_the_choices_of_one_request_are_dispatched_as_calls_of_their_own() -> None:
     """Serve's router keeps pending calls in a dict by their internal request id, which a child call inherits from
     its HTTP request: the choices of one request (n > 1, batched prompts), dispatched together, shared one entry and
-    all but one waited out dispatch_timeout_s. Each dispatch must carry an id of its own."""
+    all but one waited out dispatch_timeout_s. Each dispatch must carry an id of its own. The replica's delta stream,
+    shared by every request of this ingress there, is opened once, outside any request's context (a request's
+    cancellation must not end it)."""
     engine = _RecordingEngine()
-    sessions = object.__new__(Sessions)  # _dispatch reads only the engine handle and the dispatch timeout
+    sessions = object.__new__(Sessions)  # _dispatch reads the engine handle, the links and the dispatch timeout
     sessions.engine = engine
     sessions.args = cast(AppArgs, types.SimpleNamespace(dispatch_timeout_s=5.0))
 
     async def run() -> None:
+        sessions.links = DeltaLinks(sessions._open_delta_stream)
         parent = dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="http-request")
         serve_context._serve_request_context.set(parent)  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
         results = await asyncio.gather(
-            *(sessions._dispatch(cast(EngineRequest, types.SimpleNamespace()), "r") for _ in range(4)))
-        assert all(stream is not None for stream, _, _ in results)
+            *(sessions._dispatch(cast(EngineRequest, types.SimpleNamespace(ticket=f"t{i}", attempt=0)), "r")
+              for i in range(4)))
+        assert all(queue is not None for queue, _, _ in results)
         assert serve_context._get_serve_request_context()._internal_request_id == "http-request"  # restored
+        sessions.links.close()
+        await asyncio.sleep(0)
 
     asyncio.run(run())
     assert len(set(engine.internal_ids)) == 4 and "http-request" not in engine.internal_ids, engine.internal_ids
+    assert engine.stream_contexts == [""], engine.stream_contexts
 
 
 def test_the_release_of_a_grant_runs_outside_its_request_so_a_disconnect_cannot_cancel_it() -> None:
