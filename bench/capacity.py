@@ -16,10 +16,11 @@ keeps each token on one rank instead of on all four, holds 4x as many.
     python bench/capacity.py --stream-intervals 0,0.05 --write-docs   # dcp=1 and dcp=4 at each stream_interval_s
 
 With `--stream-intervals` it deploys dcp=1 and dcp=4 once for each replica stream_interval_s given (the app arg: a
-replica sends a request's first token at once, then at most one Ray stream item per interval carrying every token
-since; 0 = one per engine step), all on one head with one workload, and reports per layout and interval the capacity,
-concurrency, throughput and latency rows plus the tokens each stream item carried: per request from the SSE chunks
-the client got (the ingress sends one per item), and per replica from its stream_tokens / stream_items counters. Its
+replica sends an ingress one Ray stream item per engine step carrying the tokens of all of its requests, at most one
+per interval when steps are faster; 0 = one per engine step), all on one head with one workload, and reports per
+layout and interval the capacity, concurrency, throughput and latency rows plus the tokens each stream item carried:
+per replica from its stream_tokens / stream_items counters, and per request the SSE chunks the client got (one per
+delta of the request the ingress received). Its
 workload is sized so that dcp=4 decodes ~32 sequences at once (dcp=1 holds 8, the burst is 32 requests); the default
 workload's dcp=4 holds 8. --requests, --prompt-tokens, --max-tokens and --dcp1-sequences override either workload.
 
@@ -315,8 +316,9 @@ def stream_verdict(results: list[LayoutResult], intervals: list[float]) -> list[
             lines.append(f"stream_interval_s {interval:g}, dcp=4 (peak {four.peak_sequences} sequences): "
                          f"{four.tokens_per_item:.2f} tokens per stream item (median {four.tokens_per_chunk_median:.2f}"
                          f" per SSE chunk), target >= {TARGET_TOKENS_PER_ITEM:g}: "
-                         f"{'met' if held else 'NOT met'} (ITL {four.itl_median_s * 1e3:.0f} ms: an item can only "
-                         f"carry more than one token when steps come faster than the interval)")
+                         f"{'met' if held else 'NOT met'} (ITL {four.itl_median_s * 1e3:.0f} ms; an item "
+                         f"carries a step's tokens of every request of the ingress, more when steps are faster than "
+                         f"the interval)")
     if 0 in intervals:
         base1, base4 = of(0, 1), of(0, 4)
         for interval in (i for i in intervals if i > 0):
@@ -396,8 +398,9 @@ def stream_header_lines(workload: Workload, model: ModelConfig, budget_bytes: in
         f"through the deployed app with the openai client; the runs go interval by interval, dcp=1 then dcp=4, on "
         f"one Ray head",
         "tokens per SSE chunk: per request, completion_tokens / the chunks with choices the client got (the ingress "
-        "turns each replica stream item into one chunk, skipping only items with no text: held-back UTF-8), median "
-        "over requests; replica tokens per stream item: EngineReplica.stats() stream_tokens / stream_items after the "
+        "turns each delta of the request into one chunk, skipping only deltas with no text: held-back UTF-8), median "
+        "over requests; replica tokens per stream item (one item carries the deltas of every request of the "
+        "ingress): EngineReplica.stats() stream_tokens / stream_items after the "
         "burst (a fresh replica per run; its token count equals the client's), through a Serve handle",
         "peak / mean sequences: the admission queue's grants from /health every "
         f"{compare.HEALTH_PERIOD_S}s (mean: time-weighted from the burst to its last token); output tokens/s = all "

@@ -7,6 +7,12 @@ has sent it since that report, holds the request, the most free first. Either wa
 refuse. Other calls go to any replica, or, given a `ReplicaQuery` (deployments/replica.py), to the one it names:
 stats() of every replica, which Serve's own choice among idle replicas does not reach one by one.
 
+A call addressed to a replica this router has seen removed (it died, or was stopped) fails at once with
+`ReplicaGone`: replica ids are never reused, so it could only wait for ever, and Serve runs at most 2 routing tasks
+per replica (50 at most): two such calls waiting would hold every routing task of the handle, and no other call
+through it (the new replica's included) would be routed. A call addressed to a replica the router does not know yet
+(just started) waits for it.
+
 When no candidate can take a request (its granted replica is not, or not yet, among the routable replicas; no
 replica reports enough free KV), Serve's routing loop tries again. That loop sleeps between attempts only when
 `routing_context.should_backoff` is set, so choose_replicas always sets it: without it the retry never awaits and
@@ -16,10 +22,18 @@ caller already gave up gets the candidates back at once, so the loop sees its do
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+# How many removed replicas a router remembers (calls addressed to them fail at once).
+GONE_REMEMBERED = 10_000
+
+
+class ReplicaGone(RuntimeError):
+    """A call was addressed to a replica that has left the deployment (died or stopped)."""
 
 
 def target_of(pending_request: PendingRequest | None) -> str | None:
@@ -86,10 +100,18 @@ class KvAwareRouter(RequestRouter):
         # Blocks sent per replica since its last routing-stats report; a new report resets its count.
         self._sent_blocks: dict[ReplicaID, int] = {}
         self._last_stats: dict[ReplicaID, Any] = {}
+        self._known: set[str] = set()  # unique ids of the replicas of the last update
+        self._gone: OrderedDict[str, None] = OrderedDict()  # unique ids of replicas removed since, newest last
         super().__init__(*args, **kwargs)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        current = {r.replica_id.unique_id for r in replicas}
+        for removed in self._known - current:
+            self._gone[removed] = None
+        while len(self._gone) > GONE_REMEMBERED:
+            self._gone.popitem(last=False)
+        self._known = current
         for replica in replicas:
             stats = replica.routing_stats
             if self._last_stats.get(replica.replica_id) is not stats:
@@ -109,6 +131,10 @@ class KvAwareRouter(RequestRouter):
             if pending_request.future.done():
                 return [candidate_replicas]  # the caller gave up: Serve's loop drops it before choosing
         target = target_of(pending_request)
+        if target is not None and target in self._gone and pending_request is not None:
+            pending_request.future.set_exception(ReplicaGone(
+                f"replica {target} has left the deployment (it died or was stopped); the call was not sent"))
+            return [candidate_replicas]  # Serve's loop sees the done future and drops the request
         if target is not None:  # a granted request, or a call addressed to one replica
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         request = request_of(pending_request)

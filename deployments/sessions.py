@@ -63,7 +63,7 @@ class Sessions:
         self.prefix_hash_seed = limits.prefix_hash_seed
         self._background: set[asyncio.Task[Any]] = set()
         # The delta streams from the engine replicas (deployments.streams), opened on a replica's first request.
-        self.links = DeltaLinks(self._open_delta_stream)
+        self.links = DeltaLinks(self._open_delta_stream, subscribe_timeout_s=args.dispatch_timeout_s)
 
     def _open_delta_stream(self, replica_id: str, subscriber: str) -> Any:
         return self.engine.options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
@@ -155,8 +155,10 @@ class Sessions:
             raise ApiError(500 if queue is not None else 503, f"the engine failed: {err}") from None
         finally:
             if queue is not None:
-                if not finished:
-                    self._abort(replica_id, ticket, attempt)  # the replica stops it and frees its KV
+                # The replica stops an unfinished request and frees its KV. Not when the stream from it was lost:
+                # then the replica is gone, or it aborted every request of this ingress when the stream ended.
+                if not finished and self.links.is_open(replica_id):
+                    self._abort(replica_id, ticket, attempt)
                 self.links.unregister(replica_id, ticket)
             if num_generated:
                 self.metrics.generation_tokens.inc(num_generated)
@@ -221,8 +223,13 @@ class Sessions:
         self._in_background(self._abort_async(replica_id, ticket, attempt))
 
     async def _abort_async(self, replica_id: str, ticket: str, attempt: int) -> None:
+        response = self.engine.abort.remote(ReplicaQuery(replica_id), ticket, attempt)
         try:
-            await self.engine.abort.remote(ReplicaQuery(replica_id), ticket, attempt)
+            await asyncio.wait_for(response, self.args.dispatch_timeout_s)
+        except TimeoutError:
+            response.cancel()
+            logger.warning("aborting ticket %s on replica %s: no answer within dispatch_timeout_s=%gs", ticket,
+                           replica_id, self.args.dispatch_timeout_s)
         except Exception as err:  # noqa: BLE001 - the replica is gone (its KV with it) or the stream's close aborts it
             logger.warning("aborting ticket %s on replica %s failed: %r", ticket, replica_id, err)
 

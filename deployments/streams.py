@@ -9,10 +9,10 @@ out at once; otherwise at most one item per interval. An error of one request's 
 request's error in the batch; the stream of the others goes on.
 
 Ingress side, `DeltaLinks`: opens the stream to a replica on the first request it dispatches there (in a context
-of its own, so that no request's cancellation cancels it), demultiplexes each batch into per-request queues, and
-closes it when no request of this ingress has been there for LINK_IDLE_S (so a draining replica's graceful
-shutdown, which waits for its calls, is not held by an idle stream). A stream that ends or fails fails every request
-waiting on it at once; the next dispatch to that replica opens a new one.
+of its own, so that no request's cancellation cancels it; given up past subscribe_timeout_s), demultiplexes each
+batch into per-request queues, and closes it when no request of this ingress has been there for LINK_IDLE_S (so a
+draining replica's graceful shutdown, which waits for its calls, is not held by an idle stream). A stream that ends
+or fails fails every request waiting on it at once; the next dispatch to that replica opens a new one.
 
 Ordering: the ingress registers a request's queue before it calls generate(), so deltas that overtake the
 generate() reply on the stream are kept, never dropped.
@@ -174,10 +174,12 @@ class DeltaLinks:
     open_stream(replica_id, subscriber) makes the streaming call (the engine handle's deltas() addressed to that
     replica); it must return an object with __anext__ and cancel() (a Serve DeploymentResponseGenerator)."""
 
-    def __init__(self, open_stream: Callable[[str, str], Any], idle_s: float = LINK_IDLE_S) -> None:
+    def __init__(self, open_stream: Callable[[str, str], Any], idle_s: float = LINK_IDLE_S,
+                 subscribe_timeout_s: float = 60.0) -> None:
         self.subscriber = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
         self._open_stream = open_stream
         self._idle_s = idle_s
+        self._subscribe_timeout_s = subscribe_timeout_s
         self._links: dict[str, _Link] = {}
 
     def register(self, replica_id: str, request_id: str) -> tuple[asyncio.Queue[Item], asyncio.Future[None]]:
@@ -201,6 +203,11 @@ class DeltaLinks:
             return
         link.idle_close = asyncio.get_running_loop().call_later(self._idle_s, self._close_if_idle, link)
 
+    def is_open(self, replica_id: str) -> bool:
+        """Whether this ingress' stream from the replica is open (or opening)."""
+        link = self._links.get(replica_id)
+        return link is not None and not link.closed
+
     def num_links(self) -> int:
         return sum(not link.closed for link in self._links.values())
 
@@ -221,7 +228,11 @@ class DeltaLinks:
         error: BaseException = StreamLost(f"the delta stream from replica {link.replica_id} ended")
         try:
             stream = self._open_stream(link.replica_id, self.subscriber)
-            first = await stream.__anext__()
+            try:
+                first = await asyncio.wait_for(stream.__anext__(), self._subscribe_timeout_s)
+            except TimeoutError:
+                raise StreamLost(f"replica {link.replica_id} did not open a delta stream within "
+                                 f"{self._subscribe_timeout_s:g}s") from None
             if not isinstance(first, Subscribed) or first.replica_id != link.replica_id:
                 raise StreamLost(f"asked replica {link.replica_id} for a delta stream, got {first!r}")
             assert link.subscribed is not None

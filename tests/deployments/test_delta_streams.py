@@ -317,3 +317,34 @@ def test_a_stream_that_answers_from_the_wrong_replica_fails_its_requests() -> No
 
     lost = virtual_time.run(main())
     assert lost is not None and "asked replica A" in str(lost)
+
+
+def test_a_stream_that_never_opens_is_given_up_after_subscribe_timeout_s() -> None:
+    """A call Serve cannot route (the replica is gone) must not keep a link, and the requests behind it, waiting."""
+    cancelled = []
+
+    class _Silent:
+        async def __anext__(self) -> Any:
+            await asyncio.sleep(3600)
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    async def main() -> tuple[float, BaseException | None, bool]:
+        links = DeltaLinks(lambda replica_id, subscriber: _Silent(), subscribe_timeout_s=10.0)
+        start = asyncio.get_running_loop().time()
+        _, subscribed = links.register("A", "r1")
+        try:
+            await subscribed
+            error = None
+        except StreamLost as lost:
+            error = lost
+        waited = asyncio.get_running_loop().time() - start
+        await asyncio.sleep(0)
+        open_after = links.is_open("A")
+        await _close(links)
+        return waited, error, open_after
+
+    waited, error, open_after = virtual_time.run(main())
+    assert waited == pytest.approx(10.0) and error is not None and "within 10s" in str(error)
+    assert not open_after and cancelled == [True]

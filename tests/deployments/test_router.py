@@ -14,7 +14,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from deployments.replica import EngineRequest, ReplicaQuery
-from deployments.router import KvAwareRouter
+from deployments.router import KvAwareRouter, ReplicaGone
 from engine.sampling_params import SamplingParams
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="dcpserve")
@@ -59,9 +59,9 @@ class CountingRouter(KvAwareRouter):
         return await super().choose_replicas(candidate_replicas, pending_request)
 
 
-def pending(kv_blocks: int, target_replica: str | None) -> PendingRequest:
+def pending(kv_blocks: int, target_replica: str | None, internal_id: str = "r") -> PendingRequest:
     request = EngineRequest("ticket", [1, 2, 3], SamplingParams(max_tokens=4), kv_blocks, target_replica)
-    metadata = RequestMetadata(request_id="r", internal_request_id="r")
+    metadata = RequestMetadata(request_id=internal_id, internal_request_id=internal_id)
     return PendingRequest(args=[request], kwargs={}, metadata=metadata)
 
 
@@ -157,5 +157,29 @@ def test_a_call_addressed_by_replica_query_reaches_that_replica_and_no_other() -
         await asyncio.sleep(0.2)
         assert not gone.done()  # never another replica in its place
         gone.cancel()
+
+    asyncio.run(run())
+
+
+def test_calls_addressed_to_a_removed_replica_fail_at_once_and_never_block_the_others() -> None:
+    """Serve runs at most 2 routing tasks per replica: with one replica, two calls waiting for a replica that died
+    held both, and nothing else through the handle was routed (a replacement replica got no call at all). A call
+    addressed to a replica the router saw removed fails at once; one to a replica not known yet still waits."""
+    async def run() -> None:
+        router = CountingRouter()
+        router.update_replicas(running(FakeReplica("old", free_blocks=100)))
+        router.update_replicas(running(FakeReplica("new", free_blocks=100)))  # "old" died, "new" replaced it
+        doomed = [asyncio.create_task(router._choose_replica_for_request(PendingRequest(
+            args=[ReplicaQuery("old")], kwargs={}, metadata=RequestMetadata(request_id=d, internal_request_id=d))))
+            for d in ("d0", "d1", "d2")]
+        later = asyncio.create_task(router._choose_replica_for_request(pending(4, "not-yet", internal_id="later")))
+        replica = await asyncio.wait_for(router._choose_replica_for_request(pending(4, "new", internal_id="now")), 2.0)
+        assert replica.replica_id.unique_id == "new"
+        for task in doomed:
+            with pytest.raises(ReplicaGone, match="replica old has left"):
+                await asyncio.wait_for(task, 2.0)
+        await asyncio.sleep(0.2)
+        assert not later.done()  # a replica this router has not seen yet may still come
+        later.cancel()
 
     asyncio.run(run())
