@@ -21,7 +21,7 @@ from deployments.http_edge import ApiError
 from deployments.metrics import IngressMetrics
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected
-from engine.prefix_cache import prompt_hashes
+from engine.core.prefix_cache import prompt_hashes
 from engine.protocol import ModelLimits, RequestDelta
 from engine.sampling_params import SamplingParams
 
