@@ -7,8 +7,8 @@ much earlier on a stop string (greedy, so the stop position is known beforehand)
 output tokens that are never written, "usage" admits by the prompt plus a headroom and preempts (recomputing, so
 greedy outputs do not change) when decode runs out of blocks.
 
-Before the runs it generates the same prompts offline (engine.llm.LLM, tp=1, in process, greedy, ignore_eos) and
-picks, for request i, a 2-4 character stop string whose first occurrence in the greedy text lies at a token
+Before the runs it generates the same prompts offline (engine.frontend.llm.LLM, tp=1, in process, greedy, ignore_eos)
+and picks, for request i, a 2-4 character stop string whose first occurrence in the greedy text lies at a token
 position spread over the workload's range; the app then cuts the output there. For each policy it `serve deploy`s
 the app, sends the burst at once through the official `openai` async client (streaming), polls /health for the
 sequences the admission queue has granted, reads the replica's preemption counter from the Ray node's metrics
@@ -42,8 +42,8 @@ if str(REPO_ROOT) not in sys.path:
 from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
 from cluster.tiny_model import write_tiny_model
-from engine.block_manager import blocks_needed
 from engine.config import ModelConfig
+from engine.core.block_manager import blocks_needed
 
 TP, DCP, BLOCK_SIZE, MAX_MODEL_LEN = 2, 2, 16, 2048
 TOKENS_PER_BLOCK = BLOCK_SIZE * DCP  # a logical block
@@ -122,13 +122,13 @@ def plan_stops(model_dir: Path, candidates: list[list[int]],
     """Greedy text of every candidate prompt (offline, tp=1); then, per target stop position, a prompt whose text
     is still new there (the random-weight model's greedy text often falls into a loop, after which every substring
     has occurred before) and a stop string at that position. Returns the burst's prompts and their plans."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import IncrementalDetokenizer
 
     horizon = workload.stop_last + 64
-    say(f"offline greedy run (engine.llm.LLM, tp=1): {len(candidates)} candidate prompts x {horizon} tokens, to "
-        f"pick stop strings")
+    say(f"offline greedy run (engine.frontend.llm.LLM, tp=1): {len(candidates)} candidate prompts x {horizon} "
+        f"tokens, to pick stop strings")
     start = time.monotonic()
     with LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN) as llm:
         outputs = llm.generate(prompt_token_ids=candidates,
@@ -305,8 +305,8 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
         f"whose greedy text has not fallen into a loop by the request's stop position), max_tokens "
         f"{workload.max_tokens}, greedy (temperature 0), ignore_eos, streamed through the deployed app with the "
         f"openai client; request i stops on a 2-4 character stop string chosen from an offline greedy run "
-        f"(engine.llm.LLM, tp=1) so that it ends after {workload.stop_first}-{workload.stop_last} output tokens "
-        f"(spread evenly, shuffled)",
+        f"(engine.frontend.llm.LLM, tp=1) so that it ends after {workload.stop_first}-{workload.stop_last} output "
+        f"tokens (spread evenly, shuffled)",
         "concurrent sequences: the admission queue's grants (num_grants in /health) every "
         f"{compare.HEALTH_PERIOD_S}s; under \"usage\" a granted request may be preempted inside the engine (waiting to "
         "be recomputed), so grants are an upper bound on the running sequences there; output tokens/s = all output "

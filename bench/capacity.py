@@ -54,8 +54,8 @@ from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
 from bench.docs_section import DocsSection
 from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
-from engine.block_manager import blocks_needed
 from engine.config import ModelConfig
+from engine.core.block_manager import blocks_needed
 
 TP, DCPS, BLOCK_SIZE = 4, (1, 4), 16
 BACKENDS_TP, BACKENDS_BLOCK_SIZE = 2, 32  # --backend both: vLLM's CPU attention pages in multiples of 32 tokens

@@ -62,8 +62,8 @@ bind_ray_to_loopback()  # the local Ray this bench may start listens on 127.0.0.
 import msgspec  # noqa: E402  (measurement only: not a dependency of dcpserve)
 
 from bench.docs_section import DocsSection  # noqa: E402
+from engine.core.request import Request  # noqa: E402
 from engine.protocol import RequestDelta, TokenLogprob  # noqa: E402
-from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 DOCS = DocsSection("bench/core_transport.py")
@@ -122,7 +122,7 @@ def as_structs(batch: list[RequestDelta]) -> list[DeltaStruct]:
 
 
 def add_request(prompt_len: int, lean: bool, seed: int = 0) -> Any:
-    """An add-request message with a prompt of `prompt_len` random token ids: engine.request.Request as it is today
+    """An add-request message with a prompt of `prompt_len` random token ids: engine.core.request.Request as it is today
     (it pickles prompt_token_ids and its copy all_token_ids), or a lean message (id, prompt ids, SamplingParams,
     arrival time) like vLLM's EngineCoreRequest."""
     rng = random.Random(seed)
@@ -334,7 +334,7 @@ def measure_handoff(args: argparse.Namespace, ctx: Any) -> tuple[list[list[str]]
     input_rows = []
     for lean, s in sorted(inputs.items()):
         label = ("lean message (id, prompt ids, SamplingParams, arrival)" if lean else
-                 "engine.request.Request (prompt_token_ids + its copy all_token_ids)")
+                 "engine.core.request.Request (prompt_token_ids + its copy all_token_ids)")
         input_rows.append([label, f"{in_bytes[lean]:,}", us(s["t_lat"]), us(s["t_cost"]), us(s["p_lat"]),
                            us(s["p_cost"])])
         summary[f"in {lean}"] = {k: statistics.median(v) for k, v in s.items()}
@@ -426,7 +426,7 @@ def build_engine(model_dir: Path, batch: int, prompt_len: int, max_tokens: int) 
     import torch
 
     from engine.args import EngineArgs
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
 
     torch.set_num_threads(1)
     kv_bytes_per_token = 2 * 2 * 1 * 32 * 4  # tiny model: 2 layers, 1 KV head, head_dim 32, float32

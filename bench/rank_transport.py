@@ -4,7 +4,7 @@ trip takes and what the ranks cost while they wait for the next step.
 Three transports, measured in alternating rounds on one local Ray instance so load spikes hit all of them:
 - ray.put + one actor task per rank per step (the worker group's transport before the step channel),
 - a Ray compiled graph (ray.dag InputNode -> one bind per rank -> MultiOutputNode, experimental_compile()),
-- the step channel the worker group uses (engine.rank_channel: one authenticated TCP connection per rank).
+- the step channel the worker group uses (engine.worker.rank_channel: one authenticated TCP connection per rank).
 Each step is a pickled stand-in of a SchedulerOutput (per sequence: an id, one new token, its position, its block
 table and a dict of sampling parameters); rank 0 replies with one sampled token per sequence, the others with None.
 
@@ -38,7 +38,7 @@ bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 o
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from engine.rank_channel import ChannelListener, FrameSocket, connect_rank
+from engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
 
 # (label, sequences, block-table entries per sequence)
 STEPS = [("decode, batch 8", 8, 4), ("decode, batch 64", 64, 4), ("batch 64, 4096 blocks each", 64, 4096)]

@@ -101,7 +101,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     try:

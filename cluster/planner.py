@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.model_specs import ModelSpec, as_model_spec
-from engine.block_manager import num_blocks_for_budget
 from engine.config import DTYPES, ModelConfig
+from engine.core.block_manager import num_blocks_for_budget
 
 # The engine's dtypes, and float8 (1 byte): vLLM serves fp8 checkpoints (DeepSeek-V3) and an fp8 KV cache.
 PLAN_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8": torch.float8_e4m3fn}

@@ -1,6 +1,6 @@
 """KV admission for the whole app: one FIFO, exact per-replica KV accounting, grants of a replica per request.
 
-Every request asks for `need` logical blocks (engine.block_manager.admission_blocks under the app's policy:
+Every request asks for `need` logical blocks (engine.core.block_manager.admission_blocks under the app's policy:
 prompt + max_tokens for "full", the prompt for "usage"). The queue grants a replica that can hold it now,
 preferring the most free KV, and counts the grant against that replica until the caller releases it. Invariants:
 
@@ -40,7 +40,7 @@ from ray import serve
 from deployments.metrics import AdmissionMetrics
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica_choice import ReplicaKv, pick_replica, why_not_grantable
-from engine.prefix_cache import PrefixReport
+from engine.core.prefix_cache import PrefixReport
 
 
 class AdmissionError(Exception):

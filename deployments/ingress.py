@@ -32,7 +32,7 @@ from deployments.http_edge import ApiError, api, authorize, read_body, validatio
 from deployments.metrics import IngressMetrics
 from deployments.sessions import Sessions
 from engine.backends import model_limits
-from engine.block_manager import admission_blocks
+from engine.core.block_manager import admission_blocks
 from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer

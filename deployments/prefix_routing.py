@@ -2,7 +2,7 @@
 makes the choice).
 
 A request names its prompt by the hashes of its blocks (`PrefixAsk`, from the ingress). Each replica's
-`ReplicaPrefix` holds the replica's reported cache (engine.prefix_cache.PrefixIndex, kept by its PrefixReports) and
+`ReplicaPrefix` holds the replica's reported cache (engine.core.prefix_cache.PrefixIndex, kept by its PrefixReports) and
 the prompts of the grants in flight there: blocks being computed now, which count for routing but never as KV a
 request may share. A finished grant's prompt stays until a report made after the finish says what the replica
 caches, so a conversation's next turn, sent the moment the answer ends, still finds its replica.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import PrefixIndex, PrefixMatch
+from engine.core.prefix_cache import PrefixIndex, PrefixMatch
 
 # A finished grant's prompt is dropped at the second report after the finish: the first may have left the replica
 # before the request ended.
@@ -22,7 +22,7 @@ REPORTS_AFTER_FINISH = 2
 @dataclass(frozen=True)
 class PrefixAsk:
     """A request's prompt as the prefix cache names it: the hashes of the blocks it could find cached
-    (engine.prefix_cache.prompt_hashes, computed by the ingress with the app's block unit and seed)."""
+    (engine.core.prefix_cache.prompt_hashes, computed by the ingress with the app's block unit and seed)."""
 
     hashes: tuple[int, ...]
     tokens_per_block: int

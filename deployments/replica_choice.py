@@ -2,7 +2,7 @@
 blocks), and the choice among them (`pick_replica`), which deployments/admission.py calls for every grant.
 
 Prefix-aware routing. With prefix caching each replica also reports the prefix blocks it caches
-(engine.prefix_cache.PrefixReport: changes since the queue's copy, or the whole state), and a request carries the
+(engine.core.prefix_cache.PrefixReport: changes since the queue's copy, or the whole state), and a request carries the
 hashes of its prompt's blocks (`PrefixAsk`). For each replica the queue finds the longest cached run of them
 (`PrefixIndex.match`): blocks there that a running request holds (pinned) are shared, not added, so the request's
 need on that replica is its admission blocks less those; blocks the replica caches but nobody holds cost as much as

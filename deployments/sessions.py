@@ -22,7 +22,7 @@ from deployments.metrics import IngressMetrics
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected, ReplicaQuery
 from deployments.streams import DeltaLinks, Item, StreamLost
-from engine.prefix_cache import prompt_hashes
+from engine.core.prefix_cache import prompt_hashes
 from engine.protocol import ModelLimits, RequestDelta
 from engine.sampling_params import SamplingParams
 

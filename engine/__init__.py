@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
+    "LLM": "engine.frontend.llm",
     "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.request",
-    "CompletionOutput": "engine.request",
-    "AsyncEngine": "engine.async_engine",
-    "LLMEngine": "engine.engine",
+    "RequestOutput": "engine.core.request",
+    "CompletionOutput": "engine.core.request",
+    "AsyncEngine": "engine.frontend.async_engine",
+    "LLMEngine": "engine.core.engine",
     "EngineArgs": "engine.args",
 }
 

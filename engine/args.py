@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol, TypeVar, Union, get_args, get_origin,
 import torch
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype
-from engine.prefix_cache import prefix_hash_seed
+from engine.core.prefix_cache import prefix_hash_seed
 
 BACKENDS = ("native", "vllm")
 
@@ -202,7 +202,7 @@ class EngineArgs:
         )
 
     def prefix_hash_seed(self) -> bytes:
-        """The seed of this deployment's prefix block hashes (engine.prefix_cache.prefix_hash_seed): the model and
+        """The seed of this deployment's prefix block hashes (engine.core.prefix_cache.prefix_hash_seed): the model and
         the dtype as written here, so the ingress and every replica, on any node, compute the same one."""
         return prefix_hash_seed(self.model, self.dtype)
 

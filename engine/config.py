@@ -251,7 +251,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # of the device's total memory, weights + activations + KV
     cpu_default_kv_bytes: int = 128 << 20  # per rank on CPU when no byte budget is set
     enable_prefix_caching: bool = False  # EngineArgs turns it on by default
-    prefix_hash_seed: bytes = b""  # engine.prefix_cache.prefix_hash_seed of the model and dtype
+    prefix_hash_seed: bytes = b""  # engine.core.prefix_cache.prefix_hash_seed of the model and dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -336,7 +336,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    enforce_eager: bool = False  # no CUDA graph capture of decode (engine/cuda_graphs.py)
+    enforce_eager: bool = False  # no CUDA graph capture of decode (engine/worker/cuda_graphs.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

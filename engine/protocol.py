@@ -1,9 +1,9 @@
 """The engine protocol: what a Serve replica (and anything else that serves) may ask of one replica's engine.
 
-Two backends implement it: the native engine (engine.async_engine.AsyncEngine) and vLLM's AsyncLLM behind
-engine.vllm_engine.VllmEngine. Everything above the engine (the replica, admission, routing, autoscaling, metrics)
-talks to an `EngineClient` and reads its typed `EngineStats` and `KvLedger`, so both backends look the same from
-there. It imports no implementation: engine.backends starts the backend named by `EngineArgs.backend`.
+Two backends implement it: the native engine (engine.frontend.async_engine.AsyncEngine) and vLLM's AsyncLLM behind
+engine.backends.vllm.engine.VllmEngine. Everything above the engine (the replica, admission, routing, autoscaling,
+metrics) talks to an `EngineClient` and reads its typed `EngineStats` and `KvLedger`, so both backends look the same
+from there. It imports no implementation: engine.backends starts the backend named by `EngineArgs.backend`.
 
 KV is counted in logical blocks of block_size * dcp tokens (a block is one page on every rank of a DCP group), the
 unit of the whole system.
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from engine.prefix_cache import PrefixReport
+    from engine.core.prefix_cache import PrefixReport
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
@@ -226,7 +226,7 @@ class EngineClient(Protocol):
 
     async def prefix_report(self, reader_epoch: str | None, reader_version: int) -> PrefixReport | None:
         """The prefix cache's changes since the reader's (epoch, version), or its whole state
-        (engine.prefix_cache); None when prefix caching is off."""
+        (engine.core.prefix_cache); None when prefix caching is off."""
         ...
 
     def kv_ledger(self) -> KvLedger:
@@ -256,4 +256,4 @@ class ModelLimits:
     admission: str
     eos_token_ids: tuple[int, ...]
     prefix_caching: bool = False
-    prefix_hash_seed: bytes = b""  # engine.prefix_cache.prefix_hash_seed: the block hashes the replicas report
+    prefix_hash_seed: bytes = b""  # engine.core.prefix_cache.prefix_hash_seed: the block hashes the replicas report

@@ -176,7 +176,7 @@ def plan_decode_cpu(
 
     finite_tail=True: the caller guarantees that every slot the table names past a sequence's length, up to the
     longest sequence's pages, holds finite values (the engine zeroes a page when it is allocated, and a row's
-    padding columns repeat its last page: engine/input_batch.py). The additive -inf mask then gives those slots
+    padding columns repeat its last page: engine/worker/input_batch.py). The additive -inf mask then gives those slots
     exactly zero weight, so the gathered slots are not zeroed first (the default's guard against NaN left there by
     another request)."""
     num_seqs = local_seq_lens.shape[0]

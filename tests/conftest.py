@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET must be set before triton.jit decorates the kernels, so before `kernels` is imported.
 
-DCPSERVE_VERIFY_PREFIX_HITS=1 (engine.engine.VERIFY_PREFIX_HITS_ENV) makes every engine of the suite keep each
+DCPSERVE_VERIFY_PREFIX_HITS=1 (engine.core.engine.VERIFY_PREFIX_HITS_ENV) makes every engine of the suite keep each
 cached block's token ids and compare them on every prefix cache hit, so a hash collision or a block named for the
 wrong tokens fails the test (PrefixCacheCorruption) instead of serving another prefix's KV. Set here, at import,
 so engines in processes the tests start (a `ray start` cluster's replicas) inherit it too; a value set outside wins.
@@ -22,7 +22,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.engine.VERIFY_PREFIX_HITS_ENV; see above
+os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.core.engine.VERIFY_PREFIX_HITS_ENV; see above
 
 from deployments.local_cluster import bind_ray_to_loopback
 
@@ -32,7 +32,7 @@ os.environ["RAY_AUTH_MODE"] = "token"
 # Nothing in a test process may start a Ray of its own by calling into Ray unconnected (Ray's auto-init, also read
 # at import): after the session head's ray.shutdown(), a Serve handle's metrics thread still calls ray.wait, and
 # auto-init then started a fresh local Ray under /tmp/ray whose GCS never came up, 30 s per try, several tries per
-# pytest process. Code that needs Ray connects to a head explicitly (ray_head, engine.ray_executor).
+# pytest process. Code that needs Ray connects to a head explicitly (ray_head, engine.worker.ray_executor).
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402

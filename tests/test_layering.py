@@ -44,17 +44,21 @@ def test_imports_point_down_the_table(package: str) -> None:
     assert not wrong, f"{package}/ may import only {sorted(ALLOWED[package])}: " + "; ".join(wrong)
 
 
+# The modules of the vLLM adapter (engine/backends/vllm/) that import vllm; its reaper runs on the standard library.
+VLLM_IMPORTERS = {f"engine/backends/vllm/{name}.py" for name in ("engine", "args", "prefix", "stats")}
+
+
 def test_engine_does_not_need_vllm_or_serve() -> None:
     """engine/ imports vllm only inside its vLLM adapter, and never Ray Serve."""
     for path in sorted((ROOT / "engine").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 for name in names:
-                    assert not name.startswith("ray.serve"), f"{path.name} imports {name}"
+                    assert not name.startswith("ray.serve"), f"{where} imports {name}"
                     if name.split(".")[0] == "vllm":
-                        assert path.name in ("vllm_engine.py", "vllm_args.py", "vllm_prefix.py", "vllm_stats.py"), (
-                            f"{path.name} imports vllm (only the vLLM adapter may)")
+                        assert where in VLLM_IMPORTERS, f"{where} imports vllm (only the vLLM adapter may)"
 
 
 def _module_name(path: Path) -> str:
@@ -133,10 +137,60 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle_inside_a_package(package: str) -> None:
     """Within a package, module imports (lazy ones inside functions included, TYPE_CHECKING ones not) form no
     circle: a module that needs one of its importers' names is in the wrong place (engine.protocol once imported
-    its own implementations to start them; engine.backends does that now)."""
+    its own implementations to start them; engine.backends does that now). The graph is over every module below the
+    package, so it covers engine's subpackages (engine.core, engine.worker, ...) and the imports between them."""
     assert not _cycles(_module_graph(package)), _cycles(_module_graph(package))
 
 
 def test_the_circle_check_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# engine/ by role (docs/structure.md): engine subpackage -> the engine packages or modules it may not import (at the
+# top, lazily inside a function, or for type checking alone), and the modules of those it may import all the same.
+# The core reaches the rank side only through the executor interface, the ranks know of the core only its step
+# messages and block arithmetic, and the fronts reach the ranks only through the core.
+ENGINE_FORBIDDEN: dict[str, tuple[set[str], set[str]]] = {
+    "engine.core": ({"engine.worker", "engine.frontend", "engine.backends"}, {"engine.worker.executor"}),
+    "engine.worker": ({"engine.core", "engine.frontend", "engine.backends"},
+                      {"engine.core.step", "engine.core.outputs", "engine.core.block_manager"}),
+    "engine.frontend": ({"engine.worker"}, set()),
+    "engine.backends.vllm": ({"engine.worker", "engine.frontend"}, set()),
+}
+
+
+def _engine_imports(path: Path) -> list[tuple[int, str]]:
+    """Every engine module or package a module names in an import statement (lazy and TYPE_CHECKING ones too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from engine.worker import executor` names engine.worker.executor.
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] == "engine"]
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("subpackage", sorted(ENGINE_FORBIDDEN))
+def test_engine_subpackages_keep_to_their_role(subpackage: str) -> None:
+    forbidden, allowed = ENGINE_FORBIDDEN[subpackage]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in sorted((ROOT / subpackage.replace(".", "/")).rglob("*.py"))
+        for line, name in _engine_imports(path)
+        if any(_inside(name, package) for package in forbidden) and not any(_inside(name, ok) for ok in allowed)
+    ]
+    assert not wrong, f"{subpackage} may not import {sorted(forbidden)} (but {sorted(allowed)}): " + "; ".join(wrong)
+
+
+def test_the_engine_protocol_imports_no_implementation() -> None:
+    """engine/protocol.py names other engine modules for type checking only: at run time it imports none of them."""
+    path = ROOT / "engine" / "protocol.py"
+    skip = _type_checking_only(ast.parse(path.read_text()))
+    wrong = [f"line {line} imports {name}" for line, name in _engine_imports(path) if line not in skip]
+    assert not wrong, "; ".join(wrong)

@@ -29,9 +29,9 @@ from typing import Literal, get_args
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
 from engine.layers.module import EngineModule
-from engine.parallel import ParallelState
+from engine.worker.attention_metadata import AttentionMetadata
+from engine.worker.parallel import ParallelState
 from kernels import (
     DcpAttentionExchange,
     combine_lse,

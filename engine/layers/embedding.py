@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.layers.module import EngineModule
 from engine.layers.weights import ShardedLoader, ShardSpec, new_parameter
-from engine.parallel import ParallelState
+from engine.worker.parallel import ParallelState
 
 
 class VocabParallelEmbedding(EngineModule):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.layers.module import EngineModule
 from engine.layers.weights import ShardedLoader, ShardId, ShardSpec, new_parameter
-from engine.parallel import ParallelState
+from engine.worker.parallel import ParallelState
 
 
 def split_for_tp(size: int, tp_size: int, what: str) -> int:

@@ -7,7 +7,7 @@ import torch
 from engine.layers.activation import SiluAndMul
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.layers.module import EngineModule
-from engine.parallel import ParallelState
+from engine.worker.parallel import ParallelState
 
 
 class SwiGluMLP(EngineModule):

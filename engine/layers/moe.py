@@ -21,7 +21,7 @@ from engine.layers.linear import split_for_tp
 from engine.layers.mlp import SwiGluMLP
 from engine.layers.module import EngineModule
 from engine.layers.weights import ShardSpec, StackedLoader, new_parameter
-from engine.parallel import ParallelState
+from engine.worker.parallel import ParallelState
 
 
 class TopKRouter(EngineModule):

@@ -10,7 +10,7 @@ from engine.config import ModelConfig
 from engine.models.causal_lm import CausalLM  # what the model runner drives
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
-from engine.parallel import ParallelState
+from engine.worker.parallel import ParallelState
 
 # A model class: built from (config, parallel, dtype, device).
 ModelClass = Callable[[ModelConfig, ParallelState, torch.dtype, torch.device], CausalLM]

@@ -10,7 +10,6 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import KvCacheSpec
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -18,7 +17,8 @@ from engine.layers.module import EngineModule
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import WeightSource
-from engine.parallel import ParallelState
+from engine.worker.attention_metadata import AttentionMetadata
+from engine.worker.parallel import ParallelState
 
 
 class DecoderLayer(EngineModule):

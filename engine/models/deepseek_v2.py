@@ -27,7 +27,6 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.deepseek_config import MlaConfig, YarnScaling
 from engine.layers.attention import Attention
@@ -40,7 +39,8 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
 from engine.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from engine.models.checkpoint import load_named_weights
-from engine.parallel import ParallelState
+from engine.worker.attention_metadata import AttentionMetadata
+from engine.worker.parallel import ParallelState
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the default eps, not
 # rms_norm_eps.

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import Attention
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -24,7 +23,8 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import ShardId, WeightSource
 from engine.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from engine.models.checkpoint import load_named_weights
-from engine.parallel import ParallelState
+from engine.worker.attention_metadata import AttentionMetadata
+from engine.worker.parallel import ParallelState
 
 # (our merged module, the checkpoint's module, shard id)
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (

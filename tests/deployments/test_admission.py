@@ -9,7 +9,7 @@ import pytest
 
 from deployments.admission import AdmissionQueue, Grant, NeverFits, NoReplica, QueueFull, QueueTimeout
 from deployments.prefix_routing import PrefixAsk
-from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, PrefixReport, PrefixReporter, prompt_hashes
+from engine.core.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, PrefixReport, PrefixReporter, prompt_hashes
 
 
 def make_queue(capacities: dict[str, int], max_queued: int = 8) -> AdmissionQueue:

@@ -16,8 +16,8 @@ import pytest
 
 from deployments.admission import AdmissionQueue
 from deployments.prefix_routing import PrefixAsk
-from engine.block_manager import blocks_needed
-from engine.prefix_cache import CACHED, PINNED, PrefixReporter, chain_hashes, prompt_hashes
+from engine.core.block_manager import blocks_needed
+from engine.core.prefix_cache import CACHED, PINNED, PrefixReporter, chain_hashes, prompt_hashes
 from tests.deployments import virtual_time
 
 SEED = b"sim"

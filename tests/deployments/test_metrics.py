@@ -126,7 +126,7 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
 
     from deployments.admission import AdmissionQueue
     from deployments.prefix_routing import PrefixAsk
-    from engine.prefix_cache import CACHED, PrefixReporter, prompt_hashes
+    from engine.core.prefix_cache import CACHED, PrefixReporter, prompt_hashes
 
     metrics = AdmissionMetrics()
     calls: list[tuple[int, int]] = []

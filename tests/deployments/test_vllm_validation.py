@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deployments.app import build_app
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

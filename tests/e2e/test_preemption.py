@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, present, tiny_app_args
 

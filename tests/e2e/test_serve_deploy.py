@@ -105,7 +105,7 @@ def test_openai_client_completions_chat_and_streams(server: str) -> None:
 
 
 def test_greedy_output_equals_engine_llm(server: str, model_dir: Path) -> None:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     prompts = ["def hello", "import json\n"]

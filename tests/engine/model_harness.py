@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import Attention, KernelBackend
-from engine.loader import load_model
 from engine.models import CausalLM
-from engine.parallel import ParallelState, destroy_parallel_state, init_parallel_state
+from engine.worker.attention_metadata import AttentionMetadata
+from engine.worker.loader import load_model
+from engine.worker.parallel import ParallelState, destroy_parallel_state, init_parallel_state
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
 from tests.engine.llm_parts import engine_of
 
@@ -229,7 +229,7 @@ def dcp_capacity_and_concurrency(model_dir: Path, kv_cache_memory_bytes: int) ->
     requests of 100 + 28 tokens under admission "full" (the concurrency of sequences whose whole prompt +
     max_tokens fits), checking every step that reservations stay within the pool. Prefix caching off: every
     sequence holds KV of its own."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     long_request = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from engine.engine import LLMEngine
-from engine.llm import LLM
-from engine.outputs import ModelRunnerOutput
+from engine.core.engine import LLMEngine
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.request import RequestOutput
+from engine.core.step import SchedulerOutput
+from engine.frontend.llm import LLM
 from engine.protocol import TokenLogprob
-from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.step import SchedulerOutput
 from tests.engine.llm_parts import engine_of
 
 LOGPROB_ATOL = 1e-4  # fp32, as the model-vs-transformers tests (test_sampling_features.py)

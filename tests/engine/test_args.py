@@ -14,7 +14,7 @@ import pytest
 from cluster.cli import main as dcpserve_main
 from deployments.config import AppArgs, parse_args
 from engine.args import EngineArgs, cli_flags
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 
 FIELDS = dataclasses.fields(EngineArgs)
 ROOT = Path(__file__).resolve().parents[2]

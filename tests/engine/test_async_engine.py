@@ -9,9 +9,9 @@ import pytest
 
 from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
-from engine.llm import LLM
-from engine.request import RequestRejected
+from engine.core.request import RequestRejected
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
@@ -91,8 +91,8 @@ def test_never_fits_raises_before_anything_is_queued(tiny: Path) -> None:
 def test_a_request_that_cannot_be_scheduled_does_not_busy_loop(tiny: Path) -> None:
     """Waiting requests that nothing can run (here: every KV block held elsewhere) make the loop wait for an add,
     an abort or IDLE_RETRY_S, not step again at once; the request runs as soon as KV frees up."""
-    from engine.core import IDLE_RETRY_S
-    from engine.request import Request
+    from engine.core.core import IDLE_RETRY_S
+    from engine.core.request import Request
 
     async def main() -> None:
         engine = AsyncEngine(EngineArgs(str(tiny), kv_cache_memory_bytes=64 * 1024).create_engine_config())

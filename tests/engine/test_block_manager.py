@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, blocks_needed, num_blocks_for_budget
-from engine.request import Request
+from engine.core.block_manager import BlockManager, blocks_needed, num_blocks_for_budget
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 

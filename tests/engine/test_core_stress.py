@@ -2,10 +2,11 @@
 aborts, finishes on EOS and on max_tokens, and hits and evicts the prefix cache.
 
 Only the public API is used (construct, submit / generate, abort, kv_ledger, admission_need, stats, prefix_report,
-snapshot, shutdown). Before the engine core (engine/core.py), the event loop read the scheduler while a worker thread
-stepped it: on that code this test failed every run, 41-78 `RuntimeError: dictionary changed size during iteration`
-from kv_ledger() per 20 s, and once a false PrefixCacheCorruption (a block named in the cache before its token ids
-were recorded, read from the other thread in between). With the core, the front reads only immutable snapshots.
+snapshot, shutdown). Before the engine core (engine/core/core.py), the event loop read the scheduler while a worker
+thread stepped it: on that code this test failed every run, 41-78 `RuntimeError: dictionary changed size during
+iteration` from kv_ledger() per 20 s, and once a false PrefixCacheCorruption (a block named in the cache before its
+token ids were recorded, read from the other thread in between). With the core, the front reads only immutable
+snapshots.
 
 For STRESS_SECONDS the load keeps 16-32 requests in flight over a KV pool far too small for them (usage admission,
 prefix caching on): random prompt lengths, most cut from a few shared bases (cache hits, and evictions as the pool
@@ -54,8 +55,8 @@ import pytest
 
 from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
-from engine.prefix_cache import CACHED, PINNED, PrefixReport
+from engine.core.prefix_cache import CACHED, PINNED, PrefixReport
+from engine.frontend.async_engine import AsyncEngine
 from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
 
@@ -288,7 +289,7 @@ async def _stress(tiny: Path, seed: int, burst: int = QUERY_BURST) -> tuple[Fail
         tally.max_used = max(tally.max_used, ledger.used_blocks)
         tally.max_per_request = max(tally.max_per_request, len(per))
 
-    def check_snapshot(snap) -> None:  # engine.core.CoreSnapshot: ledger, stats and request states at one instant
+    def check_snapshot(snap) -> None:  # engine.core.core.CoreSnapshot: ledger, stats and request states at one instant
         tally.snapshots += 1
         unfinished = snap.running | snap.waiting
         if set(snap.ledger.per_request) != unfinished:
@@ -333,7 +334,7 @@ async def _stress(tiny: Path, seed: int, burst: int = QUERY_BURST) -> tuple[Fail
                 failures.add(f"stats: {name} went back", f"{previous_counters[name]} -> {value}")
             previous_counters[name] = value
 
-    def check_report(report) -> None:  # engine.prefix_cache.PrefixReport | None
+    def check_report(report) -> None:  # engine.core.prefix_cache.PrefixReport | None
         if report is None:
             failures.add("prefix_report: None with prefix caching on", "")
             return
@@ -354,7 +355,7 @@ async def _stress(tiny: Path, seed: int, burst: int = QUERY_BURST) -> tuple[Fail
             check_ledger(engine.kv_ledger())
         except Exception as err:  # noqa: BLE001
             failures.exception("kv_ledger()", err)
-        if hasattr(engine, "snapshot"):  # the engine core's snapshots (engine.core)
+        if hasattr(engine, "snapshot"):  # the engine core's snapshots (engine.core.core)
             try:
                 check_snapshot(engine.snapshot())
             except Exception as err:  # noqa: BLE001

@@ -1,5 +1,5 @@
-"""Decode CUDA graphs (engine/cuda_graphs.py): the fixed buffers, padding to the captured sizes and the output rows,
-exercised on CPU through `emulated_capture` (a graph's contract: an output fixed at capture, rewritten from the
+"""Decode CUDA graphs (engine/worker/cuda_graphs.py): the fixed buffers, padding to the captured sizes and the output
+rows, exercised on CPU through `emulated_capture` (a graph's contract: an output fixed at capture, rewritten from the
 buffers by each replay), against the eager engine on the same weights. The CUDA capture itself needs a GPU; so does
 the test at the end, which runs there."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cluster.tiny_model import write_tiny_model
-from engine.cuda_graphs import Capture, DecodeGraphs, emulated_capture
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.worker.cuda_graphs import Capture, DecodeGraphs, emulated_capture
 from tests.engine.llm_parts import engine_of, runner_of
 
 SIZES = (1, 2, 4, 8)
@@ -109,7 +109,7 @@ def test_a_failed_or_wrong_capture_leaves_decode_eager(tiny: Path, caplog: pytes
 
     with _llm(tiny) as llm:
         runner = runner_of(llm)
-        with caplog.at_level(logging.ERROR, logger="engine.model_runner"):
+        with caplog.at_level(logging.ERROR, logger="engine.worker.model_runner"):
             runner.capture_decode_graphs(failing)
             assert runner.decode_graphs is None and "capture not permitted" in caplog.text
             caplog.clear()
@@ -147,6 +147,6 @@ def test_moe_models_stay_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     from cluster.tiny_model import write_tiny_mla_model
 
     with LLM(write_tiny_mla_model(tmp_path / "mla", seed=0), kv_cache_memory_bytes=1 << 20) as llm:
-        with caplog.at_level(logging.DEBUG, logger="engine.model_runner"):
+        with caplog.at_level(logging.DEBUG, logger="engine.worker.model_runner"):
             runner_of(llm).capture_decode_graphs(emulated_capture)
         assert runner_of(llm).decode_graphs is None and "MoE layers" in caplog.text

@@ -1,5 +1,5 @@
 """One protocol-level suite, run against both engine backends (engine.protocol.EngineClient): the native engine
-here, vLLM's AsyncLLM behind engine.vllm_engine in `make test-vllm` (the real CPU wheel, no mock).
+here, vLLM's AsyncLLM behind engine.backends.vllm.engine in `make test-vllm` (the real CPU wheel, no mock).
 
 What the serving layer relies on: greedy tokens equal transformers' on the same random weights, the KV ledger in
 logical blocks (capacity, per-request commitments, KvFull when full), abort frees the request inside the engine,
@@ -280,7 +280,7 @@ def test_a_seeded_prompt_longer_than_the_token_budget(backend: str, tiny: Path) 
 def test_llm_with_the_vllm_backend_generates_transformers_greedy_tokens(tp: int, tiny: Path, hf_expected) -> None:
     """LLM(..., backend="vllm"): vLLM's multiprocessing executor on CPU at tp=1 and tp=2 (the native engine's tokens
     are the same: the native cases above and tests/engine/test_ray_executor.py check them against transformers)."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     llm = LLM(tiny, backend="vllm", tensor_parallel_size=tp, dtype="float32", block_size=BLOCK_SIZE,
               kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, device="cpu")

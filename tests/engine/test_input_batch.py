@@ -1,5 +1,5 @@
-"""The incremental step protocol: a rank's persistent batch (engine/input_batch.py), fed only what changed each step,
-builds exactly the inputs a full rebuild from every request's whole block table builds, whatever the sequence of
+"""The incremental step protocol: a rank's persistent batch (engine/worker/input_batch.py), fed only what changed each
+step, builds exactly the inputs a full rebuild from every request's whole block table builds, whatever the sequence of
 adds, finishes, preemptions and aborts; and what a step sends does not grow with the context."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.input_batch import InputBatch, StepInputs, rebuild_step_inputs
-from engine.request import Request
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.worker.input_batch import InputBatch, StepInputs, rebuild_step_inputs
 
 EOS = 0
 MAX_MODEL_LEN = 96

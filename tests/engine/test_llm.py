@@ -10,8 +10,8 @@ import torch
 
 from cluster.tiny_model import TinyModelSpec, write_tiny_model
 from engine.args import EngineArgs
-from engine.llm import LLM
-from engine.request import RequestRejected
+from engine.core.request import RequestRejected
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.llm_parts import engine_of, runner_of
 

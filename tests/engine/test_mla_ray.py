@@ -12,7 +12,7 @@ import torch
 
 from cluster.tiny_model import write_tiny_mla_model
 from engine.config import ModelConfig
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.llm_parts import engine_of
 from tests.engine.model_harness import dcp_capacity_and_concurrency

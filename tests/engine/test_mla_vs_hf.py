@@ -26,9 +26,9 @@ from cluster.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from engine.config import ModelConfig, ParallelConfig
 from engine.layers.attention import KernelBackend
 from engine.layers.moe import TopKRouter
-from engine.loader import load_model
 from engine.models import DeepseekV2ForCausalLM
-from engine.parallel import ParallelState
+from engine.worker.loader import load_model
+from engine.worker.parallel import ParallelState
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 from tests.engine.test_model_vs_hf import BLOCK_SIZE, VOCAB, check_against_hf, prompt
 

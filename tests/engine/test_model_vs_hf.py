@@ -2,7 +2,7 @@
 
 Tiny random checkpoints (Llama MQA; Llama GQA with q/k/v/o bias and llama3 RoPE scaling; Qwen2 with q/k/v bias,
 tied embeddings and a sharded checkpoint; Qwen3 with q/k norm and head_dim != hidden / heads; vocab 301, so
-every TP size pads the vocabulary) are saved with save_pretrained, loaded through engine.loader and driven
+every TP size pads the vocabulary) are saved with save_pretrained, loaded through engine.worker.loader and driven
 through paged KV caches with hand-built AttentionMetadata (tests/engine/model_harness.py): chunked prefill, then
 32 greedy decode steps, for one batch mixing prompts of 1 token, exactly one logical block, a short one and two
 of several logical blocks (decodes and prefill chunks in the same step). tp = 1 runs in this process; tp > 1
@@ -29,8 +29,8 @@ from engine.config import ModelConfig, ParallelConfig, RopeScaling
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.weights import TensorSource
-from engine.loader import load_model
-from engine.parallel import ParallelState
+from engine.worker.loader import load_model
+from engine.worker.parallel import ParallelState
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 
 BLOCK_SIZE = 4

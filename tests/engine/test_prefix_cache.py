@@ -18,13 +18,13 @@ from typing import Any, Literal
 import pytest
 import torch
 
-import engine.block_manager as block_manager_module
+import engine.core.block_manager as block_manager_module
 from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
-from engine.block_manager import BlockManager, PrefixCacheCorruption
-from engine.engine import LLMEngine
-from engine.llm import LLM
-from engine.request import Request
+from engine.core.block_manager import BlockManager, PrefixCacheCorruption
+from engine.core.engine import LLMEngine
+from engine.core.request import Request
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.llm_parts import engine_of
 from tests.engine.prefix_harness import (

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.prefix_cache import CACHED, PINNED, PrefixIndex, chain_hashes, max_hit_blocks, prompt_hashes
-from engine.request import Request, RequestStatus
+from engine.core.block_manager import BlockManager
+from engine.core.prefix_cache import CACHED, PINNED, PrefixIndex, chain_hashes, max_hit_blocks, prompt_hashes
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 SEED = b"test-seed"
 

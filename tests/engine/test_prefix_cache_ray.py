@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 from cluster.tiny_model import write_tiny_model
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from tests.engine.llm_parts import engine_of
 from tests.engine.prefix_harness import (
     check_preempted_request_hits_its_own_blocks,

@@ -1,5 +1,6 @@
-"""The driver <-> rank step channel (engine.rank_channel) over real loopback sockets, without Ray: frames of every
-size arrive whole and in order, a closed peer is EOF, and only holders of the group's key get through the handshake."""
+"""The driver <-> rank step channel (engine.worker.rank_channel) over real loopback sockets, without Ray: frames of
+every size arrive whole and in order, a closed peer is EOF, and only holders of the group's key get through the
+handshake."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.rank_channel import SMALL_FRAME_BYTES, ChannelAuthError, ChannelListener, FrameSocket, connect_rank
+from engine.worker.rank_channel import SMALL_FRAME_BYTES, ChannelAuthError, ChannelListener, FrameSocket, connect_rank
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 
 from cluster.tiny_model import write_tiny_model
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.llm_parts import engine_of
 from tests.engine.model_harness import dcp_capacity_and_concurrency, hf_greedy

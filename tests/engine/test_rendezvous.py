@@ -1,4 +1,4 @@
-"""A worker group's rendezvous (engine/parallel.py): the store listens on the address it was given, not on every
+"""A worker group's rendezvous (engine/worker/parallel.py): the store listens on the address it was given, not on every
 interface, and the helpers around it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from engine.parallel import Rendezvous, interface_with_address, parse_tcp_init_method
+from engine.worker.parallel import Rendezvous, interface_with_address, parse_tcp_init_method
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from cluster.tiny_model import BOS_TOKEN, write_tiny_model
-from engine.llm import LLM
+from engine.core.request import RequestOutput
+from engine.frontend.llm import LLM
 from engine.protocol import TokenLogprob
-from engine.request import RequestOutput
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import TextStream, load_tokenizer
 from tests.engine.llm_parts import engine_of
@@ -315,7 +315,7 @@ def test_batched_filtering_equals_the_row_by_row_filter_bit_for_bit(trial: int) 
     requests would draw other tokens than before."""
     import random
 
-    from engine.sampler import filter_logits, filter_logits_batch
+    from engine.worker.sampler import filter_logits, filter_logits_batch
 
     rng = random.Random(trial)
     rows, vocab = rng.randrange(1, 9), rng.choice([7, 512, 1000])

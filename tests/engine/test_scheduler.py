@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestRejected, RequestStatus
+from engine.core.block_manager import BlockManager
+from engine.core.request import FinishReason, Request, RequestRejected, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.step import SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step import SchedulerOutput
 
 EOS = 0
 

@@ -1,9 +1,9 @@
 """Prefix caching on the vLLM backend: vLLM caches, this replica reports and counts what it caches.
 
-The first part drives engine.vllm_prefix.VllmPrefixCache with vLLM's events by hand (no vLLM needed): our hashes for
-vLLM's blocks, copies, removals, lost events, PINNED / CACHED by the requests held, each shared block charged once.
-The `vllm` part runs vLLM's AsyncLLM (the CPU wheel, `make test-vllm`): a repeated prompt is served from vLLM's
-cache and reported under exactly the hashes the app computes (engine.prefix_cache.prompt_hashes), a concurrent
+The first part drives engine.backends.vllm.prefix.VllmPrefixCache with vLLM's events by hand (no vLLM needed): our
+hashes for vLLM's blocks, copies, removals, lost events, PINNED / CACHED by the requests held, each shared block charged
+once. The `vllm` part runs vLLM's AsyncLLM (the CPU wheel, `make test-vllm`): a repeated prompt is served from vLLM's
+cache and reported under exactly the hashes the app computes (engine.core.prefix_cache.prompt_hashes), a concurrent
 request sharing a prefix sees it PINNED and the ledger counts the shared blocks once, evictions are reported, greedy
 tokens are the same with the cache off, and the configurations vLLM would quietly run uncached are refused at deploy.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from engine.args import EngineArgs
-from engine.block_manager import admission_blocks
-from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, chain_hashes, prompt_hashes
+from engine.backends.vllm.prefix import HeldRequest, VllmPrefixCache
+from engine.core.block_manager import admission_blocks
+from engine.core.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, chain_hashes, prompt_hashes
 from engine.sampling_params import SamplingParams
-from engine.vllm_prefix import HeldRequest, VllmPrefixCache
 
 TPB = 4  # tokens per block in the hand-driven tests
 SEED = b"seed"
@@ -329,7 +329,7 @@ def test_evictions_are_reported(cached, tiny: Path) -> None:
 @pytest.mark.vllm
 def test_configurations_vllm_would_run_uncached_are_refused_at_deploy(tiny: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.vllm_args as vllm_args
+    import engine.backends.vllm.args as vllm_args
     from cluster.tiny_model import write_tiny_mla_model
 
     with pytest.raises(ValueError, match=r"enable_prefix_caching caches full logical blocks of block_size \* dcp = "

@@ -1,6 +1,7 @@
-"""engine/vllm_reaper.py: the processes a replica started (vLLM's engine core and its workers) end when the replica
-is SIGKILLed, SIGTERM first and SIGKILL for those that ignore it; a graceful close leaves nothing to do; a pid whose
-start time differs (reused) is never signalled. Plain processes stand in for vLLM's: the watcher knows only pids."""
+"""engine/backends/vllm/reaper.py: the processes a replica started (vLLM's engine core and its workers) end when the
+replica is SIGKILLed, SIGTERM first and SIGKILL for those that ignore it; a graceful close leaves nothing to do; a pid
+whose start time differs (reused) is never signalled. Plain processes stand in for vLLM's: the watcher knows only
+pids."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.vllm_reaper import GRACE_S, EngineCoreReaper, _reap, descendants, start_time
+from engine.backends.vllm.reaper import GRACE_S, EngineCoreReaper, _reap, descendants, start_time
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the reaper reads /proc (Linux)")
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="th
 # reaper, prints the pids, then waits to be killed.
 REPLICA = """
 import os, subprocess, sys, time
-from engine.vllm_reaper import EngineCoreReaper, descendants
+from engine.backends.vllm.reaper import EngineCoreReaper, descendants
 core = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)")
 subprocess.Popen([sys.executable, "-c", core])
@@ -89,7 +90,7 @@ VLLM_REPLICA = """
 import asyncio, os, sys, time
 from engine.args import EngineArgs
 from engine.backends import start_engine
-from engine.vllm_reaper import descendants
+from engine.backends.vllm.reaper import descendants
 
 async def start():
     return start_engine(EngineArgs(sys.argv[1], backend="vllm", dtype="float32", device="cpu", block_size=32,
@@ -138,10 +139,10 @@ VLLM_FAILING_SHUTDOWN = """
 import asyncio, os, sys
 import psutil, vllm.v1.utils
 from multiprocessing import resource_tracker
-from engine import vllm_engine
+import engine.backends.vllm.engine as vllm_engine
 from engine.args import EngineArgs
 from engine.backends import start_engine
-from engine.vllm_reaper import descendants, start_time
+from engine.backends.vllm.reaper import descendants, start_time
 
 def racing_kill_process_tree(pid):
     print("FORCED", pid, flush=True)

@@ -21,11 +21,11 @@ import pytest
 
 from cluster.tiny_model import TinyModelSpec, write_tiny_model
 from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
-from engine.llm import LLM
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.llm import LLM
 from engine.protocol import EngineDeadError
-from engine.ray_executor import PING_TIMEOUT_S, RayWorkerGroup, WorkerGroupError
 from engine.sampling_params import SamplingParams
+from engine.worker.ray_executor import PING_TIMEOUT_S, RayWorkerGroup, WorkerGroupError
 from tests.engine.llm_parts import engine_of, worker_group_of
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]

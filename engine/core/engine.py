@@ -2,7 +2,7 @@
 
 LLMEngine owns the scheduler (and its block manager), the executor (in-process runner or Ray worker group)
 and per-request detokenization with stop strings. It is not thread-safe: exactly one thread drives it, LLM's
-(batch) or the engine core's (engine.core, under AsyncEngine for serving).
+(batch) or the engine core's (engine.core.core, under AsyncEngine for serving).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import time
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.executor import Executor, create_executor
-from engine.outputs import ModelRunnerOutput
-from engine.prefix_cache import PrefixReport
+from engine.core.block_manager import BlockManager
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.prefix_cache import PrefixReport
+from engine.core.request import FinishReason, Request, resolve_prompt_token_ids
+from engine.core.scheduler import Scheduler
+from engine.core.step import SchedulerOutput
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
-from engine.request import FinishReason, Request, resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step import SchedulerOutput
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
+from engine.worker.executor import Executor, create_executor
 from kernels import dcp_local_seq_lens
 
 # Set (to anything but 0) to keep every cached block's token ids and compare them on each prefix cache hit: a hash

@@ -2,8 +2,10 @@
 `validate_engine_args` checks up front what would stop it from starting, `model_limits` gives the serving front
 what it needs to check and count a request before any replica sees it.
 
-engine.protocol defines the protocol and imports no implementation; this module is the one place that knows them
-(each imported only when chosen: the vLLM adapter needs vLLM).
+engine.protocol defines the protocol and imports no implementation; this package is the one place that knows them
+(each imported only when chosen: the vLLM adapter needs vLLM). It holds the vLLM adapter (engine.backends.vllm); this
+module may import engine's top-level modules at the top, and the backends themselves (engine.frontend.async_engine,
+engine.backends.vllm) only inside the function that starts or validates the one chosen.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def validate_engine_args(args: EngineArgs, device: str) -> None:
     if args.backend == "native":
         args.create_engine_config()
     elif args.backend == "vllm":
-        from engine.vllm_args import validate_vllm_args
+        from engine.backends.vllm.args import validate_vllm_args
 
         validate_vllm_args(args, device)
     else:
@@ -64,11 +66,11 @@ def start_engine(args: EngineArgs, on_step: Callable[[EngineStats], None] | None
     """Starts the backend `args.backend` names (blocking: loads weights, sizes the KV cache). on_step(stats), when
     given, runs on the event loop after every engine step."""
     if args.backend == "native":
-        from engine.async_engine import AsyncEngine
+        from engine.frontend.async_engine import AsyncEngine
 
         return AsyncEngine(args.create_engine_config(), on_step)
     if args.backend == "vllm":
-        from engine.vllm_engine import VllmEngine
+        from engine.backends.vllm.engine import VllmEngine
 
         return VllmEngine(args, on_step)
     raise ValueError(f"backend must be 'native' or 'vllm', got {args.backend!r}")

@@ -1,6 +1,6 @@
 """asyncio front of the engine core, for the serving layer.
 
-The core (engine.core.EngineCore, a thread of its own) alone owns the LLMEngine: its scheduler, block manager,
+The core (engine.core.core.EngineCore, a thread of its own) alone owns the LLMEngine: its scheduler, block manager,
 prefix cache and executor. This front, on the replica's event loop, only sends it typed inputs (add, abort, queries)
 and takes its output batches: token deltas go to one asyncio.Queue per request, admissions and query replies to the
 futures awaiting them, and each batch's snapshot becomes what kv_ledger() and stats() return. A stream whose
@@ -15,9 +15,9 @@ import itertools
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from engine.block_manager import admission_blocks
 from engine.config import EngineConfig
-from engine.core import (
+from engine.core.block_manager import admission_blocks
+from engine.core.core import (
     AbortRequest,
     AddRequest,
     Admission,
@@ -32,10 +32,10 @@ from engine.core import (
     query_error,
     snapshot,
 )
-from engine.engine import LLMEngine
-from engine.prefix_cache import PrefixReport
+from engine.core.engine import LLMEngine
+from engine.core.prefix_cache import PrefixReport
+from engine.core.request import Request
 from engine.protocol import EngineDeadError, EngineStats, KvLedger, RequestDelta
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 

@@ -1,7 +1,7 @@
 """The engine core: one thread that alone owns a replica's LLMEngine (scheduler, block manager, prefix cache,
 executor) and runs its steps.
 
-Nothing else reads or writes that state. The serving front (engine.async_engine.AsyncEngine, on the replica's
+Nothing else reads or writes that state. The serving front (engine.frontend.async_engine.AsyncEngine, on the replica's
 event loop) talks to the core only through typed messages: `AddRequest`, `AbortRequest`, the queries
 (`AdmissionNeedQuery`, `PrefixReportQuery`, `CallQuery`) and `Shutdown` go in through one queue; `CoreOutputs`
 come back, one batch per step (every request's new tokens, logprobs and finish reason) or per batch of inputs
@@ -27,9 +27,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.request import Request
 from engine.protocol import EngineStats, KvFull, KvLedger, RequestDelta
-from engine.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager, BlockUsage, check_fits, headroom_blocks
 from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestStatus
-from engine.step import ScheduledRequest, SchedulerOutput
+from engine.core.block_manager import BlockManager, BlockUsage, check_fits, headroom_blocks
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.step import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)

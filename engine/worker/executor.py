@@ -7,9 +7,9 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput
-from engine.parallel import ParallelState
-from engine.step import SchedulerOutput
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.step import SchedulerOutput
+from engine.worker.parallel import ParallelState
 
 
 class Executor(Protocol):
@@ -32,7 +32,7 @@ class InProcessExecutor:
     """tp = 1: one model runner in this process, no Ray and no torch.distributed."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.model_runner import ModelRunner
+        from engine.worker.model_runner import ModelRunner
 
         parallel = ParallelState.single(config.model_config.num_key_value_heads)
         self.runner = ModelRunner(config, parallel, torch.device(config.device))
@@ -59,6 +59,6 @@ def create_executor(config: EngineConfig) -> Executor:
     """The in-process runner for tp = 1; the Ray worker group (imported only then) for tp > 1."""
     if config.parallel.tp == 1:
         return InProcessExecutor(config)
-    from engine.ray_executor import RayWorkerGroup
+    from engine.worker.ray_executor import RayWorkerGroup
 
     return RayWorkerGroup.in_current_placement(config)

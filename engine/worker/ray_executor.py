@@ -8,8 +8,8 @@ listens on from the moment it is chosen), so several groups share a host, and no
 
 Steps do not go through Ray tasks. Once the ranks hold their KV cache, each runs one long call, `serve_steps`, on a
 thread of its own (the actor's "steps" concurrency group), connected to the driver by an authenticated TCP step
-channel (engine.rank_channel). Every step the driver pickles the step (an opaque SchedulerOutput) once, sends it to
-every rank, and waits on all channels at once; rank 0 replies with its ModelRunnerOutput, the others with None, each
+channel (engine.worker.rank_channel). Every step the driver pickles the step (an opaque SchedulerOutput) once, sends it
+to every rank, and waits on all channels at once; rank 0 replies with its ModelRunnerOutput, the others with None, each
 with its DCP exchange seconds. Ping and shutdown run on the actor's default thread, during a step too.
 
 Failures: a rank whose step raises replies with the traceback, and a rank whose process dies closes its channel;
@@ -40,9 +40,9 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput
-from engine.rank_channel import ChannelListener, FrameSocket, connect_rank
-from engine.step import SchedulerOutput
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.step import SchedulerOutput
+from engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
 
 PING_TIMEOUT_S = 10.0  # check_health: a rank that does not answer a ping within this is reported (Serve: 30 s)
 LIVENESS_PERIOD_S = 1.0  # a step without replies for this long checks that every rank's step loop still runs
@@ -80,21 +80,21 @@ class RankWorker:
         self.rank = rank
         self.runner: Any = None
         self.parallel: Any = None
-        self.rendezvous: Any = None  # engine.parallel.Rendezvous, on rank 0 between rendezvous_address and init
+        self.rendezvous: Any = None  # engine.worker.parallel.Rendezvous, on rank 0 between rendezvous_address and init
 
     def rendezvous_address(self) -> str:
         """tcp://this-node:port for the group's rendezvous, which this rank (0) hosts: the port listens on this
         node's address (as Ray reports it: 127.0.0.1 on a local cluster) from now until init() hands it to the
         group's store."""
-        from engine.parallel import Rendezvous
+        from engine.worker.parallel import Rendezvous
 
         self.rendezvous = Rendezvous(ray.util.get_node_ip_address())
         return self.rendezvous.init_method
 
     def init(self, init_method: str, cpu_threads: int) -> int:
         """Joins the process group, loads this rank's weights; returns the KV pages this rank could hold."""
-        from engine.model_runner import ModelRunner
-        from engine.parallel import init_parallel_state
+        from engine.worker.model_runner import ModelRunner
+        from engine.worker.parallel import init_parallel_state
 
         use_cuda = self.config.device.startswith("cuda") and torch.cuda.is_available()
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -148,7 +148,7 @@ class RankWorker:
         return self.rank
 
     def shutdown(self) -> None:
-        from engine.parallel import destroy_parallel_state
+        from engine.worker.parallel import destroy_parallel_state
 
         if self.parallel is not None:
             destroy_parallel_state(self.parallel)

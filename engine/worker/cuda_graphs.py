@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, no_prefill_tensors
+from engine.worker.attention_metadata import AttentionMetadata, no_prefill_tensors
 
 logger = logging.getLogger(__name__)
 

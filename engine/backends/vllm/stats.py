@@ -1,5 +1,5 @@
-"""What vLLM's stat-logger hook reports, kept for the vLLM backend's EngineStats (engine/vllm_engine.py): running and
-waiting requests, KV usage, preemptions, token and prefix-cache counters, the step time."""
+"""What vLLM's stat-logger hook reports, kept for the vLLM backend's EngineStats (engine/backends/vllm/engine.py):
+running and waiting requests, KV usage, preemptions, token and prefix-cache counters, the step time."""
 
 from __future__ import annotations
 

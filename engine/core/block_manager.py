@@ -11,8 +11,8 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.prefix_cache import CACHED, EVICTED, PINNED, PrefixReporter, chain_hashes, max_hit_blocks
-from engine.request import Request, RequestRejected
+from engine.core.prefix_cache import CACHED, EVICTED, PINNED, PrefixReporter, chain_hashes, max_hit_blocks
+from engine.core.request import Request, RequestRejected
 
 
 def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
@@ -94,7 +94,7 @@ class PrefixCacheCorruption(RuntimeError):
 class BlockManager:
     """Hands out logical blocks; tracks what admission promised so that a promise can always be kept.
 
-    With prefix caching a full block whose KV is computed is named by its chained hash (engine.prefix_cache) and
+    With prefix caching a full block whose KV is computed is named by its chained hash (engine.core.prefix_cache) and
     stays in the cache when its requests finish: reference count 0, evictable in LRU order, counted as free. A new
     request starts from the longest cached run of its blocks (`admit`); blocks are shared, never written twice (a
     request only hits blocks before its last token and computes from the first block it did not hit) and never

@@ -1,9 +1,9 @@
 """One rank's model, KV cache shard and persistent batch.
 
 execute() applies a SchedulerOutput (only what changed since the last step) to the rank's persistent batch
-(engine/input_batch.py), which builds the step's tensors (token ids, positions, this rank's AttentionMetadata); it
-runs the model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence; for requests
-that asked for prompt logprobs every rank also runs the vocab-parallel LM head over their prompt rows, and the
+(engine/worker/input_batch.py), which builds the step's tensors (token ids, positions, this rank's AttentionMetadata);
+it runs the model, and on the driver rank (TP rank 0) samples the rows that reached the end of their sequence; for
+requests that asked for prompt logprobs every rank also runs the vocab-parallel LM head over their prompt rows, and the
 driver returns their logprobs with the step's tokens (ModelRunnerOutput). Every rank of a worker group runs
 execute() with the same SchedulerOutput; only the slot mapping and local lengths differ.
 The model runner never changes scheduler state.
@@ -15,19 +15,19 @@ import logging
 
 import torch
 
-from engine.block_manager import blocks_needed, num_blocks_for_budget
 from engine.config import EngineConfig
-from engine.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
-from engine.input_batch import InputBatch
+from engine.core.block_manager import blocks_needed, num_blocks_for_budget
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.step import ScheduledRequest, SchedulerOutput
 from engine.layers.moe import DeepseekMoE
-from engine.loader import load_model
-from engine.outputs import ModelRunnerOutput
-from engine.parallel import ParallelState
 from engine.protocol import TokenLogprob
-from engine.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
 from engine.sampling_params import SamplingParams
-from engine.step import ScheduledRequest, SchedulerOutput
-from engine.step_timer import ExchangeTimer
+from engine.worker.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
+from engine.worker.input_batch import InputBatch
+from engine.worker.loader import load_model
+from engine.worker.parallel import ParallelState
+from engine.worker.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
+from engine.worker.step_timer import ExchangeTimer
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def capture_decode_graphs(self, capture: Capture | None = None) -> None:
-        """Captures the decode forward in CUDA graphs (engine/cuda_graphs.py), once the final KV cache is allocated
-        (the graphs hold its addresses). Off with enforce_eager, off CUDA (unless a `capture` is given: the tests
-        emulate one on CPU), at tp > 1 and for models with MoE layers. A capture that fails, or whose replay
+        """Captures the decode forward in CUDA graphs (engine/worker/cuda_graphs.py), once the final KV cache is
+        allocated (the graphs hold its addresses). Off with enforce_eager, off CUDA (unless a `capture` is given: the
+        tests emulate one on CPU), at tp > 1 and for models with MoE layers. A capture that fails, or whose replay
         disagrees with the eager forward, logs the error and leaves decode eager."""
         self.decode_graphs = None
         why_not = None

@@ -10,9 +10,9 @@ from types import TracebackType
 from typing import Any
 
 from engine.args import EngineArgs
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.request import CompletionOutput, RequestOutput
 from engine.protocol import RequestDelta, TokenLogprob
-from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -44,7 +44,7 @@ class _Collected:
 
 class LLM:
     """Generates for a batch of prompts on one replica: the native engine (tp = 1 in process; tp > 1 on a Ray worker
-    group) or, with backend="vllm", vLLM's engine behind engine.vllm_engine."""
+    group) or, with backend="vllm", vLLM's engine behind engine.backends.vllm.engine."""
 
     def __init__(self, model: str | Path, **engine_args: Any) -> None:
         """`engine_args` are EngineArgs' fields by keyword (engine/args.py); an unknown one is a TypeError that
@@ -52,10 +52,10 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         self.engine: LLMEngine | None = None
         self._ids = itertools.count()
-        self._vllm: Any = None  # engine.vllm_engine.VllmEngine, on an event loop of this LLM's own
+        self._vllm: Any = None  # engine.backends.vllm.engine.VllmEngine, on an event loop of this LLM's own
         self._loop: asyncio.AbstractEventLoop | None = None
         if self.engine_args.backend == "vllm":
-            from engine.vllm_engine import VllmEngine
+            from engine.backends.vllm.engine import VllmEngine
 
             self._loop = asyncio.new_event_loop()
 

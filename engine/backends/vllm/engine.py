@@ -11,17 +11,17 @@ engine (engine.protocol.EngineClient), so admission, routing, autoscaling and me
   "usage" commits prompt + outputs so far plus the headroom, and vLLM preempts (recomputes) when decode runs out,
   as the native engine does.
 - Running / waiting / KV usage / preemptions / prefix cache queries and hits come from a vLLM stat logger of ours
-  (engine/vllm_stats.py: `StatsRecorder`).
+  (engine/backends/vllm/stats.py: `StatsRecorder`).
 - Prefix caching is vLLM's own. Which blocks it caches we learn from its KV cache events: its engine core (another
-  process) publishes them over ZeroMQ to a SUB socket of ours bound on loopback (engine/vllm_prefix.py:
-  `KvEventSubscriber`), and `VllmPrefixCache` names each stored block with our chained hash (engine.prefix_cache:
+  process) publishes them over ZeroMQ to a SUB socket of ours bound on loopback (engine/backends/vllm/prefix.py:
+  `KvEventSubscriber`), and `VllmPrefixCache` names each stored block with our chained hash (engine.core.prefix_cache:
   vLLM's block of block_size * dcp tokens is our logical block) for the PrefixReports the app routes by, and for the
   ledger, which charges a cached block shared by several requests held here to one of them only.
 - Executors: on CPU vLLM's multiprocessing executor, one core per TP rank (VLLM_CPU_OMP_THREADS_BIND); on CUDA with
   tp > 1 vLLM's Ray executor in the replica's own placement group (one {GPU: 1} bundle per TP rank).
 
-vllm is imported only here, in engine/vllm_args.py (its arguments and pre-start checks) and in engine/vllm_prefix.py
-(its KV events), and only when a vLLM engine is started or validated.
+vllm is imported only here, in engine/backends/vllm/args.py (its arguments and pre-start checks) and in
+engine/backends/vllm/prefix.py (its KV events), and only when a vLLM engine is started or validated.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ import os
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
-from engine.prefix_cache import PrefixReport
+from engine.backends.vllm.args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
+from engine.backends.vllm.prefix import HeldRequest, KvEventSubscriber, VllmPrefixCache
+from engine.backends.vllm.reaper import EngineCoreReaper, descendants
+from engine.backends.vllm.stats import StatsRecorder, stat_logger_factory
+from engine.core.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
+from engine.core.prefix_cache import PrefixReport
+from engine.core.request import resolve_prompt_token_ids
 from engine.protocol import EngineDeadError, EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
-from engine.request import resolve_prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
-from engine.vllm_args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
-from engine.vllm_prefix import HeldRequest, KvEventSubscriber, VllmPrefixCache
-from engine.vllm_reaper import EngineCoreReaper, descendants
-from engine.vllm_stats import StatsRecorder, stat_logger_factory
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs

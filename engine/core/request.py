@@ -73,8 +73,8 @@ class Request:
     all_token_ids: list[int] = field(init=False, repr=False)
     # how many of block_ids the ranks have been sent since they last (re)learned this request
     num_block_ids_sent: int = field(default=0, repr=False)
-    # Prefix caching (engine.block_manager): the hashes of the request's full blocks computed so far, how many of its
-    # blocks are named in the cache, and how many of the blocks it holds are charged to it (the others to another
+    # Prefix caching (engine.core.block_manager): the hashes of the request's full blocks computed so far, how many of
+    # its blocks are named in the cache, and how many of the blocks it holds are charged to it (the others to another
     # request holding the same cached blocks).
     block_hashes: list[int] = field(default_factory=list, repr=False)
     num_cached_blocks: int = field(default=0, repr=False)

@@ -21,7 +21,8 @@ VLLM_VERSION = "0.32.0"
 CPU_BLOCK_MULTIPLE = 32
 # KV per rank on CPU when no kv_cache_memory_bytes is given (the native engine's CacheConfig default).
 CPU_DEFAULT_KV_BYTES = 128 << 20
-# Where vLLM's engine core publishes its KV cache events (engine.vllm_engine subscribes): a loopback address only.
+# Where vLLM's engine core publishes its KV cache events (engine.backends.vllm.engine subscribes): a loopback address
+# only.
 KV_EVENTS_HOST = "127.0.0.1"
 
 
@@ -201,8 +202,8 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
         "seed": args.seed,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "gpu_memory_utilization": args.gpu_memory_utilization,
-        # vLLM's own prefix cache (blocks of block_size * dcp tokens, as ours); engine.vllm_engine learns which blocks
-        # it holds from its KV cache events and counts shared blocks once in the ledger.
+        # vLLM's own prefix cache (blocks of block_size * dcp tokens, as ours); engine.backends.vllm.engine learns which
+        # blocks it holds from its KV cache events and counts shared blocks once in the ledger.
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.layers.weights import WeightSource
 from engine.models import MODEL_CLASSES, CausalLM
-from engine.parallel import ParallelState
+from engine.worker.parallel import ParallelState
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -2,7 +2,7 @@
 
 The scheduler sends a request's sampling parameters and whole block table once, in the entry that first schedules
 it (again after a preemption); later entries carry only the step's tokens and the blocks allocated since
-(engine/step.py, ScheduledRequest). This module keeps what the ranks learned: one row per running request in
+(engine/core/step.py, ScheduledRequest). This module keeps what the ranks learned: one row per running request in
 a block table that lives on the rank's device, the request's parameters, and how many of its blocks are filled in.
 
 Each step costs host work in proportion to the batch and the tokens computed (a decode is one token), never to the
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, no_prefill_tensors
+from engine.core.step import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.step import ScheduledRequest, SchedulerOutput
-from engine.step_timer import ExchangeTimer
+from engine.worker.attention_metadata import AttentionMetadata, no_prefill_tensors
+from engine.worker.step_timer import ExchangeTimer
 from kernels import dcp_local_seq_lens, dcp_slot_mapping
 
 

@@ -1,8 +1,8 @@
 """The vLLM backend's prefix cache as the app sees it: vLLM's KV cache events, received from its engine core, turned
-into this project's block names (engine.prefix_cache) for the PrefixReports the admission queue routes by and for
+into this project's block names (engine.core.prefix_cache) for the PrefixReports the admission queue routes by and for
 the ledger, which charges a cached block shared by several requests to one of them only.
 
-vllm is imported here (its event types) only when events are received; engine/vllm_engine.py wires this in.
+vllm is imported here (its event types) only when events are received; engine/backends/vllm/engine.py wires this in.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import (
+from engine.backends.vllm.args import KV_EVENTS_HOST
+from engine.core.prefix_cache import (
     CACHED,
     EVICTED,
     PINNED,
@@ -25,7 +26,6 @@ from engine.prefix_cache import (
     max_hit_blocks,
     prompt_hashes,
 )
-from engine.vllm_args import KV_EVENTS_HOST
 
 logger = logging.getLogger(__name__)
 

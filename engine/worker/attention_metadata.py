@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.step_timer import ExchangeTimer
+from engine.worker.step_timer import ExchangeTimer
 
 
 @dataclass
