@@ -59,6 +59,9 @@ class EngineRequest:
     target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
     reply_to: str = ""  # the ingress whose delta stream (deployments.streams) carries its deltas
     attempt: int = 0  # how many grants of this ticket came back before this one (an abort names its attempt)
+    # The prompt's block hashes the ingress computed for prefix routing (engine.core.prefix_cache.prompt_hashes): the
+    # engine starts from them instead of hashing the prompt again. Empty without prefix caching.
+    prompt_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +209,7 @@ class EngineReplica:
         try:
             stream = await self.engine.submit(sampling_params=request.sampling_params,
                                               prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
-                                              check_kv=True)
+                                              check_kv=True, prompt_hashes=request.prompt_hashes)
         except KvFull as full:
             # Normal with prefix caching when the queue's copy of the cache is a report behind: the replica's count
             # decides (its next report corrects the queue).

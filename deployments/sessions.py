@@ -109,7 +109,8 @@ class Sessions:
                 replica_id = reply["replica_id"]
                 attempt = len(returned)
                 request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id,
-                                        reply_to=self.links.subscriber, attempt=attempt)
+                                        reply_to=self.links.subscriber, attempt=attempt,
+                                        prompt_hashes=ask.hashes if ask is not None else ())
                 queue, first, problem = await self._dispatch(request, replica_id)
                 if queue is not None:
                     break

@@ -202,11 +202,13 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Tokenizer | None: ...
 
     async def submit(self, sampling_params: SamplingParams, prompt_token_ids: list[int], request_id: str,
-                     check_kv: bool = False) -> AsyncGenerator[RequestDelta]:
+                     check_kv: bool = False, *, prompt_hashes: Sequence[int] = ()) -> AsyncGenerator[RequestDelta]:
         """Hands a request to the engine and returns its stream of deltas (token ids, text, finish reason) once the
         engine took it. Raises ValueError (never fits, bad token ids), KvFull (check_kv and the ledger cannot admit
         it now) or EngineDeadError, and then nothing is queued. A caller that never iterates the stream must
-        abort()."""
+        abort(). prompt_hashes: the hashes of the prompt's first full blocks as engine.core.prefix_cache's
+        prompt_hashes names them with this engine's ModelLimits (the ingress computed them to route the request):
+        the engine's prefix cache starts from them instead of hashing those blocks again."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
@@ -98,6 +98,7 @@ class AsyncEngine:
         request_id: str | None = None,
         check_kv: bool = False,
         prompt: str | None = None,
+        prompt_hashes: Sequence[int] = (),
     ) -> AsyncGenerator[RequestDelta]:
         """Hands a request to the core and returns its stream of deltas once the core took it. With check_kv the
         core first checks its admission need against the ledger, in input order, and it raises KvFull when it does
@@ -115,7 +116,15 @@ class AsyncEngine:
         admitted: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._queues[request_id] = queue
         self._admitting[request_id] = admitted
-        core.send(AddRequest(Request(request_id, prompt_token_ids, params, prompt=prompt), check_kv))
+        request = Request(request_id, prompt_token_ids, params, prompt=prompt)
+        if prompt_hashes:
+            tokens_per_block = self._snapshot.ledger.tokens_per_block
+            if len(prompt_hashes) > len(prompt_token_ids) // tokens_per_block:
+                raise ValueError(f"{len(prompt_hashes)} prompt block hashes for a prompt of {len(prompt_token_ids)} "
+                                 f"tokens ({len(prompt_token_ids) // tokens_per_block} full blocks of "
+                                 f"{tokens_per_block}): they were computed for another engine")
+            request.block_hashes = list(prompt_hashes)
+        core.send(AddRequest(request, check_kv))
         try:
             admission = await admitted
         except BaseException:

@@ -168,3 +168,37 @@ def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tin
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_prompt_hashes_the_ingress_computed_are_the_ones_the_prefix_cache_uses(tiny: Path) -> None:
+    """The ingress hashes a prompt once, to route it; the engine starts from those hashes instead of hashing again.
+    Shown by what the cache finds: the same prompt under the true hashes hits the first request's blocks, under
+    other hashes of the same count it hits nothing (so the engine did not recompute them), and the tokens are the
+    same either way. Hashes that cannot belong to the prompt are refused."""
+    from engine.core.prefix_cache import prompt_hashes
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(3, 3 + 100))
+
+    async def main() -> tuple[list[list[int]], list[int]]:
+        engine = AsyncEngine(EngineArgs(str(tiny)).create_engine_config())
+        try:
+            ledger = engine.kv_ledger()
+            seed = EngineArgs(str(tiny)).prefix_hash_seed()
+            hashes = prompt_hashes(prompt, ledger.tokens_per_block, seed)
+            assert len(hashes) >= 2
+            outputs, hits = [], []
+            for i, given in enumerate([hashes, hashes, [h ^ 1 for h in hashes]]):
+                before = engine.stats().prefix_cache_hits
+                stream = await engine.submit(params, list(prompt), f"r{i}", prompt_hashes=given)
+                outputs.append([t async for d in stream for t in d.new_token_ids])  # its last batch's snapshot
+                hits.append(engine.stats().prefix_cache_hits - before)
+            with pytest.raises(ValueError, match="computed for another engine"):
+                await engine.submit(params, list(prompt[:10]), "short", prompt_hashes=hashes)
+            return outputs, hits
+        finally:
+            await engine.shutdown()
+
+    outputs, hits = asyncio.run(main())
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0, hits

@@ -30,7 +30,7 @@ import asyncio
 import contextvars
 import logging
 import os
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.backends.vllm.args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
@@ -68,6 +68,7 @@ class VllmEngine:
         self._held: dict[str, HeldRequest] = {}
         self._recorder = StatsRecorder()
         self.prefix: VllmPrefixCache | None = None
+        self._app_tokens_per_block = 0  # block_size * dcp: the blocks the ingress hashes prompts in
         # Bound before vLLM starts, so its engine core's publisher connects to it from its first event.
         self._events = KvEventSubscriber() if args.enable_prefix_caching else None
         try:
@@ -120,6 +121,7 @@ class VllmEngine:
                                    "hashes match none of this replica's", self.tokens_per_block,
                                    args.block_size * args.decode_context_parallel_size)
                 self.prefix = VllmPrefixCache(self.tokens_per_block, args.prefix_hash_seed())
+                self._app_tokens_per_block = args.block_size * args.decode_context_parallel_size
                 self._events.start(self.prefix)
         logger.info("vLLM engine: tp=%d dcp=%d, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                     self.tp, dcp, self.num_blocks, self.tokens_per_block, self.num_blocks * self.tokens_per_block,
@@ -164,7 +166,7 @@ class VllmEngine:
 
     async def submit(self, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None, check_kv: bool = False,
-                     prompt: str | None = None) -> AsyncGenerator[RequestDelta]:
+                     prompt: str | None = None, prompt_hashes: Sequence[int] = ()) -> AsyncGenerator[RequestDelta]:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         params = sampling_params or SamplingParams()
@@ -177,6 +179,9 @@ class VllmEngine:
         if check_kv:
             self.kv_ledger().require(self._admission_need(prompt_token_ids, params.max_tokens))
         held = HeldRequest(len(prompt_token_ids), params.max_tokens, token_ids=list(prompt_token_ids))
+        if self.prefix is not None and self.tokens_per_block == self._app_tokens_per_block:
+            # The ingress hashed the prompt in blocks of block_size * dcp; only vLLM's own block size may differ.
+            held.block_hashes = list(prompt_hashes[:len(prompt_token_ids) // self.tokens_per_block])
         self._held[request_id] = held
         if self.prefix is not None:
             self.prefix.hold(request_id, held)
