@@ -59,6 +59,14 @@ class OpenAIIngress:
         self.metrics = IngressMetrics()
         self.sessions = Sessions(args, engine, admission, self.metrics, limits)
 
+    async def __del__(self) -> None:
+        # Serve awaits this when it stops the replica (after its requests drained): the engine replicas see the delta
+        # streams end now, not when their leases run out.
+        sessions = getattr(self, "sessions", None)
+        if sessions is not None:
+            sessions.close()
+            await asyncio.sleep(0)  # the readers cancel their streams
+
     # ---- routes ---------------------------------------------------------------------------------------------
 
     @api.get("/health", responses={200: {"model": openapi.HealthResponse}, 503: {"model": openapi.ErrorResponse}})

@@ -170,7 +170,8 @@ class EngineReplica:
         """The delta stream of one ingress replica (deployments.streams): Subscribed, then forever one DeltaBatch per
         engine step (at most one per stream_interval_s, a request's first and last delta at once) carrying the
         deltas of every request that ingress has here. When the ingress closes it, or goes away, its requests
-        still running here are aborted."""
+        still running here are aborted; so are they when the ingress stops renewing it (it died: Ray does not end
+        a streaming call whose caller is gone)."""
         self._check_addressed(query, "deltas")
         metrics = self.metrics
         assert metrics is not None  # set in the constructor, before any call
@@ -193,6 +194,16 @@ class EngineReplica:
             if self._outboxes.get(subscriber) is outbox:
                 del self._outboxes[subscriber]
             outbox.close()
+
+    async def renew(self, query: ReplicaQuery, subscriber: str) -> bool:
+        """The ingress renews the lease of its delta stream (deployments.streams.LEASE_S). False: no stream of that
+        ingress is open here (it ended: the ingress ends its side too)."""
+        self._check_addressed(query, "renew")
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None or outbox.closed:
+            return False
+        outbox.renew()
+        return True
 
     async def generate(self, request: EngineRequest) -> Admission:
         """Accepted (its deltas follow on the delta stream of request.reply_to), Refused (no room now) or Rejected

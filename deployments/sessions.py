@@ -63,10 +63,23 @@ class Sessions:
         self.prefix_hash_seed = limits.prefix_hash_seed
         self._background: set[asyncio.Task[Any]] = set()
         # The delta streams from the engine replicas (deployments.streams), opened on a replica's first request.
-        self.links = DeltaLinks(self._open_delta_stream, subscribe_timeout_s=args.dispatch_timeout_s)
+        self.links = DeltaLinks(self._open_delta_stream, self._renew_delta_stream,
+                                subscribe_timeout_s=args.dispatch_timeout_s)
 
     def _open_delta_stream(self, replica_id: str, subscriber: str) -> Any:
         return self.engine.options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
+
+    async def _renew_delta_stream(self, replica_id: str, subscriber: str) -> bool:
+        response = self.engine.renew.remote(ReplicaQuery(replica_id), subscriber)
+        try:
+            return bool(await response)
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    def close(self) -> None:
+        """Ends this ingress' delta streams: each replica aborts the requests of this ingress it still runs."""
+        self.links.close()
 
     async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
                    need: int) -> AsyncGenerator[RequestDelta]:

@@ -24,7 +24,7 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,12 @@ logger = logging.getLogger("ray.serve")
 
 # An ingress closes its stream to a replica once no request of its own has been there for this long.
 LINK_IDLE_S = 2.0
+# The ingress renews each of its streams every RENEW_S; a replica ends a stream not renewed for LEASE_S (and aborts its
+# requests). Ray does not end a streaming call whose caller died, so without the lease the stream of an ingress that
+# was killed stayed open on the replica, held its requests, and held the replica's graceful shutdown (which waits
+# for every call) for its whole timeout.
+RENEW_S = 5.0
+LEASE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +68,10 @@ class DeltaBatch:
 class Outbox:
     """What one subscribed ingress gets from this replica: the deltas of its requests, batched."""
 
-    def __init__(self, subscriber: str) -> None:
+    def __init__(self, subscriber: str, lease_s: float = LEASE_S) -> None:
         self.subscriber = subscriber
+        self.lease_s = lease_s
+        self.renewed_at = asyncio.get_running_loop().time()
         self.closed = False  # the ingress' stream ended: nothing more is forwarded
         self.forwarders: dict[str, asyncio.Task[None]] = {}  # request id -> the task forwarding its engine stream
         self._pending: dict[str, list[RequestDelta]] = {}
@@ -107,6 +115,10 @@ class Outbox:
             self._urgent.set()
         self._ready.set()
 
+    def renew(self) -> None:
+        """The ingress is alive and still reads this stream: the lease runs LEASE_S from now."""
+        self.renewed_at = asyncio.get_running_loop().time()
+
     def cancel(self, request_id: str) -> bool:
         """Stops forwarding one request (its on_end aborts it in the engine). False: not here (finished or unknown)."""
         task = self.forwarders.get(request_id)
@@ -122,13 +134,21 @@ class Outbox:
             task.cancel()
 
     async def batches(self, interval_s: float) -> AsyncGenerator[DeltaBatch]:
-        """The outbox's items, forever: after waking for a delta it lets the rest of the step's deltas arrive (they
-        are delivered in one pass of the event loop), then, unless something urgent is pending, waits out the rest of
-        interval_s since the last item."""
+        """The outbox's items until its lease runs out (the ingress stopped renewing it): after waking for a delta it
+        lets the rest of the step's deltas arrive (they are delivered in one pass of the event loop), then, unless
+        something urgent is pending, waits out the rest of interval_s since the last item."""
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            await self._ready.wait()
+            expires_in = self.renewed_at + self.lease_s - loop.time()
+            if expires_in <= 0:
+                logger.warning("ingress %s stopped renewing its delta stream for %gs: it ends, and its %d requests "
+                               "here are aborted", self.subscriber, self.lease_s, len(self.forwarders))
+                return
+            try:
+                await asyncio.wait_for(self._ready.wait(), expires_in)
+            except TimeoutError:
+                continue
             await asyncio.sleep(0)  # the other forwarders woken by the same engine step put theirs first
             wait = next_at - loop.time()
             if wait > 0 and not self._urgent.is_set():
@@ -164,6 +184,7 @@ class _Link:
     queues: dict[str, asyncio.Queue[Item]] = field(default_factory=dict)
     subscribed: asyncio.Future[None] | None = None
     reader: asyncio.Task[None] | None = None
+    renewer: asyncio.Task[None] | None = None
     idle_close: asyncio.TimerHandle | None = None
     closed: bool = False
 
@@ -172,12 +193,17 @@ class DeltaLinks:
     """An ingress replica's delta streams, one per engine replica it has requests on.
 
     open_stream(replica_id, subscriber) makes the streaming call (the engine handle's deltas() addressed to that
-    replica); it must return an object with __anext__ and cancel() (a Serve DeploymentResponseGenerator)."""
+    replica); it must return an object with __anext__ and cancel() (a Serve DeploymentResponseGenerator).
+    renew(replica_id, subscriber) renews the stream's lease on the replica (its renew()): False when the replica no
+    longer has the stream, which then ends here too."""
 
-    def __init__(self, open_stream: Callable[[str, str], Any], idle_s: float = LINK_IDLE_S,
-                 subscribe_timeout_s: float = 60.0) -> None:
+    def __init__(self, open_stream: Callable[[str, str], Any],
+                 renew: Callable[[str, str], Awaitable[bool]], idle_s: float = LINK_IDLE_S,
+                 subscribe_timeout_s: float = 60.0, renew_s: float = RENEW_S) -> None:
         self.subscriber = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
         self._open_stream = open_stream
+        self._renew = renew
+        self._renew_s = renew_s
         self._idle_s = idle_s
         self._subscribe_timeout_s = subscribe_timeout_s
         self._links: dict[str, _Link] = {}
@@ -238,6 +264,7 @@ class DeltaLinks:
             assert link.subscribed is not None
             if not link.subscribed.done():
                 link.subscribed.set_result(None)
+            link.renewer = asyncio.get_running_loop().create_task(self._keep_renewing(link))
             while True:
                 batch = await stream.__anext__()
                 for delta in batch.deltas:
@@ -260,6 +287,17 @@ class DeltaLinks:
                 stream.cancel()
             self._end(link, error)
 
+    async def _keep_renewing(self, link: _Link) -> None:
+        while not link.closed:
+            await asyncio.sleep(self._renew_s)
+            try:
+                held = await asyncio.wait_for(self._renew(link.replica_id, self.subscriber), self._renew_s)
+            except Exception as err:  # noqa: BLE001 - a replica that is gone fails the stream itself; retry meanwhile
+                logger.warning("renewing the delta stream from replica %s failed: %r", link.replica_id, err)
+                continue
+            if not held:
+                self._end(link, StreamLost(f"replica {link.replica_id} no longer has this ingress' delta stream"))
+
     def _end(self, link: _Link, error: BaseException) -> None:
         if link.closed:
             return
@@ -273,8 +311,9 @@ class DeltaLinks:
             link.subscribed.exception()  # retrieved: a link nobody awaited logs nothing
         for queue in link.queues.values():
             queue.put_nowait(error)
-        if link.reader is not None and link.reader is not asyncio.current_task():
-            link.reader.cancel()
+        for task in (link.reader, link.renewer):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
 
     def _close_if_idle(self, link: _Link) -> None:
         link.idle_close = None

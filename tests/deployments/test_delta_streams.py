@@ -220,8 +220,12 @@ async def _close(links: DeltaLinks) -> None:
     await asyncio.sleep(0.01)
 
 
+async def _held(replica_id: str, subscriber: str) -> bool:
+    return True
+
+
 def _links(replicas: dict[str, _Replica], idle_s: float = 2.0) -> DeltaLinks:
-    return DeltaLinks(lambda replica_id, subscriber: replicas[replica_id].open(), idle_s=idle_s)
+    return DeltaLinks(lambda replica_id, subscriber: replicas[replica_id].open(), _held, idle_s=idle_s)
 
 
 def test_the_ingress_demultiplexes_each_batch_into_its_requests() -> None:
@@ -331,7 +335,7 @@ def test_a_stream_that_never_opens_is_given_up_after_subscribe_timeout_s() -> No
             cancelled.append(True)
 
     async def main() -> tuple[float, BaseException | None, bool]:
-        links = DeltaLinks(lambda replica_id, subscriber: _Silent(), subscribe_timeout_s=10.0)
+        links = DeltaLinks(lambda replica_id, subscriber: _Silent(), _held, subscribe_timeout_s=10.0)
         start = asyncio.get_running_loop().time()
         _, subscribed = links.register("A", "r1")
         try:
@@ -348,3 +352,71 @@ def test_a_stream_that_never_opens_is_given_up_after_subscribe_timeout_s() -> No
     waited, error, open_after = virtual_time.run(main())
     assert waited == pytest.approx(10.0) and error is not None and "within 10s" in str(error)
     assert not open_after and cancelled == [True]
+
+
+@pytest.mark.parametrize("renewed", [True, False])
+def test_a_stream_whose_ingress_stops_renewing_ends_and_aborts_its_requests(renewed: bool) -> None:
+    """Ray does not end a streaming call whose caller died: the lease does. Renewed every RENEW_S the stream lives
+    on; not renewed (the ingress was killed) it ends LEASE_S after the last renewal, and its requests are aborted."""
+    from deployments.streams import LEASE_S, RENEW_S
+
+    async def main() -> tuple[float, dict[str, bool], int]:
+        loop = asyncio.get_running_loop()
+        engine = _Engine({"r0": 10_000}, 0.5)
+        outbox = Outbox("ingress")
+        ended: dict[str, bool] = {}
+        await _forward_all(engine, outbox, ended)
+        stepping = loop.create_task(engine.run())
+
+        async def renewing() -> None:
+            while renewed:
+                await asyncio.sleep(RENEW_S)
+                outbox.renew()
+
+        renewer = loop.create_task(renewing())
+        items = 0
+        start = loop.time()
+        async for _ in outbox.batches(0.05):
+            items += 1
+            if loop.time() - start > 4 * LEASE_S:
+                break
+        lasted = loop.time() - start
+        outbox.close()
+        await asyncio.sleep(0)
+        renewer.cancel()
+        stepping.cancel()
+        return lasted, ended, items
+
+    lasted, ended, items = virtual_time.run(main())
+    if renewed:
+        assert lasted > 4 * LEASE_S and items > 100
+    else:
+        assert lasted == pytest.approx(LEASE_S, abs=0.6) and items > 20  # it streamed until the lease ran out
+    assert ended == {"r0": False}  # aborted in the engine either way (here by the close that follows)
+
+
+def test_the_ingress_renews_each_stream_and_ends_one_the_replica_no_longer_has() -> None:
+    from deployments.streams import RENEW_S
+
+    replicas = {"A": _Replica("A")}
+    renewals: list[float] = []
+    held = [True]
+
+    async def renew(replica_id: str, subscriber: str) -> bool:
+        renewals.append(asyncio.get_running_loop().time())
+        return held[0]
+
+    async def main() -> BaseException:
+        links = DeltaLinks(lambda replica_id, subscriber: replicas[replica_id].open(), renew)
+        queue, subscribed = links.register("A", "r1")
+        await subscribed
+        await asyncio.sleep(3.5 * RENEW_S)
+        held[0] = False  # the replica ended the stream (its lease ran out while this ingress was stalled)
+        error = await queue.get()
+        await _close(links)
+        assert isinstance(error, BaseException)
+        return error
+
+    error = virtual_time.run(main())
+    assert isinstance(error, StreamLost) and "no longer has" in str(error)
+    assert [round(t / RENEW_S) for t in renewals] == [1, 2, 3, 4]

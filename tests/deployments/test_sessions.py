@@ -74,7 +74,7 @@ def test_the_choices_of_one_request_are_dispatched_as_calls_of_their_own() -> No
     sessions.args = cast(AppArgs, types.SimpleNamespace(dispatch_timeout_s=5.0))
 
     async def run() -> None:
-        sessions.links = DeltaLinks(sessions._open_delta_stream)
+        sessions.links = DeltaLinks(sessions._open_delta_stream, sessions._renew_delta_stream)
         parent = dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="http-request")
         serve_context._serve_request_context.set(parent)  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
         results = await asyncio.gather(
