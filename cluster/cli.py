@@ -27,8 +27,8 @@ from cluster.model_specs import load_model_spec
 from cluster.planner import PLAN_DTYPES, PlanRequest, format_plan, plan_layouts
 from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
 from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
-from kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
-from kernels.layout import check_dcp_args
+from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
+from engine.kernels.layout import check_dcp_args
 
 
 def layout_table(num_tokens: int, dcp_size: int, block_size: int, interleave: int) -> str:

@@ -4,11 +4,11 @@ Request path: API key (401) and body size (413) -> parse and validate the body (
 for chat) -> max_tokens (unset: the rest of the context, max_model_len minus the prompt) and check max_model_len
 (400) -> need = admission_blocks under the app's policy (prompt + max_tokens for "full", the prompt for "usage")
 -> KvAdmission.acquire: a granted replica, or 400 never-fits / 429 queue full or timed out / 503 no healthy
-replica -> EngineReplica.generate through the KV-aware router to that replica -> a refusal, or a replica that
-does not take the request within dispatch_timeout_s (still starting, draining, gone), gives the grant back and
-re-queues the request at the head -> deltas back as JSON or SSE. Whatever ends the request (finish, error, client
-disconnect, request_timeout_s) cancels the engine stream (which aborts the request and frees its KV) and releases
-the grant.
+replica -> EngineReplica.generate through the KV-aware router to that replica, its deltas to come on this ingress'
+delta stream from it (deployments/streams.py) -> a refusal, or a replica that does not take the request within
+dispatch_timeout_s (still starting, draining, gone), gives the grant back and re-queues the request at the head ->
+deltas back as JSON or SSE. Whatever ends the request (finish, error, client disconnect, request_timeout_s) aborts
+it on its replica if it did not finish (which frees its KV) and releases the grant.
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI

@@ -20,11 +20,11 @@ from engine.core.prefix_cache import PrefixReport
 from engine.core.request import FinishReason, Request, resolve_prompt_token_ids
 from engine.core.scheduler import Scheduler
 from engine.core.step import SchedulerOutput
+from engine.kernels import dcp_local_seq_lens
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from engine.worker.executor import Executor, create_executor
-from kernels import dcp_local_seq_lens
 
 # Set (to anything but 0) to keep every cached block's token ids and compare them on each prefix cache hit: a hash
 # collision then fails loudly instead of serving another prefix's KV. The tests set it.

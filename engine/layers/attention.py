@@ -29,10 +29,7 @@ from typing import Literal, get_args
 
 import torch
 
-from engine.layers.module import EngineModule
-from engine.worker.attention_metadata import AttentionMetadata
-from engine.worker.parallel import ParallelState
-from kernels import (
+from engine.kernels import (
     DcpAttentionExchange,
     combine_lse,
     combine_lse_ref,
@@ -46,6 +43,9 @@ from kernels import (
     store_kv,
     store_kv_ref,
 )
+from engine.layers.module import EngineModule
+from engine.worker.attention_metadata import AttentionMetadata
+from engine.worker.parallel import ParallelState
 
 # Which attention kernels a layer runs: "triton" (CUDA, or Triton's CPU interpreter in tests), "cpu" (torch's fused
 # CPU attention, batched: the engine's choice off CUDA), "ref" (the exact torch references, for tests).

@@ -28,7 +28,7 @@ class AttentionMetadata:
     exchange_timer: ExchangeTimer | None = None  # this step's DCP exchange time (None: not measured)
     # Every slot decode_block_table names past a sequence's local length holds finite values (the model runner zeroes
     # pages when they are allocated, and padding columns repeat the row's last page): the CPU decode kernel may then
-    # mask those slots without zeroing them first (kernels/cpu_attention.py, plan_decode_cpu).
+    # mask those slots without zeroing them first (engine/kernels/cpu_attention.py, plan_decode_cpu).
     finite_tail: bool = False
     # No slot_mapping entry is -1 (no DCP, and no padding row): the reference store skips looking for unowned slots.
     all_slots_owned: bool = False

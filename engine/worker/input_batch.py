@@ -9,7 +9,7 @@ Each step costs host work in proportion to the batch and the tokens computed (a 
 context: the step's block table is an index_select of rows on the device. A decode-only step (the common one)
 computes each row's slot and DCP local length on the host from the rank's copy of the row's block ids, a few
 integer operations per row, and sends all its per-row values in one tensor; a step with prefill chunks computes
-them on the device with the vectorized layout functions (kernels/layout.py).
+them on the device with the vectorized layout functions (engine/kernels/layout.py).
 
 A row's columns past its blocks repeat its last page, and the pages a step hands out fresh are listed
 (fresh_pages) for the model runner to zero on CPU: every slot a decode batch reads past a sequence's length then
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.step import ScheduledRequest, SchedulerOutput
+from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping
 from engine.sampling_params import SamplingParams
 from engine.worker.attention_metadata import AttentionMetadata, no_prefill_tensors
 from engine.worker.step_timer import ExchangeTimer
-from kernels import dcp_local_seq_lens, dcp_slot_mapping
 
 
 @dataclass
@@ -192,7 +192,7 @@ class InputBatch:
         length computed here from the host's copy of its block ids (a few integer operations per row), and every
         per-row value sent to the device in one tensor. The general path's index math is a dozen tensor ops, which
         on CPU cost more than the decode step's whole Python work (and on CUDA are a dozen launches).
-        The layout is kernels/layout.py's with interleave 1: position p is on DCP rank (p % tokens_per_block) %
+        The layout is engine/kernels/layout.py's with interleave 1: position p is on DCP rank (p % tokens_per_block) %
         dcp, at slot offset // dcp of its block's page, and a rank holds (p + dcp - rank) // dcp of the positions
         0..p. The tests hold this to build_step_inputs after random add / finish / preempt / abort sequences."""
         block_size, dcp, rank = self.block_size, self.dcp_size, self.dcp_rank

@@ -2,8 +2,8 @@
 
 Paged KV caches per layer (poisoned with NaN so any over-read shows), block tables in logical blocks of
 block_size * dcp tokens taken from a shuffled free list (the same on every rank: same seed, same steps),
-slot mappings from kernels.dcp_slot_mapping and local lengths from kernels.dcp_local_seq_lens, greedy decoding
-with chunked prefill. Rows of a step: decodes first, then prefill chunks, as AttentionMetadata requires.
+slot mappings from engine.kernels.dcp_slot_mapping and local lengths from engine.kernels.dcp_local_seq_lens, greedy
+decoding with chunked prefill. Rows of a step: decodes first, then prefill chunks, as AttentionMetadata requires.
 
 Imports no transformers, so spawned ranks start fast; `run_rank` is the body of one spawned rank.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping
 from engine.layers.attention import Attention, KernelBackend
 from engine.models import CausalLM
 from engine.worker.attention_metadata import AttentionMetadata
 from engine.worker.loader import load_model
 from engine.worker.parallel import ParallelState, destroy_parallel_state, init_parallel_state
-from kernels import dcp_local_seq_lens, dcp_slot_mapping
 from tests.engine.llm_parts import engine_of
 
 

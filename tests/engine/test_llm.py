@@ -156,7 +156,7 @@ def test_stale_or_poisoned_kv_never_reaches_another_request(tiny: Path) -> None:
     the runner zeroes every page it hands out fresh, and a row's padding columns repeat the row's own last page. So
     a pool full of NaN (what a finished request may leave) changes no token, and a running request whose own KV
     turns to NaN changes no other request's tokens."""
-    # 1, 5, 7 and 1 blocks of 4: the 20- and 27-token rows decode in one batched call (kernels/cpu_attention.py's
+    # 1, 5, 7 and 1 blocks of 4: the 20- and 27-token rows decode in one batched call (engine/kernels/cpu_attention.py's
     # pieces), where the shorter row has padding columns.
     batch = [[7, 8, 9], list(range(10, 30)), list(range(100, 127)), [300, 301, 302]]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels import (
+from engine.kernels import (
     DcpAttentionExchange,
     combine_lse_ref,
     dcp_local_seq_lens,
@@ -23,7 +23,7 @@ from kernels import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-from kernels.exchange import ExchangeMethod
+from engine.kernels.exchange import ExchangeMethod
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 HEADS_PER_RANK = 2

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, tl, triton, triton_interpreting
+from engine.kernels._triton import jit, tl, triton, triton_interpreting
 
 
 def check_paged_cache(

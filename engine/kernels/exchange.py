@@ -20,8 +20,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from kernels._triton import HAS_TRITON, triton_interpreting
-from kernels.combine import combine_lse, combine_lse_ref
+from engine.kernels._triton import HAS_TRITON, triton_interpreting
+from engine.kernels.combine import combine_lse, combine_lse_ref
 
 ExchangeMethod = Literal["all_to_all", "all_gather"]
 

@@ -6,19 +6,19 @@ Set TRITON_INTERPRET=1 before importing this package to run the Triton kernels o
 
 from __future__ import annotations
 
-from kernels._triton import HAS_TRITON
-from kernels.combine import combine_lse, combine_lse_ref
-from kernels.cpu_attention import (
+from engine.kernels._triton import HAS_TRITON
+from engine.kernels.combine import combine_lse, combine_lse_ref
+from engine.kernels.cpu_attention import (
     CpuDecodePlan,
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
     plan_decode_cpu,
 )
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.exchange import DcpAttentionExchange
-from kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.store_kv import store_kv, store_kv_ref
+from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from engine.kernels.exchange import DcpAttentionExchange
+from engine.kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
+from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from engine.kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
     "CpuDecodePlan",

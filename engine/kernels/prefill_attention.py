@@ -23,7 +23,7 @@ import itertools
 
 import torch
 
-from kernels._attention_common import (
+from engine.kernels._attention_common import (
     channel_tiles,
     check_lengths,
     check_paged_cache,
@@ -38,7 +38,7 @@ from kernels._attention_common import (
     shares_values,
     tile_scores,
 )
-from kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
+from engine.kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
 
 
 def _check_prefill_args(

@@ -10,7 +10,7 @@ op reads them before masking: 0 * NaN is NaN) and masked with an additive -inf m
 finite (the engine's decode steps: plan_decode_cpu's finite_tail) skips the zeroing; the mask alone then gives them
 exactly zero weight. Prefill chunks are padded at
 the end to the longest chunk. The context part and the chunk's own causal part run as two fused calls and merge
-with the exact LSE rule (kernels/combine.py), as the DCP path does across ranks: the fused op's is_causal is
+with the exact LSE rule (engine/kernels/combine.py), as the DCP path does across ranks: the fused op's is_causal is
 top-left aligned, right only for the square chunk-over-itself part. For the context part the GQA group folds into
 the query rows, so each KV head is read once for all its query heads. A decode step's pages and masks depend only
 on the block table and the lengths: plan_decode_cpu checks and builds them once, and the engine's layers share that
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._attention_common import compute_dtype_for, output_buffers, shares_values
-from kernels.decode_attention import _check_decode_args, paged_decode_attention_ref
-from kernels.prefill_attention import _check_prefill_args, paged_prefill_attention_ref
+from engine.kernels._attention_common import compute_dtype_for, output_buffers, shares_values
+from engine.kernels.decode_attention import _check_decode_args, paged_decode_attention_ref
+from engine.kernels.prefill_attention import _check_prefill_args, paged_prefill_attention_ref
 
 _flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Sequences whose lengths are within this factor of a piece's longest share its batched call (module docstring).
@@ -336,7 +336,7 @@ def _attend_piece(
         new_out, new_lse = new_out.transpose(1, 2)[..., :value_dim], new_lse.transpose(1, 2)  # [n, L, H, Dv], [n, L, H]
         if result is None or result_lse is None:
             return new_out, new_lse
-        # Exact merge (kernels/combine.py); the chunk part always sees its first key, so the total is finite.
+        # Exact merge (engine/kernels/combine.py); the chunk part always sees its first key, so the total is finite.
         total_lse = torch.logaddexp(result_lse, new_lse)
         context_weight = torch.exp(result_lse - total_lse)[..., None]
         new_weight = torch.exp(new_lse - total_lse)[..., None]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, require_triton_device, tl, triton
+from engine.kernels._triton import jit, require_triton_device, tl, triton
 
 
 def _check_store_args(

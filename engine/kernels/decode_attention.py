@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._attention_common import (
+from engine.kernels._attention_common import (
     channel_tiles,
     check_lengths,
     check_paged_cache,
@@ -30,8 +30,8 @@ from kernels._attention_common import (
     shares_values,
     tile_scores,
 )
-from kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
-from kernels.combine import combine_lse_into
+from engine.kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
+from engine.kernels.combine import combine_lse_into
 
 MAX_SPLITS = 64
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._attention_common import output_buffers
-from kernels._triton import jit, require_triton_device, tl, triton
+from engine.kernels._attention_common import output_buffers
+from engine.kernels._triton import jit, require_triton_device, tl, triton
 
 
 def _check_combine_args(outs: torch.Tensor, lses: torch.Tensor) -> None:
