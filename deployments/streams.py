@@ -181,8 +181,8 @@ class _Link:
     """This ingress' stream from one replica and the requests waiting on it."""
 
     replica_id: str
+    subscribed: asyncio.Future[None]  # done once the replica's Subscribed came (or failed: the link ended)
     queues: dict[str, asyncio.Queue[Item]] = field(default_factory=dict)
-    subscribed: asyncio.Future[None] | None = None
     reader: asyncio.Task[None] | None = None
     renewer: asyncio.Task[None] | None = None
     idle_close: asyncio.TimerHandle | None = None
@@ -219,7 +219,6 @@ class DeltaLinks:
             link.idle_close = None
         queue: asyncio.Queue[Item] = asyncio.Queue()
         link.queues[request_id] = queue
-        assert link.subscribed is not None
         return queue, link.subscribed
 
     def unregister(self, replica_id: str, request_id: str) -> None:
@@ -243,7 +242,7 @@ class DeltaLinks:
 
     def _start(self, replica_id: str) -> _Link:
         loop = asyncio.get_running_loop()
-        link = _Link(replica_id, subscribed=loop.create_future())
+        link = _Link(replica_id, loop.create_future())
         self._links[replica_id] = link
         # A fresh, empty context: Serve cancels the calls a cancelled request made, and this stream serves them all.
         link.reader = loop.create_task(self._read(link), context=contextvars.Context())
@@ -261,7 +260,6 @@ class DeltaLinks:
                                  f"{self._subscribe_timeout_s:g}s") from None
             if not isinstance(first, Subscribed) or first.replica_id != link.replica_id:
                 raise StreamLost(f"asked replica {link.replica_id} for a delta stream, got {first!r}")
-            assert link.subscribed is not None
             if not link.subscribed.done():
                 link.subscribed.set_result(None)
             link.renewer = asyncio.get_running_loop().create_task(self._keep_renewing(link))
@@ -306,7 +304,7 @@ class DeltaLinks:
             del self._links[link.replica_id]
         if link.idle_close is not None:
             link.idle_close.cancel()
-        if link.subscribed is not None and not link.subscribed.done():
+        if not link.subscribed.done():
             link.subscribed.set_exception(error)
             link.subscribed.exception()  # retrieved: a link nobody awaited logs nothing
         for queue in link.queues.values():
