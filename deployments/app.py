@@ -11,6 +11,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
+from cluster.node_types import check_replica_fits, cluster_config_from_env, node_types
 from deployments.admission import KvAdmission
 from deployments.config import AppArgs, parse_args
 from deployments.ingress import OpenAIIngress
@@ -74,12 +75,27 @@ def _cluster_device() -> str:
     return "cuda" if has_gpus else "cpu"
 
 
+def check_cluster_fits(args: AppArgs) -> None:
+    """Refuses a replica layout that no node type of the cluster can hold on one node, naming the node types, their
+    GPUs and the layout, instead of a placement group that waits forever. The node types are the cluster config's
+    that CLUSTER_CONFIG_ENV names (`make cluster` and ray_cluster.yaml set it on every node); without it the check is
+    skipped: Ray does not publish its autoscaler's node types, and the nodes alive now are not all the cluster can
+    have."""
+    found = cluster_config_from_env()
+    if found is None:
+        return
+    config, path = found
+    check_replica_fits(node_types(config), args.tensor_parallel_size, args.decode_context_parallel_size,
+                       f"the cluster config {path}")
+
+
 def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     """Validates the args (every problem named) and the engine layout, then binds the three deployments."""
     args = parse_args(raw_args)
     # Fails the deploy now, with the engine's message (bad model dir, TP x DCP layout, a vLLM that is missing or cannot
     # run this layout here), instead of a replica that fails to start again and again.
     validate_engine_args(args.engine_args(), args.device or _cluster_device())
+    check_cluster_fits(args)
     admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
         args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s)
     engine = engine_deployment(args).bind(args, admission)
