@@ -13,10 +13,14 @@ PYTEST_ARGS ?=
 #   on it; `faults`: processes of the head killed, run last), in one process, after the fast tier and never beside
 #   it: the end-to-end tests wait on conditions, but a core taken by the Triton interpreter or a gloo group beside
 #   them only makes them slower.
-FAST_TIER := not ray and not e2e and not faults
+# - nodes: a multi-node cluster of its own with Ray's autoscaler (`make cluster`'s, tests/nodes), last: a pytest
+#   process drives one Ray cluster only, and the session head of the cluster tier is gone by then.
+FAST_TIER := not ray and not e2e and not faults and not nodes
 CLUSTER_TIER := ray or e2e or faults
+NODES_TIER := nodes
 PYTEST_FAST := -m "$(FAST_TIER)" -n auto --dist worksteal
 PYTEST_CLUSTER := -m "$(CLUSTER_TIER)" -n 0
+PYTEST_NODES := -m "$(NODES_TIER)" -n 0
 
 .PHONY: test test-fast lint install venvs bench-kernels clean test-vllm
 
@@ -49,12 +53,13 @@ lint: $(VENV)/.installed
 	$(PY) -m mypy || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
 	exit $$rc
 
-# Lint first, then both tiers; each runs even when one before it fails; the exit status is the first failure's.
+# Lint first, then the three tiers; each runs even when one before it fails; the exit status is the first failure's.
 test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
 	@rc=0; \
 	$(MAKE) --no-print-directory lint || rc=$$?; \
 	$(PY) -m pytest $(PYTEST_FAST) $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
 	$(PY) -m pytest $(PYTEST_CLUSTER) $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
+	$(PY) -m pytest $(PYTEST_NODES) $(PYTEST_ARGS) || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; \
 	exit $$rc
 
 # The inner loop: the fast tier alone (no Ray head, no app).
@@ -120,6 +125,17 @@ serve-args:
 	@if [ "$(BACKEND)" = vllm ] && [ "$(MODEL)" != tiny ]; then echo "BACKEND=vllm serves MODEL=tiny only" >&2; exit 2; fi
 serve: serve-args $(SERVE_VENV)/.installed
 	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_MODEL=$(MODEL) DCPSERVE_CONFIG=$${DCPSERVE_CONFIG:-$(SERVE_CONFIG)} $(SERVE_VENV)/bin/python -m deployments.local_cluster
+
+# ray_cluster.yaml's cluster on this machine: a CPU head and GPU worker nodes (logical GPUs) that Ray's real autoscaler
+# adds when replicas need them and removes idle (ray_cluster.local.yaml says what differs locally). It prints how to
+# `serve deploy` the tiny model's config onto it; Ctrl-C or `make cluster-down` (another terminal) stops all of it.
+# WORKER_GPUS=2 makes each worker node hold one TP=2 replica. Variables: see deployments/local_nodes.py.
+.PHONY: cluster cluster-down
+WORKER_GPUS ?=
+cluster: $(VENV)/.installed
+	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_WORKER_GPUS=$(WORKER_GPUS) $(PY) -m deployments.local_nodes up
+cluster-down: $(VENV)/.installed
+	$(PY) -m deployments.local_nodes down
 
 # Prometheus on 127.0.0.1:$(DCPSERVE_PROMETHEUS_PORT) scraping the `make serve` cluster (run it in a second terminal),
 # with the alert rules of dashboards/prometheus; prints where to point Grafana. See deployments/observe.py.

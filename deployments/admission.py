@@ -337,7 +337,8 @@ class AdmissionQueue:
             "replicas": {
                 r.replica_id: {"capacity": r.capacity, "granted": r.granted, "external": r.external,
                                "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
-                               "num_grants": len(r.grants), "cached_prefix_blocks": len(r.prefix.index.blocks)}
+                               "num_grants": len(r.grants), "num_granted": r.num_granted,
+                               "cached_prefix_blocks": len(r.prefix.index.blocks)}
                 for r in self.replicas.values()
             },
         }
@@ -370,6 +371,7 @@ class AdmissionQueue:
         self._ticket_replica[ticket] = replica.replica_id
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks)
         self.num_granted += 1
+        replica.num_granted += 1
         if ask is not None and ask.hashes:
             self.num_prefix_query_blocks += len(ask.hashes)
             self.num_prefix_hit_blocks += hit_blocks

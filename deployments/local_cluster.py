@@ -77,8 +77,11 @@ class LocalSettings:
         )
 
 
+LOG_PREFIX = "make serve"  # `make cluster` (deployments/local_nodes.py) says its own name
+
+
 def say(line: str) -> None:
-    print(f"[make serve] {line}", flush=True)
+    print(f"[{LOG_PREFIX}] {line}", flush=True)
 
 
 def free_port() -> int:
@@ -142,7 +145,13 @@ def ray_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)
 
 
-def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path) -> subprocess.Popen[bytes]:
+def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path,
+               autoscaling_config: Path | None = None) -> subprocess.Popen[bytes]:
+    """`ray start --head --block` on loopback with this cluster's ports and temp dir, in a session of its own.
+
+    With autoscaling_config (`make cluster`, deployments/local_nodes.py) the head runs Ray's autoscaler with that
+    config, whose provider starts the worker nodes on this machine (cluster/local_provider.py; Ray's fake provider
+    requires RAY_FAKE_CLUSTER=1), and the head's object store is the size its node type declares."""
     for port, what in ((settings.ray_port, "DCPSERVE_RAY_PORT"), (settings.dashboard_port, "DCPSERVE_DASHBOARD_PORT"),
                        (settings.http_port, "DCPSERVE_PORT")):
         if port_in_use(port):
@@ -160,6 +169,14 @@ def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path) -> 
         "--metrics-export-port", str(free_port()),
         "--disable-usage-stats",
     ]
+    if autoscaling_config is not None:
+        cluster = yaml.safe_load(autoscaling_config.read_text())
+        head_type = cluster["available_node_types"][cluster["head_node_type"]]
+        object_store = head_type.get("resources", {}).get("object_store_memory")
+        command += ["--autoscaling-config", str(autoscaling_config)]
+        command += ["--object-store-memory", str(object_store)] if object_store else []
+        # The autoscaler's loop period (5 s by default): how soon a pending placement group becomes a node launch.
+        env = {**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "2"}
     # The metrics ports of the autoscaler monitor and the dashboard are fixed by default (44217, 44227): two heads on
     # one machine would collide. Ray reads them from these variables only.
     env = {**env, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}

@@ -42,6 +42,7 @@ class ReplicaKv:
     capacity: int
     tokens_per_block: int
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
+    num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
     held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported
     # Tickets released here that its last report may still name (a report made before they ended): not counted as
     # sequences. Each report keeps only the tickets it names, so the set never outgrows `held` past the next one.

@@ -10,8 +10,9 @@ so engines in processes the tests start (a `ray start` cluster's replicas) inher
 Ray: one head for the whole session (`ray_head`, tests/e2e/cluster.py), on loopback only; the engine's Ray tests
 (`ray_cluster`) and every e2e and dashboard module use it, each module deploying its app and deleting it after.
 Tiers (markers, set here from what a test uses, so none is forgotten): `e2e` (an app on the head), `ray` (the head
-alone: the engine's multi-rank tests), `faults` (kills processes of the head: run after every other test on it), the
-rest needing no cluster (`make test-fast`).
+alone: the engine's multi-rank tests), `faults` (kills processes of the head: run after every other test on it),
+`nodes` (a multi-node cluster of its own with Ray's autoscaler, `make cluster`'s: tests/nodes; a pytest process can
+drive one Ray cluster only, so it runs in a process of its own), the rest needing no cluster (`make test-fast`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
+        if "local_nodes" in fixtures:
+            item.add_marker(pytest.mark.nodes)
         if "ray_head" in fixtures or "ray_cluster" in fixtures:
             item.add_marker(pytest.mark.xdist_group("ray"))  # one xdist worker holds the head
             item.add_marker(pytest.mark.ray if "ray_cluster" in fixtures else pytest.mark.e2e)

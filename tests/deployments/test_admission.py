@@ -28,6 +28,12 @@ def test_grants_the_replica_with_most_free_kv_and_counts_it() -> None:
         queue.release("t1")
         queue.release("t1")  # idempotent
         assert queue.replicas["a"].free == 10
+        # Grants ever made, per replica: what shows that a replica that joined takes traffic.
+        assert await queue.acquire("t3", 1, 1.0) == "a"
+        queue.release("t3")
+        replicas = queue.stats()["replicas"]
+        assert (replicas["a"]["num_granted"], replicas["b"]["num_granted"]) == (2, 1)
+        assert (replicas["a"]["num_grants"], replicas["b"]["num_grants"]) == (0, 1)
 
     asyncio.run(run())
 

@@ -90,41 +90,65 @@ class RayHead:
 
     def processes(self) -> list[int]:
         """Pids of every process of this head (its own session: `ray start` began one) and of this driver."""
-        pids = [os.getpid()]
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.getsid(int(entry.name)) == self.process.pid:
-                        pids.append(int(entry.name))
-                except (ProcessLookupError, PermissionError):
-                    pass
-        return pids
+        return [os.getpid(), *session_processes(self.process.pid)]
 
     def listening_sockets(self) -> list[tuple[int, str, str, int]]:
         """(pid, process name, address, port) of every TCP socket a process of this head (or this driver) listens
         on."""
-        import psutil
+        return [(s.pid, s.name, s.local_ip, s.port) for s in process_sockets(self.processes()) if s.remote_ip is None]
 
-        found = []
-        for pid in self.processes():
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def session_processes(session_id: int) -> list[int]:
+    """Pids of every process of a session (`ray start` begins one for its head, and every node the local
+    autoscaler starts is in it too)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
             try:
-                process = psutil.Process(pid)
-                name = " ".join(process.cmdline())[:100] or process.name()
-                for connection in process.net_connections(kind="inet"):
-                    if connection.status == psutil.CONN_LISTEN:
-                        found.append((pid, name, connection.laddr.ip, connection.laddr.port))
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                if os.getsid(int(entry.name)) == session_id:
+                    pids.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
                 pass
-        return found
+    return pids
+
+
+@dataclass(frozen=True)
+class Socket:
+    pid: int
+    name: str  # the process's command line, cut
+    local_ip: str
+    port: int
+    remote_ip: str | None  # None: listening
+
+
+def process_sockets(pids: list[int]) -> list[Socket]:
+    """Every TCP socket of these processes that listens or is connected."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = " ".join(process.cmdline())[:100] or process.name()
+            for connection in process.net_connections(kind="inet"):
+                if connection.status == psutil.CONN_LISTEN:
+                    found.append(Socket(pid, name, connection.laddr.ip, connection.laddr.port, None))
+                elif connection.raddr:
+                    found.append(Socket(pid, name, connection.laddr.ip, connection.laddr.port, connection.raddr.ip))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
 
 
 def non_loopback_listeners(head: RayHead) -> list[tuple[int, str, str, int]]:
     """The listening sockets of the head's processes that are reachable from another machine."""
-    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-    return [s for s in head.listening_sockets() if s[2] not in loopback]
+    return [s for s in head.listening_sockets() if s[2] not in LOOPBACK]
 
 
-def serve_inter_deployment_grpc_ports(head: RayHead) -> dict[int, int]:
+def serve_inter_deployment_grpc_ports(api: local_cluster.ServeApi) -> dict[int, int]:
     """pid -> port of the inter-deployment gRPC server of every running Serve replica on the head. Ray 2.60 starts one
     in each replica, bound to "[::]:0" in its code (ray/serve/_private/replica.py, `_on_initialized`) with no setting
     to move it (ray-project/ray#64544): the one listener of the cluster that cannot be kept on loopback. Read from
@@ -132,7 +156,7 @@ def serve_inter_deployment_grpc_ports(head: RayHead) -> dict[int, int]:
     import ray
 
     found: dict[int, int] = {}
-    for app in (head.api.details().get("applications") or {}).values():
+    for app in (api.details().get("applications") or {}).values():
         for deployment in app["deployments"].values():
             for replica in deployment["replicas"]:
                 if replica["state"] == "RUNNING":
@@ -140,6 +164,18 @@ def serve_inter_deployment_grpc_ports(head: RayHead) -> dict[int, int]:
                     port = actor.__ray_call__.remote(lambda a: a._replica_impl._internal_grpc_port)
                     found[int(replica["pid"])] = int(ray.get(port, timeout=60))
     return found
+
+
+def join_as_driver(address: str, token_path: Path) -> None:
+    """ray.init of this process as a driver of the head at address, authenticated with that head's token (this
+    process's environment names the token file while the head runs: the caller restores it)."""
+    import ray
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Ray's _raylet stub lacks it
+
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_path)
+    os.environ.pop("RAY_ADDRESS", None)
+    AuthenticationTokenLoader.instance().reset_cache()
+    ray.init(address=address, log_to_driver=False, namespace="dcpserve-tests")
 
 
 @contextlib.contextmanager
@@ -155,7 +191,6 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
     import ray
     from ray._raylet import (  # type: ignore[attr-defined]  # Ray's stub of the Cython _raylet lacks them
         AuthenticationMode,
-        AuthenticationTokenLoader,
         get_authentication_mode,
     )
 
@@ -178,11 +213,7 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
     head = RayHead(settings, env, temp_dir, model_dir, process, num_gpus)
     try:
         local_cluster.wait_for_dashboard(settings, process)
-        # The driver authenticates with the head's token: this process's environment names it while the head runs.
-        os.environ["RAY_AUTH_TOKEN_PATH"] = env["RAY_AUTH_TOKEN_PATH"]
-        os.environ.pop("RAY_ADDRESS", None)
-        AuthenticationTokenLoader.instance().reset_cache()
-        ray.init(address=head.address, log_to_driver=False, namespace="dcpserve-tests")
+        join_as_driver(head.address, Path(env["RAY_AUTH_TOKEN_PATH"]))
         yield head
     finally:
         if ray.is_initialized():

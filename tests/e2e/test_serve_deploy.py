@@ -261,7 +261,7 @@ def test_nothing_of_the_cluster_listens_beyond_loopback(cluster: ServeCluster) -
     sockets = cluster.head.listening_sockets()
     assert len(sockets) > 10, sockets  # the check sees the cluster's listeners: GCS, raylet, agents, proxy, ranks
     assert any(port == cluster.settings.http_port for *_, port in sockets), sockets
-    grpc = serve_inter_deployment_grpc_ports(cluster.head)
+    grpc = serve_inter_deployment_grpc_ports(cluster.head.api)
     assert len(grpc) == 3, grpc  # the ingress, the admission queue, the engine replica
     assert sorted((pid, port) for pid, _, _, port in non_loopback_listeners(cluster.head)) == sorted(grpc.items()), \
         (non_loopback_listeners(cluster.head), grpc)

@@ -1,0 +1,293 @@
+"""`make cluster` end to end: ray_cluster.yaml's node types on this machine with Ray's real autoscaler
+(deployments/local_nodes.py, cluster/local_provider.py).
+
+One cluster for the module, started and stopped exactly as a user does (`python -m deployments.local_nodes up`, then
+`... down`), with worker nodes of 2 logical GPUs so that each holds one TP=2 x DCP=2 replica:
+- `serve deploy` of the printed config brings up a worker node for the first replica; the replica and its ranks run
+  there and never on the head; a completion comes back through the openai client; no process of the cluster listens
+  on or connects to anything but loopback (except Serve's inter-deployment gRPC server, which Ray binds to [::]);
+- load past one replica makes Serve ask for a second, whose placement group makes the autoscaler add a node; the
+  new replica runs there and is granted requests; idle, it goes away and so does its node;
+- a layout no node type can hold is refused at deploy, naming the node type, its GPUs and the layout;
+- `down` leaves no process of the cluster behind.
+
+What is asserted holds whatever the timing: states are waited for (bounded), never assumed after a sleep. How long
+each phase took is printed (`-s`), as the measurement docs/operations.md quotes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments import local_cluster
+from tests.e2e.cluster import (
+    LOOPBACK,
+    join_as_driver,
+    process_sockets,
+    serve_inter_deployment_grpc_ports,
+    session_processes,
+    tiny_app_args,
+)
+
+pytestmark = [pytest.mark.timeout(900)]
+
+MODEL = "tiny-nodes"
+WORKER_GPUS = 2  # one TP=2 replica per worker node: a second replica needs a second node
+IDLE_TIMEOUT_S = 15
+WAIT_S = 240.0  # bound on any one phase (a node launch plus a replica start on a busy 2-core machine)
+APP_ARGS = tiny_app_args(
+    MODEL,
+    kv_cache_memory_bytes=2 * 1024 * 1024,  # 8192 tokens per replica: three ~1k-token streams fit in one
+    autoscaling={"min_replicas": 1, "max_replicas": 2, "target_sequences_per_replica": 1,
+                 "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 2},
+)
+
+
+@dataclass
+class LocalNodes:
+    """The running `make cluster` of this module: its process, settings, log, and this process as its driver."""
+
+    process: subprocess.Popen[bytes]
+    env: dict[str, str]  # the environment `up` and `down` run with
+    state_dir: Path
+    log: Path
+    ray_port: int
+    dashboard_port: int
+    http_port: int
+    started: float  # time.monotonic() when `up` was started
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def api(self) -> local_cluster.ServeApi:
+        return local_cluster.ServeApi(self.dashboard_port, self.state_dir / "ray_auth_token")
+
+    def session_id(self) -> int:
+        """The session of the head's `ray start` (begun by `up`); every node the autoscaler starts is in it."""
+        import psutil
+
+        for process in psutil.process_iter(["cmdline"]):
+            cmdline = process.info["cmdline"] or []
+            if "--head" in cmdline and "--port" in cmdline and str(self.ray_port) in cmdline:
+                return os.getsid(process.pid)
+        raise AssertionError(f"no `ray start --head --port {self.ray_port}` is running; see {self.log}")
+
+    def engine_replicas(self) -> list[dict[str, Any]]:
+        app = (self.api.details().get("applications") or {}).get("dcpserve", {})
+        replicas: list[dict[str, Any]] = app.get("deployments", {}).get("EngineReplica", {}).get("replicas", [])
+        return replicas
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S, period_s: float = 1.0) -> Any:
+    """check() until it returns something truthy; AssertionError with the last value after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(period_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f}s; last seen: {last!r}")
+
+
+def alive_nodes() -> dict[str, dict[str, Any]]:
+    """node id -> ray.nodes() entry of every alive node."""
+    import ray
+
+    return {node["NodeID"]: node for node in ray.nodes() if node.get("Alive")}
+
+
+def head_node_id() -> str:
+    return next(node_id for node_id, node in alive_nodes().items()
+                if "node:__internal_head__" in node.get("Resources", {}))
+
+
+@pytest.fixture(scope="module")
+def local_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNodes]:
+    state = tmp_path_factory.mktemp("local-nodes")
+    template = state / "serve_config.template.yaml"
+    template.write_text(yaml.safe_dump({
+        "proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 0},
+        "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
+                          "args": {"model": "filled in by local_nodes", **APP_ARGS}}]}))
+    ports = {key: local_cluster.free_port() for key in ("http", "ray", "dashboard")}
+    env = {**os.environ, "DCPSERVE_STATE_DIR": str(state), "DCPSERVE_PORT": str(ports["http"]),
+           "DCPSERVE_RAY_PORT": str(ports["ray"]), "DCPSERVE_DASHBOARD_PORT": str(ports["dashboard"]),
+           "DCPSERVE_CONFIG": str(template), "DCPSERVE_WORKER_GPUS": str(WORKER_GPUS),
+           "DCPSERVE_IDLE_TIMEOUT_S": str(IDLE_TIMEOUT_S)}
+    log = state / "make_cluster.log"
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "deployments.local_nodes", "up"], env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    nodes = LocalNodes(process, env, state, log, ports["ray"], ports["dashboard"], ports["http"], started)
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
+    session = None
+    try:
+        wait_for("make cluster says the cluster is up",
+                 lambda: process.poll() is not None or "the local cluster is up" in log.read_text())
+        assert process.poll() is None, log.read_text()
+        nodes.timings["cluster up"] = time.monotonic() - started
+        session = nodes.session_id()
+        join_as_driver(f"127.0.0.1:{ports['ray']}", state / "ray_auth_token")
+        yield nodes
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        down = subprocess.run([sys.executable, "-m", "deployments.local_nodes", "down"], env=env,
+                              capture_output=True, text=True, timeout=180)
+        try:
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:  # never leave it behind, whatever failed
+                os.killpg(process.pid, 9)
+        print(f"\nlocal cluster phases (s): {nodes.timings}")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert process.returncode == 0, log.read_text()[-3000:]
+        if session is not None:
+            left = session_processes(session)
+            assert left == [], f"processes of the cluster left after `down`: {left}"
+
+
+def test_deploy_lands_on_worker_nodes_and_answers(local_nodes: LocalNodes) -> None:
+    import openai
+    from ray.util.state import list_actors
+
+    banner = local_nodes.log.read_text()
+    # Exactly what the banner says to run.
+    command = re.search(r"^\s+(\S+/serve deploy \S+ --address \S+)$", banner, re.MULTILINE)
+    export = re.search(r"^\s+export (.+)$", banner, re.MULTILINE)
+    assert command and export, banner
+    env = {**local_nodes.env, **dict(item.split("=", 1) for item in export.group(1).split())}
+    assert len(alive_nodes()) == 1, "the head alone until a replica needs a GPU"
+    start = time.monotonic()
+    subprocess.run(command.group(1).split(), env=env, check=True, timeout=120)
+    local_cluster.wait_until_running(local_nodes.api, "dcpserve", WAIT_S, local_nodes.process, local_nodes.log,
+                                     progress=print)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none")
+    reply = client.completions.create(model=MODEL, prompt="def hello", max_tokens=8, temperature=0)
+    local_nodes.timings["deploy to first completion"] = time.monotonic() - start
+    local_nodes.timings["make cluster to first completion"] = time.monotonic() - local_nodes.started
+    assert reply.choices[0].finish_reason == "length" and reply.usage and reply.usage.completion_tokens == 8
+
+    head = head_node_id()
+    nodes = alive_nodes()
+    assert nodes[head]["Resources"].get("GPU", 0) == 0
+    (replica,) = local_nodes.engine_replicas()
+    assert replica["node_id"] != head, "an engine replica ran on the CPU head"
+    assert nodes[replica["node_id"]]["Resources"].get("GPU") == WORKER_GPUS
+    ranks = list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
+    assert len(ranks) == 2 and {rank.node_id for rank in ranks} == {replica["node_id"]}, ranks  # STRICT_PACK
+
+    # Loopback only: every process of every node of the cluster, listening or connected.
+    allowed = set(serve_inter_deployment_grpc_ports(local_nodes.api).items())
+    outside = [s for s in process_sockets(session_processes(local_nodes.session_id()))
+               if (s.remote_ip is None and s.local_ip not in LOOPBACK and (s.pid, s.port) not in allowed)
+               or (s.remote_ip is not None and s.remote_ip not in LOOPBACK)]
+    assert outside == [], outside
+
+
+def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: LocalNodes) -> None:
+    import openai
+
+    (first,) = local_nodes.engine_replicas()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none",
+                                max_retries=0, timeout=600)
+
+    async def stream(index: int, max_tokens: int) -> int:
+        chunks = 0
+        response = await client.completions.create(model=MODEL, prompt=f"def load_{index}():", stream=True,
+                                                   max_tokens=max_tokens, temperature=0)
+        async for _ in response:
+            chunks += 1
+        return chunks
+
+    def second_replica_running() -> dict[str, Any] | None:
+        replicas = [r for r in local_nodes.engine_replicas() if r["replica_id"] != first["replica_id"]]
+        return next((r for r in replicas if r["state"] == "RUNNING"), None)
+
+    async def scale_up() -> tuple[dict[str, Any], dict[str, Any]]:
+        start = time.monotonic()
+        load = [asyncio.create_task(stream(i, 1500)) for i in range(3)]  # 3 sequences, target 1 per replica
+        second = await asyncio.to_thread(wait_for, "a second engine replica RUNNING", second_replica_running)
+        local_nodes.timings["load to second replica running"] = time.monotonic() - start
+        # A request sent now is granted to the new replica: it holds no KV while the first holds three streams'.
+        granted: dict[str, Any] = {}
+        for index in range(8):
+            await stream(100 + index, 16)
+            stats = await asyncio.to_thread(admission_stats, local_nodes)
+            granted = stats["replicas"].get(second["replica_id"], {})
+            if granted.get("num_granted", 0) > 0:
+                break
+        for task in load:
+            assert not task.done() or task.exception() is None, task.exception()
+        assert all(n > 0 for n in await asyncio.gather(*load))  # every stream of the scale-up was answered
+        await client.close()
+        return second, granted
+
+    second, granted = asyncio.run(scale_up())
+    assert granted.get("num_granted", 0) > 0, f"the new replica was granted nothing: {granted}"
+    nodes = alive_nodes()
+    assert second["node_id"] not in (first["node_id"], head_node_id()), "the second replica needed a new node"
+    assert nodes[second["node_id"]]["Resources"].get("GPU") == WORKER_GPUS
+    assert len(nodes) == 3
+
+    # Idle: Serve stops one of the two replicas (either: Serve chooses), then the autoscaler removes the node it
+    # leaves empty; the other replica's node stays (min_replicas 1).
+    start = time.monotonic()
+    (kept,) = wait_for("back to one engine replica", lambda: [
+        r for r in local_nodes.engine_replicas() if r["state"] == "RUNNING"]
+        if [r["state"] for r in local_nodes.engine_replicas()] == ["RUNNING"] else None)
+    local_nodes.timings["idle to one replica"] = time.monotonic() - start
+    emptied = ({first["node_id"], second["node_id"]} - {kept["node_id"]}).pop()
+    wait_for("the emptied worker node removed", lambda: emptied not in alive_nodes() and len(alive_nodes()) == 2)
+    local_nodes.timings["idle to node removed"] = time.monotonic() - start
+    assert kept["node_id"] in alive_nodes()
+    stats = admission_stats(local_nodes)
+    assert all(r["num_grants"] == 0 for r in stats["replicas"].values()), stats  # no KV held after the drain
+
+
+def test_a_layout_no_node_type_can_hold_is_refused_at_deploy(local_nodes: LocalNodes) -> None:
+    config = yaml.safe_load((local_nodes.state_dir / "serve_config.generated.yaml").read_text())
+    app = config["applications"][0]
+    app["name"] = "too-wide"
+    app["route_prefix"] = "/too-wide"
+    app["args"].update(tensor_parallel_size=4, decode_context_parallel_size=4, served_model_name="too-wide")
+    current = local_nodes.api.details()
+    deployed = [{"name": name, "route_prefix": a.get("route_prefix"), **a["deployed_app_config"]}
+                for name, a in (current.get("applications") or {}).items()]
+    local_nodes.api.deploy({**config, "applications": [*[d | {"name": d["name"]} for d in deployed], app]})
+    try:
+        failed = wait_for("the too-wide app refused", lambda: local_nodes.api.application("too-wide")
+                          if local_nodes.api.application("too-wide").get("status") == "DEPLOY_FAILED" else None)
+        message = failed.get("message", "")
+        for part in ("tensor_parallel_size=4", "'gpu_worker' has 2 GPUs", "4 GPUs on one node"):
+            assert part in message, (part, message)
+    finally:
+        local_nodes.api.deploy({**config, "applications": deployed})
+
+
+def admission_stats(local_nodes: LocalNodes) -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("KvAdmission", app_name="dcpserve")
+    stats: dict[str, Any] = handle.stats.remote().result(timeout_s=60)
+    return stats
