@@ -3,8 +3,8 @@ as a raylet of its own on this machine with the resources its node type declares
 
 - the head is tagged with the config's own head node type (ray_cluster.yaml's `head`), not the fake provider's fixed
   `ray.head.default`, so one set of node types serves both configs;
-- each worker node carries its node type as the label `ray.io/node-group` (as KubeRay labels its node groups), so
-  the dashboard, `ray list nodes` and a node's metrics say which type it is;
+- each worker node carries its node type as the label `ray.io/node-group` (NODE_TYPE_LABEL, as KubeRay labels its
+  node groups), so `ray list nodes` and the replicas' node metric say which type it is;
 - every node it starts binds 127.0.0.1: the monitor that runs this provider inherits LOOPBACK_ENV from the head
   (deployments/local_cluster.py), under which Ray resolves a node's own address to loopback, and the provider config
   names the head's GCS address on loopback (`gcs_address`; the stock default is the machine's routable address and
@@ -22,7 +22,7 @@ from typing import Any
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
 from ray.autoscaler.tags import TAG_RAY_USER_NODE_TYPE
 
-NODE_TYPE_LABEL = "ray.io/node-group"
+from cluster.node_types import NODE_TYPE_LABEL
 
 
 class LocalNodeProvider(FakeMultiNodeProvider):

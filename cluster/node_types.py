@@ -21,6 +21,10 @@ from typing import Any
 
 import yaml
 
+# The label a node's type is under: the local provider puts it on every worker node it starts (as KubeRay labels its
+# node groups); replicas report it in their node metric (deployments/metrics.py).
+NODE_TYPE_LABEL = "ray.io/node-group"
+
 # Read by the app builder (deployments/app.py) on any node: the cluster config whose node types a deploy is checked
 # against. `make cluster` sets it to the config it started the head with; ray_cluster.yaml sets it in its start
 # commands to its own copy on every node.

@@ -18,7 +18,10 @@ preferring the most free KV, and counts the grant against that replica until the
 - grants only go where they can run: to a replica that is healthy and routable (Serve's controller has been
   probing it, so it is RUNNING and the routers know it: not one still starting or already draining), and not to
   one a caller found unreachable until Serve has probed it again. A grant whose replica did not take the request
-  comes back through refused() or unreachable() and the request waits at the head again.
+  comes back through refused() or unreachable() and the request waits at the head again;
+- a replica a caller's delta stream found dead (replica_lost: its process or its node died) is forgotten at once,
+  capacity and grants, not after replica_ttl_s without reports; if it reports again it comes back, grantable once
+  Serve has probed it since.
 
 Which replica: deployments/replica_choice.py (the replica's KV as the queue knows it, balance, and prefix-aware
 routing: the longest cached run of the prompt's blocks among the replicas with room and in balance).
@@ -120,6 +123,8 @@ class AdmissionQueue:
         self.num_prefix_query_blocks = 0  # prompt blocks of granted requests that could have been cached
         self.num_prefix_hit_blocks = 0  # of those, blocks their granted replica reported cached
         self.num_granted = 0
+        self.num_lost = 0  # replicas a caller's stream found dead (replica_lost)
+        self._lost: dict[str, tuple[int, float]] = {}  # lost replica -> (its probes then, when), until 6 x ttl
         self.num_timeouts = 0
         self.num_rejected_full = 0
         self.num_refusals = 0
@@ -252,6 +257,19 @@ class AdmissionQueue:
             replica.unreachable_at_probe = replica.probes
         self._fulfill()
 
+    def replica_lost(self, replica_id: str) -> None:
+        """A caller's stream from the replica failed (the replica or its node died): the queue forgets it at once,
+        its capacity and its grants (the requests there fail and their releases find nothing), instead of after
+        replica_ttl_s without reports. A replica that is alive after all reports again within seconds and comes
+        back, grantable once Serve has probed it since the loss."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return
+        self.num_lost += 1
+        self._lost[replica_id] = (replica.probes, self._clock())
+        self.remove_replica(replica_id)
+        self._fulfill()
+
     # ---- replicas -------------------------------------------------------------------------------------------
 
     def report(
@@ -273,6 +291,9 @@ class AdmissionQueue:
         replica = self.replicas.get(replica_id)
         if replica is None:
             replica = self.replicas[replica_id] = ReplicaKv(replica_id, capacity, tokens_per_block)
+            lost = self._lost.pop(replica_id, None)
+            if lost is not None:  # reported as lost, yet it reports: grantable once Serve probes it again
+                replica.unreachable_at_probe = lost[0]
         replica.capacity = capacity
         replica.tokens_per_block = tokens_per_block
         replica.healthy = healthy
@@ -307,6 +328,9 @@ class AdmissionQueue:
     def expire(self) -> None:
         """Marks replicas that stopped reporting as unhealthy (no grants) and forgets long-dead ones."""
         now = self._clock()
+        for replica_id, (_, lost_at) in list(self._lost.items()):
+            if now - lost_at > 6 * self.replica_ttl_s:
+                del self._lost[replica_id]
         for replica in list(self.replicas.values()):
             silent = now - replica.last_report
             if silent > 6 * self.replica_ttl_s:
@@ -331,6 +355,7 @@ class AdmissionQueue:
             "num_rejected_full": self.num_rejected_full,
             "num_refusals": self.num_refusals,
             "num_unreachable": self.num_unreachable,
+            "num_lost": self.num_lost,
             "num_leaked": self.num_leaked,
             "prefix_query_blocks": self.num_prefix_query_blocks,
             "prefix_hit_blocks": self.num_prefix_hit_blocks,
@@ -433,6 +458,9 @@ class KvAdmission:
 
     def unreachable(self, ticket: str, replica_id: str) -> None:
         self.queue.unreachable(ticket, replica_id)
+
+    def replica_lost(self, replica_id: str) -> None:
+        self.queue.replica_lost(replica_id)
 
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
                healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,

@@ -32,9 +32,9 @@ from typing import Any
 
 import yaml
 
-from cluster.local_provider import NODE_TYPE_LABEL
 from cluster.node_types import (
     CLUSTER_CONFIG_ENV,
+    NODE_TYPE_LABEL,
     NodeType,
     ReplicaDoesNotFit,
     check_replica_fits,

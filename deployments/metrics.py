@@ -92,7 +92,7 @@ class ReplicaMetrics:
     timings."""
 
     def __init__(self, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
-                 admission: str = "usage") -> None:
+                 admission: str = "usage", node_id: str = "", node_type: str = "") -> None:
         self.kv_capacity = _gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
         self.kv_used = _gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
         self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens",
@@ -109,6 +109,9 @@ class ReplicaMetrics:
                                  ("rank", "dcp_rank"))
         self.layout = _gauge("dcpserve_layout_info", "1, labelled with the replica's TP x DCP layout",
                              ("tp", "dcp", "kv_heads", "kv_head_copies", "duplication_removed"))
+        # Which node the replica runs on: the dashboard's per-node panels join the per-replica series on `replica`.
+        self.node = _gauge("dcpserve_replica_node_info", "1, labelled with the node the replica runs on and its type",
+                           ("node_id", "node_type"))
         self.running = _gauge("dcpserve_sequences_running", "sequences the engine is running")
         self.waiting = _gauge("dcpserve_sequences_waiting",
                               "sequences waiting inside the engine (accepted, not running)")
@@ -152,6 +155,7 @@ class ReplicaMetrics:
         self._layout_tags = {"tp": str(tp), "dcp": str(dcp), "kv_heads": str(num_kv_heads),
                              "kv_head_copies": str(copies // dcp), "duplication_removed": str(dcp)}
         self._target_sequences = float(target_sequences_per_replica)
+        self._node_tags = {"node_id": node_id, "node_type": node_type}
 
     def on_step(self, stats: EngineStats) -> None:
         """After every engine step (the engine's on_step): the step's timings."""
@@ -162,6 +166,7 @@ class ReplicaMetrics:
         """Gauges from the engine's stats() and KV ledger, every GAUGE_PERIOD_S. Constant gauges are set again each
         time too: Ray exports a gauge only while it is being recorded."""
         self.layout.set(1, tags=self._layout_tags)
+        self.node.set(1, tags=self._node_tags)
         self.target.set(self._target_sequences)
         self.kv_capacity.set(stats.kv_capacity_tokens)
         self.kv_used.set(stats.kv_used_tokens)

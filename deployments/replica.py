@@ -29,6 +29,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from cluster.node_types import NODE_TYPE_LABEL
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
 from deployments.streams import DeltaBatch, Outbox, Subscribed
@@ -106,6 +107,18 @@ def replica_bundles(tp: int) -> list[dict[str, float]]:
     return [{"CPU": 1.0}] + [{"GPU": 1.0}] * tp
 
 
+def _node_tags() -> dict[str, str]:
+    """node_id and node_type of the node this replica runs on: the type is the node's NODE_TYPE_LABEL (`make
+    cluster`'s worker nodes carry it; so do KubeRay's), "head" on the head node, else empty."""
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    node_type = str(context.get_node_labels().get(NODE_TYPE_LABEL) or "")
+    if not node_type and any(node.get("NodeID") == node_id and "node:__internal_head__" in node.get("Resources", {})
+                             for node in ray.nodes()):
+        node_type = "head"
+    return {"node_id": node_id, "node_type": node_type}
+
+
 def _node_has_cuda() -> bool:
     """Whether this node has real GPUs (Ray labels them with an accelerator type; logical --num-gpus does not)."""
     node_id = ray.get_runtime_context().get_node_id()
@@ -134,7 +147,7 @@ class EngineReplica:
         self.metrics = ReplicaMetrics(
             tp=stats.tp, dcp=stats.dcp, num_kv_heads=stats.num_kv_heads,
             target_sequences_per_replica=self.args.autoscaling.target_sequences_per_replica,
-            admission=stats.admission,
+            admission=stats.admission, **_node_tags(),
         )
         ledger = self.engine.kv_ledger()
         self.tokens_per_block = ledger.tokens_per_block

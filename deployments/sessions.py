@@ -64,7 +64,7 @@ class Sessions:
         self._background: set[asyncio.Task[Any]] = set()
         # The delta streams from the engine replicas (deployments.streams), opened on a replica's first request.
         self.links = DeltaLinks(self._open_delta_stream, self._renew_delta_stream,
-                                subscribe_timeout_s=args.dispatch_timeout_s)
+                                subscribe_timeout_s=args.dispatch_timeout_s, on_lost=self._replica_lost)
 
     def _open_delta_stream(self, replica_id: str, subscriber: str) -> Any:
         return self.engine.options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
@@ -76,6 +76,18 @@ class Sessions:
         except asyncio.CancelledError:
             response.cancel()
             raise
+
+    def _replica_lost(self, replica_id: str) -> None:
+        """A delta stream from the replica failed: the admission queue grants it nothing more until it reports
+        again (a replica that is alive does within kv_report_period_s), instead of until its reports have been
+        missing for replica_ttl_s. Its grants come back as this ingress' requests there fail and release them."""
+        self._in_background(self._replica_lost_async(replica_id))
+
+    async def _replica_lost_async(self, replica_id: str) -> None:
+        try:
+            await asyncio.wait_for(self.admission.replica_lost.remote(replica_id), self.args.dispatch_timeout_s)
+        except Exception as err:  # noqa: BLE001 - the queue still learns of it when the replica's reports stop
+            logger.warning("telling the admission queue replica %s is lost failed: %r", replica_id, err)
 
     def close(self) -> None:
         """Ends this ingress' delta streams: each replica aborts the requests of this ingress it still runs."""

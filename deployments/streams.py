@@ -195,14 +195,17 @@ class DeltaLinks:
     open_stream(replica_id, subscriber) makes the streaming call (the engine handle's deltas() addressed to that
     replica); it must return an object with __anext__ and cancel() (a Serve DeploymentResponseGenerator).
     renew(replica_id, subscriber) renews the stream's lease on the replica (its renew()): False when the replica no
-    longer has the stream, which then ends here too."""
+    longer has the stream, which then ends here too. on_lost(replica_id) runs when a stream fails (the call raised:
+    the replica died, its node went, or it did not open the stream in time), not when it ends or closes."""
 
     def __init__(self, open_stream: Callable[[str, str], Any],
                  renew: Callable[[str, str], Awaitable[bool]], idle_s: float = LINK_IDLE_S,
-                 subscribe_timeout_s: float = 60.0, renew_s: float = RENEW_S) -> None:
+                 subscribe_timeout_s: float = 60.0, renew_s: float = RENEW_S,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.subscriber = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
         self._open_stream = open_stream
         self._renew = renew
+        self._on_lost = on_lost
         self._renew_s = renew_s
         self._idle_s = idle_s
         self._subscribe_timeout_s = subscribe_timeout_s
@@ -280,6 +283,8 @@ class DeltaLinks:
         except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it: its requests fail
             error = StreamLost(f"the delta stream from replica {link.replica_id} failed ({type(err).__name__}: "
                                f"{err})")
+            if self._on_lost is not None:
+                self._on_lost(link.replica_id)
         finally:
             if stream is not None:
                 stream.cancel()

@@ -327,6 +327,13 @@ def test_every_documented_metric_moves_and_has_its_type(loaded: Stack) -> None:
     layout = query(loaded, of_app("ray_dcpserve_layout_info"))["result"][0]["metric"]
     assert (layout["tp"], layout["dcp"], layout["kv_heads"], layout["duplication_removed"]) == (
         "2", str(dcp), "1", str(dcp))
+    # The session head is the only node: every engine replica reports it, by its Ray node id.
+    import ray
+
+    head_id = next(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    nodes = {(s["metric"]["node_id"], s["metric"]["node_type"])
+             for s in query(loaded, of_app("ray_dcpserve_replica_node_info"))["result"]}
+    assert nodes == {(head_id, "head")}, nodes
 
 
 def test_every_dashboard_query_returns_data(loaded: Stack) -> None:

@@ -178,6 +178,31 @@ def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
     asyncio.run(run())
 
 
+def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports_after_a_new_probe() -> None:
+    async def run() -> None:
+        queue = AdmissionQueue(max_queued=4)
+        queue.report("a", 10, 32, {"x": 2}, probes=2)  # "x": a request the queue did not grant (external)
+        queue.report("b", 6, 32, {}, probes=2)
+        assert await queue.acquire("t1", 4, 1.0) == "a"
+        queue.replica_lost("a")  # an ingress' stream from "a" failed: its node went, say
+        queue.replica_lost("a")  # from every ingress: counted once
+        stats = queue.stats()
+        assert "a" not in stats["replicas"] and stats["num_lost"] == 1  # its capacity, grants and holdings gone
+        assert queue.grant_of("t1") is None
+        queue.release("t1")  # its request fails and releases: nothing left to release
+        assert await queue.acquire("t2", 4, 1.0) == "b"  # "a" had more free KV, but it is lost
+        with pytest.raises(NeverFits, match="a replica holds 6 blocks"):  # only "b"'s KV counts now
+            await queue.acquire("t3", 8, 1.0)
+        queue.report("a", 10, 32, {}, probes=2)  # alive after all, but Serve has not probed it since
+        assert not queue.replicas["a"].grantable
+        queue.report("a", 10, 32, {}, probes=3)  # probed again: grantable
+        assert await queue.acquire("t3", 8, 1.0) == "a"
+        queue.replica_lost("unknown")  # a replica the queue never heard of: nothing to do
+        assert queue.stats()["num_lost"] == 1
+
+    asyncio.run(run())
+
+
 def test_timeout_without_a_grantable_replica_says_so() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)

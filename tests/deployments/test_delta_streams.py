@@ -224,8 +224,9 @@ async def _held(replica_id: str, subscriber: str) -> bool:
     return True
 
 
-def _links(replicas: dict[str, _Replica], idle_s: float = 2.0) -> DeltaLinks:
-    return DeltaLinks(lambda replica_id, subscriber: replicas[replica_id].open(), _held, idle_s=idle_s)
+def _links(replicas: dict[str, _Replica], idle_s: float = 2.0, lost: list[str] | None = None) -> DeltaLinks:
+    return DeltaLinks(lambda replica_id, subscriber: replicas[replica_id].open(), _held, idle_s=idle_s,
+                      on_lost=None if lost is None else lost.append)
 
 
 def test_the_ingress_demultiplexes_each_batch_into_its_requests() -> None:
@@ -260,8 +261,10 @@ def test_the_ingress_demultiplexes_each_batch_into_its_requests() -> None:
 def test_a_lost_stream_fails_every_request_on_it_at_once_and_the_next_request_opens_a_new_one() -> None:
     replicas = {"A": _Replica("A")}
 
+    lost: list[str] = []
+
     async def main() -> tuple[list[Any], int]:
-        links = _links(replicas)
+        links = _links(replicas, lost=lost)
         waiting = []
         for request_id in ("r1", "r2", "r3"):
             queue, subscribed = links.register("A", request_id)
@@ -270,6 +273,7 @@ def test_a_lost_stream_fails_every_request_on_it_at_once_and_the_next_request_op
         replicas["A"].items.put_nowait(ConnectionError("the replica's actor died"))
         got = [await queue.get() for queue in waiting]
         assert links.num_links() == 0
+        assert lost == ["A"]  # the admission queue is told at once (Sessions._replica_lost)
         _, subscribed = links.register("A", "r4")
         await subscribed
         num_links = links.num_links()
@@ -279,6 +283,26 @@ def test_a_lost_stream_fails_every_request_on_it_at_once_and_the_next_request_op
     got, num_links = virtual_time.run(main())
     assert all(isinstance(err, StreamLost) and "actor died" in str(err) for err in got), got
     assert num_links == 1 and replicas["A"].opened == 2
+    assert lost == ["A"]  # closing the links at the end is not a loss
+
+
+def test_a_stream_the_replica_ends_or_the_ingress_closes_idle_is_not_a_lost_replica() -> None:
+    replicas = {"A": _Replica("A"), "B": _Replica("B")}
+    lost: list[str] = []
+
+    async def main() -> None:
+        links = _links(replicas, idle_s=1.0, lost=lost)
+        for replica_id in ("A", "B"):
+            _, subscribed = links.register(replica_id, f"{replica_id}1")
+            await subscribed
+        replicas["A"].items.put_nowait(StopAsyncIteration())  # the replica ended it (draining, lease over)
+        links.unregister("B", "B1")
+        await asyncio.sleep(1.5)  # B closes idle
+        assert links.num_links() == 0
+        await _close(links)
+
+    virtual_time.run(main())
+    assert lost == []
 
 
 def test_an_idle_stream_closes_after_idle_s_and_a_waiting_request_keeps_it_open() -> None:

@@ -15,11 +15,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from tests.e2e.cluster import APP_NAME, ServeCluster
+
+
+class Served(Protocol):
+    """An app answering at url (the session head's ServeCluster, or tests/nodes' local multi-node cluster)."""
+
+    @property
+    def url(self) -> str: ...
 
 
 def _dashboard_get(cluster: ServeCluster, path: str) -> Any:
@@ -57,12 +64,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def health(cluster: ServeCluster, headers: dict[str, str] | None = None) -> dict[str, Any]:
+def health(cluster: Served, headers: dict[str, str] | None = None) -> dict[str, Any]:
     reply = httpx.get(f"{cluster.url}/health", headers=headers, timeout=30)
     return {"http_status": reply.status_code, **reply.json()}
 
 
-def wait_until_serving(cluster: ServeCluster, model: str, timeout_s: float, headers: dict[str, str] | None = None
+def wait_until_serving(cluster: Served, model: str, timeout_s: float, headers: dict[str, str] | None = None
                        ) -> float:
     """Seconds until a small completion succeeds (polled every 0.5 s); AssertionError past timeout_s."""
     start = time.monotonic()
@@ -80,7 +87,7 @@ def wait_until_serving(cluster: ServeCluster, model: str, timeout_s: float, head
     raise AssertionError(f"no successful completion within {timeout_s:.0f}s; last: {last}")
 
 
-def wait_until_nothing_held(cluster: ServeCluster, timeout_s: float) -> float:
+def wait_until_nothing_held(cluster: Served, timeout_s: float) -> float:
     """Seconds until /health shows no KV granted or held by any replica; AssertionError past timeout_s."""
     start = time.monotonic()
     counts: dict[str, Any] = {}

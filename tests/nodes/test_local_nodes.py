@@ -7,7 +7,10 @@ One cluster for the module, started and stopped exactly as a user does (`python 
   there and never on the head; a completion comes back through the openai client; no process of the cluster listens
   on or connects to anything but loopback (except Serve's inter-deployment gRPC server, which Ray binds to [::]);
 - load past one replica makes Serve ask for a second, whose placement group makes the autoscaler add a node; the
-  new replica runs there and is granted requests; idle, it goes away and so does its node;
+  new replica runs there and is granted requests, and Prometheus' service discovery lists the new node, whose
+  metrics carry it; idle, one replica goes away and so does the node it leaves empty;
+- a worker node killed under load costs only its in-flight requests: the admission queue forgets its replica at
+  once, the other replica serves new requests, Serve and the autoscaler replace replica and node, no KV stays held;
 - a layout no node type can hold is refused at deploy, naming the node type, its GPUs and the layout;
 - `down` leaves no process of the cluster behind.
 
@@ -68,6 +71,10 @@ class LocalNodes:
     http_port: int
     started: float  # time.monotonic() when `up` was started
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def api(self) -> local_cluster.ServeApi:
@@ -250,6 +257,16 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
     assert nodes[second["node_id"]]["Resources"].get("GPU") == WORKER_GPUS
     assert len(nodes) == 3
 
+    # Prometheus finds the node the autoscaler added: Ray's service-discovery file (what dashboards/prometheus reads)
+    # lists the node's metrics agent, which serves the new replica's series labelled with that node and its type.
+    target = f"127.0.0.1:{nodes[second['node_id']]['MetricsExportPort']}"
+    discovery = Path(f"/tmp/dcpserve-{os.getuid()}-{local_nodes.ray_port}/prom_metrics_service_discovery.json")
+    wait_for(f"{target} in {discovery}", lambda: discovery.is_file() and target in discovery.read_text())
+    expected = (f'node_id="{second["node_id"]}"', 'node_type="gpu_worker"')
+    wait_for(f"the new node's replica_node_info on {target}",
+             lambda: [line for line in scrape(target).splitlines()
+                      if line.startswith("ray_dcpserve_replica_node_info{") and all(e in line for e in expected)])
+
     # Idle: Serve stops one of the two replicas (either: Serve chooses), then the autoscaler removes the node it
     # leaves empty; the other replica's node stays (min_replicas 1).
     start = time.monotonic()
@@ -263,6 +280,73 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
     assert kept["node_id"] in alive_nodes()
     stats = admission_stats(local_nodes)
     assert all(r["num_grants"] == 0 for r in stats["replicas"].values()), stats  # no KV held after the drain
+
+
+def kill_node(node_id: str) -> list[int]:
+    """SIGKILLs a worker node: its raylet and every process under it (the node's workers and agents), as a machine
+    that loses power. Returns their pids."""
+    import psutil
+
+    socket = alive_nodes()[node_id]["RayletSocketName"]
+    (raylet,) = [p for p in psutil.process_iter(["cmdline"])
+                 if f"--raylet_socket_name={socket}" in (p.info["cmdline"] or [])]
+    victims = [raylet, *raylet.children(recursive=True)]
+    for process in victims:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [process.pid for process in victims]
+
+
+def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local_nodes: LocalNodes) -> None:
+    """A worker node dies (SIGKILL of its raylet and everything under it) while requests stream on both replicas:
+    the requests on it end with an error, the admission queue forgets its replica at once (an ingress' delta
+    stream from it fails: replica_lost), new requests are served by the other replica, Serve replaces the replica
+    and the autoscaler the node, and nothing is lost, hung or left holding KV."""
+    from tests.e2e import faults
+
+    # Enough concurrent sequences for two replicas (target 1 per replica), hence two worker nodes.
+    load = faults.Load(local_nodes.url, MODEL, streams=3, plain=1, max_tokens=300, client_timeout_s=300).start()
+    try:
+        def two_running() -> list[dict[str, Any]] | None:
+            running = [r for r in local_nodes.engine_replicas() if r["state"] == "RUNNING"]
+            return running if len(running) == 2 and running[0]["node_id"] != running[1]["node_id"] else None
+
+        replicas = wait_for("two engine replicas on two nodes", two_running)
+        granted = wait_for("a replica holding grants", lambda: [
+            r for r in replicas if admission_stats(local_nodes)["replicas"].get(r["replica_id"], {}).get("num_grants")])
+        victim = granted[0]
+        in_flight = [o for o in list(load.outcomes) if o.ended is None]
+        killed_at = time.monotonic()
+        killed = kill_node(victim["node_id"])
+        forgotten = wait_for("the admission queue forgot the dead replica", lambda: victim["replica_id"] not in
+                             admission_stats(local_nodes)["replicas"], period_s=0.2)
+        local_nodes.timings["node kill to replica forgotten"] = time.monotonic() - killed_at
+        assert forgotten
+        local_nodes.timings["node kill to a new request served"] = (
+            time.monotonic() - killed_at + faults.wait_until_serving(local_nodes, MODEL, WAIT_S))
+        # Serve replaces the replica; its placement group needs a node: the autoscaler replaces the dead one.
+        wait_for("two engine replicas running again", lambda: (running := two_running()) is not None
+                 and victim["replica_id"] not in {r["replica_id"] for r in running})
+        local_nodes.timings["node kill to two replicas again"] = time.monotonic() - killed_at
+        healed_from = time.monotonic()
+        wait_for("a request started after the recovery answered", lambda: [
+            o for o in list(load.outcomes) if o.started > healed_from and o.ended is not None])
+    finally:
+        load.stop(WAIT_S)
+    print(f"killed node {victim['node_id'][-8:]} ({len(killed)} processes) with {len(in_flight)} requests in flight; "
+          f"outcomes {dict(load.summary())}")
+    outcomes = load.outcomes
+    assert not [o for o in outcomes if o.hung], load.summary()
+    for outcome in in_flight:
+        assert outcome.ended is not None, outcome
+    for outcome in outcomes:  # an answer or a clear error: nothing lost in silence
+        assert (outcome.status == 200 and outcome.error is None) or outcome.error, outcome
+    healed = [o for o in outcomes if o.started > healed_from]
+    assert healed and all(o.status == 200 and o.error is None for o in healed), healed
+    faults.wait_until_nothing_held(local_nodes, WAIT_S)
+    assert victim["node_id"] not in alive_nodes()
 
 
 def test_a_layout_no_node_type_can_hold_is_refused_at_deploy(local_nodes: LocalNodes) -> None:
@@ -283,6 +367,16 @@ def test_a_layout_no_node_type_can_hold_is_refused_at_deploy(local_nodes: LocalN
             assert part in message, (part, message)
     finally:
         local_nodes.api.deploy({**config, "applications": deployed})
+
+
+def scrape(target: str) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+            return str(reply.read().decode())
+    except OSError as err:
+        return f"(scrape failed: {err})"
 
 
 def admission_stats(local_nodes: LocalNodes) -> dict[str, Any]:
