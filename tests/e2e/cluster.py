@@ -166,16 +166,32 @@ def serve_inter_deployment_grpc_ports(api: local_cluster.ServeApi) -> dict[int, 
     return found
 
 
-def join_as_driver(address: str, token_path: Path) -> None:
-    """ray.init of this process as a driver of the head at address, authenticated with that head's token (this
-    process's environment names the token file while the head runs: the caller restores it)."""
+@contextlib.contextmanager
+def driver_of(address: str, token_path: Path) -> Iterator[None]:
+    """This process as a driver of the head at address, authenticated with that head's token (named in this
+    process's environment while it is joined); on exit it leaves the cluster and restores the environment."""
     import ray
     from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Ray's _raylet stub lacks it
 
-    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_path)
-    os.environ.pop("RAY_ADDRESS", None)
-    AuthenticationTokenLoader.instance().reset_cache()
-    ray.init(address=address, log_to_driver=False, namespace="dcpserve-tests")
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
+    try:
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_path)
+        os.environ.pop("RAY_ADDRESS", None)
+        AuthenticationTokenLoader.instance().reset_cache()
+        ray.init(address=address, log_to_driver=False, namespace="dcpserve-tests")
+        yield
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        restore_env(saved)
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @contextlib.contextmanager
@@ -185,10 +201,9 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
 
     Ray reads RAY_AUTH_MODE once, when it is imported: set here if ray is not imported yet (tests/conftest.py sets
     it at import); the token file is the head's own, set when the head is up."""
-    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
+    saved = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}
     os.environ["RAY_AUTH_MODE"] = "token"
     local_cluster.bind_ray_to_loopback()  # this driver too listens on loopback only
-    import ray
     from ray._raylet import (  # type: ignore[attr-defined]  # Ray's stub of the Cython _raylet lacks them
         AuthenticationMode,
         get_authentication_mode,
@@ -213,16 +228,10 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
     head = RayHead(settings, env, temp_dir, model_dir, process, num_gpus)
     try:
         local_cluster.wait_for_dashboard(settings, process)
-        join_as_driver(head.address, Path(env["RAY_AUTH_TOKEN_PATH"]))
-        yield head
+        with driver_of(head.address, Path(env["RAY_AUTH_TOKEN_PATH"])):
+            yield head
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_env(saved)
         local_cluster.stop_head(process)
         shutil.rmtree(temp_dir, ignore_errors=True)
 

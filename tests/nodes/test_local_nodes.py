@@ -37,7 +37,7 @@ import yaml
 from deployments import local_cluster
 from tests.e2e.cluster import (
     LOOPBACK,
-    join_as_driver,
+    driver_of,
     process_sockets,
     serve_inter_deployment_grpc_ports,
     session_processes,
@@ -139,7 +139,6 @@ def local_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNodes
         process = subprocess.Popen([sys.executable, "-m", "deployments.local_nodes", "up"], env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     nodes = LocalNodes(process, env, state, log, ports["ray"], ports["dashboard"], ports["http"], started)
-    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
     session = None
     try:
         wait_for("make cluster says the cluster is up",
@@ -147,18 +146,9 @@ def local_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNodes
         assert process.poll() is None, log.read_text()
         nodes.timings["cluster up"] = time.monotonic() - started
         session = nodes.session_id()
-        join_as_driver(f"127.0.0.1:{ports['ray']}", state / "ray_auth_token")
-        yield nodes
+        with driver_of(f"127.0.0.1:{ports['ray']}", state / "ray_auth_token"):
+            yield nodes
     finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         down = subprocess.run([sys.executable, "-m", "deployments.local_nodes", "down"], env=env,
                               capture_output=True, text=True, timeout=180)
         try:
