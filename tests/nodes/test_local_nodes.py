@@ -325,8 +325,9 @@ def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local
             o for o in list(load.outcomes) if o.started > healed_from and o.ended is not None])
     finally:
         load.stop(WAIT_S)
+    errors = sorted({(o.status, o.error[:160]) for o in load.outcomes if o.error})
     print(f"killed node {victim['node_id'][-8:]} ({len(killed)} processes) with {len(in_flight)} requests in flight; "
-          f"outcomes {dict(load.summary())}")
+          f"outcomes {dict(load.summary())}; errors: {errors}")
     outcomes = load.outcomes
     assert not [o for o in outcomes if o.hung], load.summary()
     for outcome in in_flight:
