@@ -78,9 +78,9 @@ class Sessions:
             raise
 
     def _replica_lost(self, replica_id: str) -> None:
-        """A delta stream from the replica failed: the admission queue grants it nothing more until it reports
-        again (a replica that is alive does within kv_report_period_s), instead of until its reports have been
-        missing for replica_ttl_s. Its grants come back as this ingress' requests there fail and release them."""
+        """A delta stream from the replica failed: the admission queue forgets it at once, its capacity and its
+        grants (AdmissionQueue.replica_lost), instead of after replica_ttl_s without its reports; a replica that is
+        alive after all comes back by reporting again, grantable once Serve has probed it since."""
         self._in_background(self._replica_lost_async(replica_id))
 
     async def _replica_lost_async(self, replica_id: str) -> None:
