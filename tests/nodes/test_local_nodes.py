@@ -6,9 +6,9 @@ One cluster for the module, started and stopped exactly as a user does (`python 
 - `serve deploy` of the printed config brings up a worker node for the first replica; the replica and its ranks run
   there and never on the head; a completion comes back through the openai client; no process of the cluster listens
   on or connects to anything but loopback (except Serve's inter-deployment gRPC server, which Ray binds to [::]);
-- load past one replica makes Serve ask for a second, whose placement group makes the autoscaler add a node; the
-  new replica runs there and is granted requests, and Prometheus' service discovery lists the new node, whose
-  metrics carry it; idle, one replica goes away and so does the node it leaves empty;
+- load past one replica (clients in loops) makes Serve ask for a second, whose placement group makes the autoscaler
+  add a node; the new replica runs there and is granted requests, and Prometheus' service discovery lists the new
+  node, whose metrics carry it; idle, one replica goes away and so does the node it leaves empty;
 - a worker node killed under load costs only its in-flight requests: the admission queue forgets its replica at
   once, the other replica serves new requests, Serve and the autoscaler replace replica and node, no KV stays held;
 - a layout no node type can hold is refused at deploy, naming the node type, its GPUs and the layout;
@@ -20,7 +20,6 @@ each phase took is printed (`-s`), as the measurement docs/operations.md quotes.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import subprocess
@@ -203,44 +202,43 @@ def test_deploy_lands_on_worker_nodes_and_answers(local_nodes: LocalNodes) -> No
 
 
 def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: LocalNodes) -> None:
+    """Load past one replica until a second one runs on a node the autoscaler added and has been granted a request,
+    then idle. The load is clients in loops (tests/e2e/faults.Load), not a fixed set of streams: a fixed set may end
+    before the new node is up on a fast machine, and then Serve rightly scales back and nothing needs a second
+    replica. The request that proves the new replica is routed to is a probe with a prompt of its own: while the
+    first replica holds any of the load's streams, the new one has more KV free and no prefix anywhere decides."""
     import openai
 
-    (first,) = local_nodes.engine_replicas()
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none",
-                                max_retries=0, timeout=600)
+    from tests.e2e import faults
 
-    async def stream(index: int, max_tokens: int) -> int:
-        chunks = 0
-        response = await client.completions.create(model=MODEL, prompt=f"def load_{index}():", stream=True,
-                                                   max_tokens=max_tokens, temperature=0)
-        async for _ in response:
-            chunks += 1
-        return chunks
+    (first,) = local_nodes.engine_replicas()
 
     def second_replica_running() -> dict[str, Any] | None:
         replicas = [r for r in local_nodes.engine_replicas() if r["replica_id"] != first["replica_id"]]
         return next((r for r in replicas if r["state"] == "RUNNING"), None)
 
-    async def scale_up() -> tuple[dict[str, Any], dict[str, Any]]:
-        start = time.monotonic()
-        load = [asyncio.create_task(stream(i, 1500)) for i in range(3)]  # 3 sequences, target 1 per replica
-        second = await asyncio.to_thread(wait_for, "a second engine replica RUNNING", second_replica_running)
-        local_nodes.timings["load to second replica running"] = time.monotonic() - start
-        # A request sent now is granted to the new replica: it holds no KV while the first holds three streams'.
-        granted: dict[str, Any] = {}
-        for index in range(8):
-            await stream(100 + index, 16)
-            stats = await asyncio.to_thread(admission_stats, local_nodes)
-            granted = stats["replicas"].get(second["replica_id"], {})
-            if granted.get("num_granted", 0) > 0:
-                break
-        for task in load:
-            assert not task.done() or task.exception() is None, task.exception()
-        assert all(n > 0 for n in await asyncio.gather(*load))  # every stream of the scale-up was answered
-        await client.close()
-        return second, granted
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none",
+                           max_retries=0, timeout=300)
+    probes = iter(range(100, 10_000))
 
-    second, granted = asyncio.run(scale_up())
+    def new_replica_granted(second: dict[str, Any]) -> dict[str, Any] | None:
+        reply = client.completions.create(model=MODEL, prompt=f"def probe_{next(probes)}():", max_tokens=4,
+                                          temperature=0)
+        assert reply.choices and reply.choices[0].finish_reason in ("length", "stop"), reply
+        granted: dict[str, Any] = admission_stats(local_nodes)["replicas"].get(second["replica_id"], {})
+        return granted if granted.get("num_granted", 0) > 0 else None
+
+    # 3 sequences at a target of 1 per replica: Serve wants a second replica (max_replicas 2) for as long as it runs.
+    load = faults.Load(local_nodes.url, MODEL, streams=3, plain=0, max_tokens=1500, client_timeout_s=300).start()
+    try:
+        start = time.monotonic()
+        second = wait_for("a second engine replica RUNNING", second_replica_running)
+        local_nodes.timings["load to second replica running"] = time.monotonic() - start
+        granted = wait_for("the new replica granted a request", lambda: new_replica_granted(second), period_s=0.5)
+    finally:
+        load.stop(WAIT_S)
+        client.close()
+    assert load.outcomes and all(o.status == 200 and o.error is None for o in load.outcomes), load.summary()
     assert granted.get("num_granted", 0) > 0, f"the new replica was granted nothing: {granted}"
     nodes = alive_nodes()
     assert second["node_id"] not in (first["node_id"], head_node_id()), "the second replica needed a new node"
