@@ -253,9 +253,9 @@ class ServeHead:
 @contextlib.contextmanager
 def serve_head(state: Path, deploy_timeout_s: float) -> Iterator[ServeHead]:
     """Starts a Ray head on free ports with its state under `state`, and stops it afterwards."""
+    http_port, ray_port, dashboard_port = local_cluster.free_ports(3)
     settings = local_cluster.LocalSettings(
-        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
-        dashboard_port=local_cluster.free_port(), num_gpus=NUM_GPUS, state_dir=state,
+        http_port=http_port, ray_port=ray_port, dashboard_port=dashboard_port, num_gpus=NUM_GPUS, state_dir=state,
         config=state / "unused.yaml", deploy_timeout_s=deploy_timeout_s,
     )
     env = local_cluster.ray_env(state)

@@ -18,6 +18,7 @@ tiny-mla), DCPSERVE_DEPLOY_TIMEOUT_S (600), DCPSERVE_API_KEY (unset: the API is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -26,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,11 +85,51 @@ def say(line: str) -> None:
     print(f"[{LOG_PREFIX}] {line}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_ports(count: int, exclude: Iterable[int] = ()) -> list[int]:
+    """count distinct ports free on 127.0.0.1 now, none of them in exclude. Every socket stays bound until all are
+    chosen: ports taken one at a time can repeat (the kernel may hand a just-released port out again; two of a
+    head's component ports once came out equal and `ray start` refused them)."""
+    excluded = set(exclude)
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+            if port not in excluded:
+                ports.append(port)
+        return ports
+
+
+def free_port(exclude: Iterable[int] = ()) -> int:
+    return free_ports(1, exclude)[0]
+
+
+def ensure_debian_package(binary: str, package: str, say: Callable[[str], None]) -> str:
+    """The binary's path, installing its Debian package when missing (as root, without starting the package's
+    service: apt runs with a policy-rc.d that refuses service starts, in place only for the install)."""
+    found = shutil.which(binary)
+    if found:
+        return found
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise SystemExit(f"{binary} is not installed: `apt-get install {package}` (as root), or put it on PATH")
+    say(f"installing Debian's {package} package (its service is not started)")
+    policy = Path("/usr/sbin/policy-rc.d")
+    own_policy = not policy.exists()
+    if own_policy:
+        policy.write_text("#!/bin/sh\nexit 101\n")  # invoke-rc.d: refuse every service start during the install
+        policy.chmod(0o755)
+    try:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive", RUNLEVEL="1")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=env)
+    finally:
+        if own_policy:
+            policy.unlink(missing_ok=True)
+    found = shutil.which(binary)
+    if not found:
+        raise SystemExit(f"apt-get installed {package} but {binary} is not on PATH")
+    return found
 
 
 def port_in_use(port: int) -> bool:
@@ -146,29 +187,35 @@ def ray_bin(name: str) -> str:
 
 
 def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path,
-               autoscaling_config: Path | None = None) -> subprocess.Popen[bytes]:
+               autoscaling_config: Path | None = None, keeper: list[str] | None = None) -> subprocess.Popen[bytes]:
     """`ray start --head --block` on loopback with this cluster's ports and temp dir, in a session of its own.
 
     With autoscaling_config (`make cluster`, deployments/local_nodes.py) the head runs Ray's autoscaler with that
     config, whose provider starts the worker nodes on this machine (cluster/local_provider.py; Ray's fake provider
-    requires RAY_FAKE_CLUSTER=1), and the head's object store is the size its node type declares."""
+    requires RAY_FAKE_CLUSTER=1), and the head's object store is the size its node type declares. With keeper (a
+    command: deployments/head_keeper.py's) that command runs instead, given `ray start --head` without --block to
+    run and supervise."""
     for port, what in ((settings.ray_port, "DCPSERVE_RAY_PORT"), (settings.dashboard_port, "DCPSERVE_DASHBOARD_PORT"),
                        (settings.http_port, "DCPSERVE_PORT")):
         if port_in_use(port):
             raise SystemExit(f"port {port} is in use on 127.0.0.1: set {what} to a free port")
+    # The head's other ports, distinct from each other and from the cluster's own.
+    ports = free_ports(7, exclude=(settings.ray_port, settings.dashboard_port, settings.http_port))
     command = [
         ray_bin("ray"), "start", "--head", "--block",
         "--node-ip-address", "127.0.0.1", "--port", str(settings.ray_port),
         "--num-gpus", str(settings.num_gpus), "--num-cpus", str(max(8, os.cpu_count() or 1)),
         "--temp-dir", str(temp_dir), "--include-dashboard", "true",
         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(settings.dashboard_port),
-        "--ray-client-server-port", str(free_port()),
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--dashboard-agent-grpc-port", str(free_port()),
-        "--runtime-env-agent-port", str(free_port()),
-        "--metrics-export-port", str(free_port()),
+        "--ray-client-server-port", str(ports.pop()),
+        "--dashboard-agent-listen-port", str(ports.pop()),
+        "--dashboard-agent-grpc-port", str(ports.pop()),
+        "--runtime-env-agent-port", str(ports.pop()),
+        "--metrics-export-port", str(ports.pop()),
         "--disable-usage-stats",
     ]
+    if keeper is not None:
+        command = [*keeper, "--", *[part for part in command if part != "--block"]]
     if autoscaling_config is not None:
         cluster = yaml.safe_load(autoscaling_config.read_text())
         head_type = cluster["available_node_types"][cluster["head_node_type"]]
@@ -179,7 +226,7 @@ def start_head(settings: LocalSettings, env: dict[str, str], temp_dir: Path,
         env = {**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "2"}
     # The metrics ports of the autoscaler monitor and the dashboard are fixed by default (44217, 44227): two heads on
     # one machine would collide. Ray reads them from these variables only.
-    env = {**env, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
+    env = {**env, "AUTOSCALER_METRIC_PORT": str(ports.pop()), "DASHBOARD_METRIC_PORT": str(ports.pop())}
     log = open(settings.state_dir / "ray_head.log", "wb")  # noqa: SIM115 - lives as long as the head
     say(f"starting a Ray head on 127.0.0.1:{settings.ray_port} ({settings.num_gpus} logical GPUs, "
         f"temp dir {temp_dir}); log: {log.name}")

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from deployments.local_cluster import stop_on_signals
+from deployments.local_cluster import ensure_debian_package, stop_on_signals
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"
@@ -33,32 +33,6 @@ SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # ray._private.r
 
 def say(line: str) -> None:
     print(f"[make observe] {line}", flush=True)
-
-
-def ensure_prometheus() -> str:
-    """The prometheus binary's path, installing Debian's package (without starting its service) when missing."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise SystemExit("prometheus is not installed: `apt-get install prometheus` (as root), or put it on PATH")
-    say("installing Debian's prometheus package (its service is not started)")
-    policy = Path("/usr/sbin/policy-rc.d")
-    own_policy = not policy.exists()
-    if own_policy:
-        policy.write_text("#!/bin/sh\nexit 101\n")  # invoke-rc.d: refuse every service start during the install
-        policy.chmod(0o755)
-    try:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive", RUNLEVEL="1")
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "prometheus"], check=True, env=env)
-    finally:
-        if own_policy:
-            policy.unlink(missing_ok=True)
-    found = shutil.which("prometheus")
-    if not found:
-        raise SystemExit("apt-get installed prometheus but the binary is not on PATH")
-    return found
 
 
 def write_config(ray_temp_dir: Path, out_dir: Path) -> Path:
@@ -125,7 +99,7 @@ def main() -> None:
     if not discovery.exists():
         say(f"warning: {discovery} does not exist yet: start `make serve` (same DCPSERVE_RAY_PORT); Prometheus "
             f"picks the targets up when Ray writes it")
-    binary = ensure_prometheus()
+    binary = ensure_debian_package("prometheus", "prometheus", say)
     out_dir = state_dir / "prometheus"
     config = write_config(ray_temp_dir, out_dir)
     for check in (("check", "config", str(config)), ("check", "rules", str(out_dir / "alerts.yml"))):

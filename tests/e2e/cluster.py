@@ -214,9 +214,9 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
                            "with token auth; set RAY_AUTH_MODE=token before importing ray")
     state.mkdir(parents=True, exist_ok=True)
     model_dir = write_tiny_model(state / "model")
+    http_port, ray_port, dashboard_port = local_cluster.free_ports(3)
     settings = local_cluster.LocalSettings(
-        http_port=local_cluster.free_port(), ray_port=local_cluster.free_port(),
-        dashboard_port=local_cluster.free_port(), num_gpus=num_gpus, state_dir=state,
+        http_port=http_port, ray_port=ray_port, dashboard_port=dashboard_port, num_gpus=num_gpus, state_dir=state,
         config=state / "serve_config.yaml", deploy_timeout_s=240,
     )
     env = local_cluster.ray_env(state)
