@@ -2,12 +2,13 @@
 
 1. writes the tiny model once (as `make serve`), the autoscaling config (cluster/node_types.py: ray_cluster.yaml's
    node types with ray_cluster.local.yaml merged over them) and a serve config for this cluster, under the state dir;
-2. starts a Ray head on loopback with ray_cluster.yaml's head resources (no GPUs) and Ray's autoscaler; the
-   autoscaler starts GPU worker nodes (each a raylet of its own with logical GPUs, cluster/local_provider.py) when
-   Serve's placement groups need them, and removes them after idle_timeout_minutes idle;
+2. starts a Ray head on loopback with ray_cluster.yaml's head resources (no GPUs) and Ray's autoscaler, under
+   deployments/head_keeper.py: Redis for GCS fault tolerance, and a GCS that exits started again; the autoscaler
+   starts GPU worker nodes (each a raylet of its own with logical GPUs, cluster/local_provider.py) when Serve's
+   placement groups need them, and removes them after idle_timeout_minutes idle;
 3. checks that the serve config's replica layout fits a node type (cluster/node_types.check_replica_fits), prints how
    to deploy it (`serve deploy` with this cluster's address and token) and how to stop, then reports every node that
-   joins or leaves;
+   joins or leaves, and the GCS going down and coming back;
 4. on Ctrl-C, on `make cluster-down` (which signals this process through the pid file in the state dir) or on any
    failure, stops every process of the cluster, worker nodes included, and nothing else.
 
@@ -15,7 +16,10 @@
 Environment knobs: those of `make serve` (deployments/local_cluster.py: DCPSERVE_PORT, DCPSERVE_RAY_PORT,
 DCPSERVE_DASHBOARD_PORT, DCPSERVE_STATE_DIR, DCPSERVE_CONFIG, DCPSERVE_API_KEY; not DCPSERVE_NUM_GPUS: the head has
 none), and DCPSERVE_WORKER_GPUS (logical GPUs per GPU worker node; ray_cluster.yaml's by default),
-DCPSERVE_IDLE_TIMEOUT_S (seconds before an idle worker node is removed; ray_cluster.local.yaml's by default).
+DCPSERVE_IDLE_TIMEOUT_S (seconds before an idle worker node is removed; ray_cluster.local.yaml's by default),
+DCPSERVE_GCS_FT (1: Redis-backed GCS fault tolerance, the default; 0: none, a GCS exit stops the cluster) and
+DCPSERVE_GCS_RESTART_DELAY_S (seconds between a GCS exit and its restart, 2 by default; at most 30, well within the
+60 s raylets wait for a GCS to come back).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class ClusterSettings:
     base: local_cluster.LocalSettings  # ports, state dir, serve config (num_gpus is the head's: 0)
     worker_gpus: int | None
     idle_timeout_s: float | None
+    gcs_fault_tolerance: bool = True
+    gcs_restart_delay_s: float = 2.0
 
     @classmethod
     def from_env(cls) -> ClusterSettings:
@@ -64,12 +70,31 @@ class ClusterSettings:
         try:
             worker_gpus = int(env["DCPSERVE_WORKER_GPUS"]) if env.get("DCPSERVE_WORKER_GPUS") else None
             idle_s = float(env["DCPSERVE_IDLE_TIMEOUT_S"]) if env.get("DCPSERVE_IDLE_TIMEOUT_S") else None
+            restart_delay_s = float(env.get("DCPSERVE_GCS_RESTART_DELAY_S") or 2.0)
         except ValueError as err:
-            raise SystemExit(
-                f"DCPSERVE_WORKER_GPUS must be an integer and DCPSERVE_IDLE_TIMEOUT_S a number: {err}") from err
+            raise SystemExit(f"DCPSERVE_WORKER_GPUS must be an integer, DCPSERVE_IDLE_TIMEOUT_S and "
+                             f"DCPSERVE_GCS_RESTART_DELAY_S numbers: {err}") from err
         if worker_gpus is not None and worker_gpus < 1:
             raise SystemExit(f"DCPSERVE_WORKER_GPUS must be at least 1, got {worker_gpus}")
-        return cls(base=base, worker_gpus=worker_gpus, idle_timeout_s=idle_s)
+        if not 0 <= restart_delay_s <= 30:
+            raise SystemExit(f"DCPSERVE_GCS_RESTART_DELAY_S must be within 0-30 (raylets wait 60 s for a GCS to come "
+                             f"back), got {restart_delay_s:g}")
+        fault_tolerance = env.get("DCPSERVE_GCS_FT", "1")
+        if fault_tolerance not in ("0", "1"):
+            raise SystemExit(f"DCPSERVE_GCS_FT must be 1 (Redis-backed GCS fault tolerance) or 0, got "
+                             f"{fault_tolerance!r}")
+        return cls(base=base, worker_gpus=worker_gpus, idle_timeout_s=idle_s,
+                   gcs_fault_tolerance=fault_tolerance == "1", gcs_restart_delay_s=restart_delay_s)
+
+    def keeper(self) -> list[str]:
+        """The command of the head's keeper (deployments/head_keeper.py) for these settings."""
+        command = [sys.executable, "-m", "deployments.head_keeper", "--gcs-port", str(self.base.ray_port),
+                   "--gcs-restart-delay-s", str(self.gcs_restart_delay_s), "--state-dir", str(self.base.state_dir)]
+        if self.gcs_fault_tolerance:
+            base = self.base
+            redis_port = local_cluster.free_port(exclude=(base.ray_port, base.dashboard_port, base.http_port))
+            command += ["--redis-port", str(redis_port)]
+        return command
 
 
 def write_autoscaling_config(settings: ClusterSettings) -> Path:
@@ -117,26 +142,39 @@ def print_banner(settings: ClusterSettings, config_path: Path, env: dict[str, st
     base = settings.base
     workers = ", ".join(f"{t.name} ({t.gpus} logical GPUs, up to {t.max_workers})" for t in types if not t.head)
     serve = local_cluster.ray_bin("serve")
+    gcs = (f"on (Redis on loopback; a GCS that exits is started again after {settings.gcs_restart_delay_s:g}s, "
+           "and the app keeps serving meanwhile)" if settings.gcs_fault_tolerance else
+           "off (DCPSERVE_GCS_FT=0: a GCS that exits stops the cluster)")
+    # Ray's CLI turns 127.0.0.1 into this machine's outward address unless told the cluster is loopback-only.
+    loopback = " ".join(f"{key}={value}" for key, value in local_cluster.LOOPBACK_ENV.items())
     print(f"""
 the local cluster is up: a head on 127.0.0.1:{base.ray_port} with no GPUs; Ray's autoscaler adds worker nodes of
 {workers} when a replica needs them and removes them idle.
 
   deploy the app (its replicas land on worker nodes the autoscaler starts for them):
-    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']}
+    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']} {loopback}
     {serve} deploy {config_path} --address http://127.0.0.1:{base.dashboard_port}
   then the OpenAI API is at http://127.0.0.1:{base.http_port}/v1 (`make serve` prints client examples)
   the nodes:  {local_cluster.ray_bin('ray')} status --address 127.0.0.1:{base.ray_port}   (with the export above)
   dashboard:  http://127.0.0.1:{base.dashboard_port}
+  GCS fault tolerance: {gcs}
 
 Ctrl-C here, or `make cluster-down`, stops the head, every worker node and everything on them (and nothing else).
 """, flush=True)
 
 
 def watch_nodes(settings: ClusterSettings, head: Any, token_path: Path) -> None:
-    """Says every node that joins or leaves, until the head exits."""
+    """Says every node that joins or leaves, and the GCS going down and coming back, until the head exits."""
     known: dict[str, str] = {}
     start = time.monotonic()
+    gcs_up = True
     while head.poll() is None:
+        if local_cluster.port_in_use(settings.base.ray_port) != gcs_up:
+            gcs_up = not gcs_up
+            say(f"the GCS is back ({time.monotonic() - start:.0f}s): deploys and autoscaling resume" if gcs_up else
+                f"the GCS is down ({time.monotonic() - start:.0f}s): the app keeps serving; deploys, autoscaling "
+                f"and replica restarts wait for it" + (" (its keeper starts it again)"
+                                                       if settings.gcs_fault_tolerance else ""))
         try:
             nodes = alive_nodes(settings.base, token_path)
         except (OSError, KeyError, ValueError):  # the dashboard busy or restarting: ask again
@@ -170,7 +208,8 @@ def up() -> None:
     temp_dir = Path(f"/tmp/dcpserve-{os.getuid()}-{base.ray_port}")
     pid_file.write_text(str(os.getpid()))
     say(f"autoscaling config: {cluster_config}")
-    head = local_cluster.start_head(base, env, temp_dir, autoscaling_config=cluster_config)
+    head = local_cluster.start_head(base, env, temp_dir, autoscaling_config=cluster_config,
+                                    keeper=settings.keeper())
     try:
         local_cluster.wait_for_dashboard(base, head)
         print_banner(settings, serve_config, env, types)

@@ -12,6 +12,9 @@ One cluster for the module, started and stopped exactly as a user does (`python 
 - a worker node killed under load costs only its in-flight requests: the admission queue forgets its replica at
   once, the other replica serves new requests, Serve and the autoscaler replace replica and node, no KV stays held;
 - a layout no node type can hold is refused at deploy, naming the node type, its GPUs and the layout;
+- the GCS killed (Redis-backed fault tolerance; the head keeper starts it again): requests sent while it is down are
+  all answered, open streams keep streaming through the outage, every node stays the node it was (raylets
+  reconnect), and a changed config deploys once it is back;
 - `down` leaves no process of the cluster behind.
 
 What is asserted holds whatever the timing: states are waited for (bounded), never assumed after a sleep. How long
@@ -24,6 +27,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,6 +52,8 @@ pytestmark = [pytest.mark.timeout(900)]
 MODEL = "tiny-nodes"
 WORKER_GPUS = 2  # one TP=2 replica per worker node: a second replica needs a second node
 IDLE_TIMEOUT_S = 15
+GCS_RESTART_DELAY_S = 20  # the GCS outage the GCS test makes: long enough to be served through, well within the
+# 60 s that raylets and drivers (this test process too) wait for a GCS to come back
 WAIT_S = 240.0  # bound on any one phase (a node launch plus a replica start on a busy 2-core machine)
 APP_ARGS = tiny_app_args(
     MODEL,
@@ -80,14 +86,16 @@ class LocalNodes:
         return local_cluster.ServeApi(self.dashboard_port, self.state_dir / "ray_auth_token")
 
     def session_id(self) -> int:
-        """The session of the head's `ray start` (begun by `up`); every node the autoscaler starts is in it."""
+        """The session of the head's keeper (deployments/head_keeper.py, begun by `up`), whose command line ends
+        with the head's `ray start --head --port ...`: Redis, the head and every node the autoscaler starts are in
+        it."""
         import psutil
 
         for process in psutil.process_iter(["cmdline"]):
             cmdline = process.info["cmdline"] or []
             if "--head" in cmdline and "--port" in cmdline and str(self.ray_port) in cmdline:
                 return os.getsid(process.pid)
-        raise AssertionError(f"no `ray start --head --port {self.ray_port}` is running; see {self.log}")
+        raise AssertionError(f"no head keeper of `ray start --head --port {self.ray_port}` is running; see {self.log}")
 
     def engine_replicas(self) -> list[dict[str, Any]]:
         app = (self.api.details().get("applications") or {}).get("dcpserve", {})
@@ -127,11 +135,11 @@ def local_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNodes
         "proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 0},
         "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
                           "args": {"model": "filled in by local_nodes", **APP_ARGS}}]}))
-    ports = {key: local_cluster.free_port() for key in ("http", "ray", "dashboard")}
+    ports = dict(zip(("http", "ray", "dashboard"), local_cluster.free_ports(3), strict=True))
     env = {**os.environ, "DCPSERVE_STATE_DIR": str(state), "DCPSERVE_PORT": str(ports["http"]),
            "DCPSERVE_RAY_PORT": str(ports["ray"]), "DCPSERVE_DASHBOARD_PORT": str(ports["dashboard"]),
            "DCPSERVE_CONFIG": str(template), "DCPSERVE_WORKER_GPUS": str(WORKER_GPUS),
-           "DCPSERVE_IDLE_TIMEOUT_S": str(IDLE_TIMEOUT_S)}
+           "DCPSERVE_IDLE_TIMEOUT_S": str(IDLE_TIMEOUT_S), "DCPSERVE_GCS_RESTART_DELAY_S": str(GCS_RESTART_DELAY_S)}
     log = state / "make_cluster.log"
     started = time.monotonic()
     with open(log, "wb") as out:
@@ -339,14 +347,11 @@ def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local
 
 
 def test_a_layout_no_node_type_can_hold_is_refused_at_deploy(local_nodes: LocalNodes) -> None:
-    config = yaml.safe_load((local_nodes.state_dir / "serve_config.generated.yaml").read_text())
+    config, deployed = deployed_configs(local_nodes)
     app = config["applications"][0]
     app["name"] = "too-wide"
     app["route_prefix"] = "/too-wide"
     app["args"].update(tensor_parallel_size=4, decode_context_parallel_size=4, served_model_name="too-wide")
-    current = local_nodes.api.details()
-    deployed = [{"name": name, "route_prefix": a.get("route_prefix"), **a["deployed_app_config"]}
-                for name, a in (current.get("applications") or {}).items()]
     local_nodes.api.deploy({**config, "applications": [*[d | {"name": d["name"]} for d in deployed], app]})
     try:
         failed = wait_for("the too-wide app refused", lambda: local_nodes.api.application("too-wide")
@@ -356,6 +361,160 @@ def test_a_layout_no_node_type_can_hold_is_refused_at_deploy(local_nodes: LocalN
             assert part in message, (part, message)
     finally:
         local_nodes.api.deploy({**config, "applications": deployed})
+
+
+def running_replicas(local_nodes: LocalNodes) -> dict[str, str] | None:
+    """replica id -> node id of the RUNNING engine replicas; None while the dashboard does not answer."""
+    try:
+        return {r["replica_id"]: r["node_id"] for r in local_nodes.engine_replicas() if r["state"] == "RUNNING"}
+    except OSError:
+        return None
+
+
+def gcs_pid(ray_port: int) -> int | None:
+    import psutil
+
+    for process in psutil.process_iter(["name", "cmdline", "status"]):
+        if (process.info["name"] == "gcs_server" and process.info["status"] != psutil.STATUS_ZOMBIE
+                and f"--gcs_server_port={ray_port}" in (process.info["cmdline"] or [])):
+            return process.pid
+    return None
+
+
+def gcs_down(ray_port: int) -> bool:
+    """No GCS process (a killed one not yet reaped is a zombie: gone) and nothing listening on its port."""
+    return gcs_pid(ray_port) is None and not local_cluster.port_in_use(ray_port)
+
+
+@dataclass
+class Stream:
+    """A streaming completion read in a thread of its own until stop is set (then the client disconnects): the
+    time.monotonic() of every chunk, and the error that ended it if one did."""
+
+    client: Any
+    prompt: str
+    chunks: list[float] = field(default_factory=list)
+    error: BaseException | None = None
+    finish_reason: str | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> Stream:
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        try:
+            with self.client.completions.create(model=MODEL, prompt=self.prompt, max_tokens=2000, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}) as reply:
+                for chunk in reply:
+                    self.chunks.append(time.monotonic())
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        self.finish_reason = chunk.choices[0].finish_reason
+                    if self.stop.is_set():
+                        return
+        except BaseException as err:  # noqa: BLE001 - recorded: the test asserts there is none
+            self.error = err
+
+    @property
+    def ended(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    def between(self, begin: float, end: float) -> int:
+        return sum(1 for t in list(self.chunks) if begin <= t <= end)
+
+
+def test_the_gcs_killed_the_app_serves_through_and_deploys_after(local_nodes: LocalNodes) -> None:
+    """SIGKILL of the GCS with Redis-backed fault tolerance: until the head keeper starts it again
+    (GCS_RESTART_DELAY_S later) the app answers every request and open streams keep streaming, since proxies,
+    ingress, admission queue and replicas talk to each other directly; after, the same nodes are there (their raylets
+    reconnected to the new GCS rather than being replaced) and a changed config deploys."""
+    import openai
+
+    from tests.e2e import faults
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none",
+                           max_retries=0, timeout=120)
+    streams = [Stream(client, f"def stream_{i}(x):").start() for i in range(2)]
+    try:
+        wait_for("both streams streaming", lambda: all(s.chunks for s in streams) or any(s.error for s in streams))
+        assert not [s.error for s in streams if s.error], [s.error for s in streams]
+        running_before = running_replicas(local_nodes)
+        assert running_before, "no engine replica running"
+        victim = gcs_pid(local_nodes.ray_port)
+        assert victim is not None
+        os.kill(victim, 9)
+        killed_at = time.monotonic()
+        # SIGKILL is delivered, not done: the process ends (and its port closes) a moment later.
+        wait_for("the GCS gone", lambda: gcs_down(local_nodes.ray_port), period_s=0.05)
+        probes: list[tuple[float, float, bool]] = []  # (sent, answered, the GCS down over the whole request)
+        while local_nodes.process.poll() is None and gcs_down(local_nodes.ray_port):
+            sent = time.monotonic()
+            reply = client.completions.create(model=MODEL, prompt=f"def during_{len(probes)}():", max_tokens=4,
+                                              temperature=0)
+            assert reply.choices and reply.choices[0].finish_reason in ("length", "stop"), reply
+            probes.append((sent, time.monotonic(), gcs_down(local_nodes.ray_port)))
+            assert time.monotonic() - killed_at < WAIT_S, "the GCS was not started again"
+        back_at = time.monotonic()
+        local_nodes.timings["GCS outage"] = back_at - killed_at
+        assert local_nodes.process.poll() is None, local_nodes.log.read_text()[-3000:]
+        served_down = [p for p in probes if p[2]]
+        print(f"GCS down {back_at - killed_at:.1f}s: {len(probes)} requests sent, {len(served_down)} of them sent "
+              f"and answered while it was down, answered in {[round(p[1] - p[0], 2) for p in probes]} s")
+        assert served_down, f"no request was both sent and answered while the GCS was down: {probes}"
+        wait_for("a new GCS", lambda: gcs_pid(local_nodes.ray_port) not in (None, victim))
+        # The same cluster: replicas that ran before run now, on the same nodes, alive (their raylets reconnected
+        # to the new GCS: nothing restarted or replaced). Not every one of them: Serve may rightly stop one that
+        # its autoscaler no longer needs, and the autoscaler remove its node; the streams' replica stays.
+        running = wait_for("Serve's REST API answering again", lambda: running_replicas(local_nodes))
+        kept = {replica: node for replica, node in running_before.items() if running.get(replica) == node}
+        assert kept, f"no replica from before the outage runs after it: {running_before} then {running}"
+        assert set(kept.values()) <= set(alive_nodes()), kept
+        # The streams were open across the outage and go on after it: chunks while down, and after (or their end:
+        # 2,000 tokens each, ignoring EOS, may all be out on a fast machine).
+        wait_for("both streams streaming after the GCS is back", lambda: all(
+            s.between(back_at, float("inf")) or s.ended for s in streams) or any(s.error for s in streams))
+        for stream in streams:
+            assert stream.error is None, stream.error
+            assert stream.between(killed_at, back_at) > 0, "a stream stalled while the GCS was down"
+            assert not stream.ended or stream.finish_reason == "length", (stream.finish_reason, len(stream.chunks))
+    finally:
+        for stream in streams:
+            stream.stop.set()
+        for stream in streams:
+            if stream.thread is not None:
+                stream.thread.join(timeout=120)
+
+    # Manageable again: a changed config deploys (Serve's controller, the dashboard and the GCS all involved).
+    config, deployed = deployed_configs(local_nodes)
+    (app,) = [a for a in deployed if a["name"] == "dcpserve"]
+    target = app["args"]["autoscaling"]["target_sequences_per_replica"] + 1
+    app["args"]["autoscaling"]["target_sequences_per_replica"] = target
+    start = time.monotonic()
+    local_nodes.api.deploy({**config, "applications": deployed})
+
+    def deployed_with_new_target() -> bool:
+        details = local_nodes.api.application("dcpserve")
+        engine = details.get("deployments", {}).get("EngineReplica", {})
+        policy = (engine.get("deployment_config", {}).get("autoscaling_config") or {}).get("policy", {})
+        return (details.get("status") == "RUNNING" and engine.get("status") == "HEALTHY"
+                and policy.get("policy_kwargs", {}).get("target_sequences_per_replica") == target)
+
+    wait_for("the changed config deployed", deployed_with_new_target)
+    local_nodes.timings["GCS back to a changed config running"] = time.monotonic() - start
+    faults.wait_until_serving(local_nodes, MODEL, WAIT_S)
+    faults.wait_until_nothing_held(local_nodes, WAIT_S)
+
+
+def deployed_configs(local_nodes: LocalNodes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """This cluster's generated serve config, and the config of each application deployed now (as Serve's REST
+    API takes them back)."""
+    config = yaml.safe_load((local_nodes.state_dir / "serve_config.generated.yaml").read_text())
+    current = local_nodes.api.details()
+    deployed = [{"name": name, "route_prefix": a.get("route_prefix"), **a["deployed_app_config"]}
+                for name, a in (current.get("applications") or {}).items()]
+    return config, deployed
 
 
 def scrape(target: str) -> str:
