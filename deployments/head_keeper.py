@@ -9,7 +9,8 @@ it in a session of its own, as `python -m deployments.head_keeper [options] -- r
    tolerance;
 3. supervision, twice a second: a GCS that exits is started again after `--gcs-restart-delay-s`, with the command
    line and environment it had (for a cluster on Kubernetes, KubeRay restarts the head; here only the GCS restarts:
-   the head's raylet, dashboard, Serve controller and proxy stay up and keep serving). Raylets, workers and drivers
+   the head's raylet, dashboard, Serve controller and proxy stay up and keep serving; the dashboard is paused
+   meanwhile, as its modules poll a missing GCS without backoff: _pause_dashboard). Raylets, workers and drivers
    reconnect on their own if it is back within RAY_gcs_rpc_server_reconnect_timeout_s (60 s by default); a GCS that
    exits again within a minute of each of GCS_MAX_QUICK_RESTARTS restarts is given up on. The head's raylet exiting
    stops everything, as --block does;
@@ -18,8 +19,10 @@ it in a session of its own, as `python -m deployments.head_keeper [options] -- r
    Redis, SIGKILL for whatever is left; exits 0.
 
 It is the subreaper of the processes `ray start` leaves behind, so it learns their exit codes and leaves no zombie.
-Without `--redis-port` it runs the same way with the GCS' in-memory storage, and does not restart it (a GCS
-started again without its tables would not know the cluster: its raylets would exit).
+`--redis-port 0` takes a free port that is none of the head's (those its command line and environment name): Redis
+binds it before `ray start` runs, so nothing of the head can take it after. Without `--redis-port` it runs the same
+way with the GCS' in-memory storage, and does not restart it (a GCS started again without its tables would not know
+the cluster: its raylets would exit).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.local_cluster import ensure_debian_package
+from deployments.local_cluster import ensure_debian_package, free_port
 
 GCS_MAX_QUICK_RESTARTS = 3  # restarts each followed by an exit within QUICK_EXIT_S: the GCS cannot start here
 QUICK_EXIT_S = 60.0
@@ -47,6 +50,17 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 def say(line: str) -> None:
     print(f"[head keeper] {line}", flush=True)
+
+
+# The head's ports that `ray start` takes from the environment, not its command line (deployments/local_cluster.py).
+PORT_VARIABLES = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+
+
+def head_ports(ray_start: list[str], env: dict[str, str]) -> set[int]:
+    """Every port the head's `ray start` command names (the value of each --...port option) or its environment."""
+    ports = {int(value) for option, value in zip(ray_start, ray_start[1:], strict=False)
+             if option.startswith("--") and option.endswith("port") and value.isdigit()}
+    return ports | {int(env[name]) for name in PORT_VARIABLES if env.get(name, "").isdigit()}
 
 
 def redis_ping(port: int) -> bool:
@@ -125,6 +139,8 @@ class Keeper:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         env = dict(os.environ)
+        if self.redis_port == 0:
+            self.redis_port = free_port(exclude=head_ports(ray_start, env))
         if self.redis_port is not None:
             self.redis = start_redis(self.redis_port, self.state_dir)
             env["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{self.redis_port}"
@@ -188,14 +204,53 @@ class Keeper:
                     f"{GCS_MAX_QUICK_RESTARTS} restarts: stopping the cluster")
                 return 1
             say(f"the GCS (pid {gcs.pid}) exited ({status}); starting it again in {self.restart_delay_s:g}s")
-            deadline = time.monotonic() + self.restart_delay_s
-            while time.monotonic() < deadline and not self.stopping:
-                time.sleep(min(POLL_S, self.restart_delay_s))
-            if self.stopping:
-                break
-            gcs.restart()
-            say(f"the GCS started again (pid {gcs.pid}, restart {len(gcs.restarts)})")
+            paused = self._pause_dashboard()
+            try:
+                deadline = time.monotonic() + self.restart_delay_s
+                while time.monotonic() < deadline and not self.stopping:
+                    time.sleep(min(POLL_S, self.restart_delay_s))
+                if self.stopping:
+                    break
+                gcs.restart()
+                say(f"the GCS started again (pid {gcs.pid}, restart {len(gcs.restarts)})")
+                self._wait_for_gcs(gcs)
+            finally:
+                _signal_all(paused, signal.SIGCONT)
         return 0
+
+    def _pause_dashboard(self) -> list[psutil.Process]:
+        """SIGSTOPs the head's dashboard and its module processes until the GCS is back. While the GCS is away,
+        Ray's dashboard modules (NodeHead, ServeHead in Ray 2.60) poll its pubsub in a loop with no backoff: a poll
+        answered UNAVAILABLE returns at once, empty, and is sent again. Two of them took both cores of a 2-core
+        machine, and requests that took 0.1 s took 1-3 s meanwhile (the proxy and replicas run at Ray's worker
+        niceness). Nothing of the dashboard works without the GCS anyway; a `serve deploy` sent meanwhile waits."""
+        session = os.getsid(0)
+        paused: list[psutil.Process] = []
+        for process in psutil.process_iter(["cmdline"]):
+            if _session_of(process.pid) == session and any(
+                    part.endswith("ray/dashboard/dashboard.py") for part in process.info["cmdline"] or []):
+                try:
+                    paused += [process, *process.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
+        _signal_all(paused, signal.SIGSTOP)
+        if paused:
+            say(f"paused the dashboard ({len(paused)} processes) until the GCS is back: its modules poll a missing "
+                "GCS without backoff, taking the CPU that serving needs")
+        return paused
+
+    def _wait_for_gcs(self, gcs: Gcs, timeout_s: float = 30.0) -> None:
+        """Until the GCS started just now accepts connections (or exits, or timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            self._reap()
+            if self._gone(gcs.pid):
+                return
+            try:
+                with socket.create_connection(("127.0.0.1", self.gcs_port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
 
     def _stop_session(self) -> None:
         """Every process of this session but this one: the GCS and Redis last, SIGKILL for what outlives SIGTERM."""
@@ -215,6 +270,7 @@ class Keeper:
             name = process.info["name"] or ""
             return 2 if name.startswith("redis") else 1 if name == "gcs_server" else 0
 
+        _signal_all(members(), signal.SIGCONT)  # a process paused (_pause_dashboard) would not act on SIGTERM
         for rank, wait_s in ((0, 10.0), (1, 3.0), (2, 2.0)):
             group = [p for p in members() if last(p) <= rank]
             _signal_all(group, signal.SIGTERM)
@@ -248,7 +304,8 @@ def _signal_all(processes: list[psutil.Process], sig: signal.Signals) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deployments.head_keeper", description=__doc__.split("\n")[0])
     parser.add_argument("--gcs-port", type=int, required=True, help="the head's GCS port (`ray start --port`)")
-    parser.add_argument("--redis-port", type=int, help="start Redis here for GCS fault tolerance")
+    parser.add_argument("--redis-port", type=int,
+                        help="start Redis on this port for GCS fault tolerance (0: a free one, none of the head's)")
     parser.add_argument("--gcs-restart-delay-s", type=float, default=2.0,
                         help="seconds between a GCS exiting and its restart")
     parser.add_argument("--state-dir", type=Path, required=True, help="Redis' log and working directory")

@@ -91,9 +91,7 @@ class ClusterSettings:
         command = [sys.executable, "-m", "deployments.head_keeper", "--gcs-port", str(self.base.ray_port),
                    "--gcs-restart-delay-s", str(self.gcs_restart_delay_s), "--state-dir", str(self.base.state_dir)]
         if self.gcs_fault_tolerance:
-            base = self.base
-            redis_port = local_cluster.free_port(exclude=(base.ray_port, base.dashboard_port, base.http_port))
-            command += ["--redis-port", str(redis_port)]
+            command += ["--redis-port", "0"]  # the keeper takes one the head's ports leave free
         return command
 
 

@@ -44,10 +44,16 @@ def test_the_keeper_command_has_redis_only_with_fault_tolerance(monkeypatch: pyt
     command = settings.keeper()
     assert command[command.index("--gcs-port") + 1] == str(settings.base.ray_port)
     assert command[command.index("--gcs-restart-delay-s") + 1] == "7.0"
-    redis_port = int(command[command.index("--redis-port") + 1])
-    assert redis_port not in (settings.base.ray_port, settings.base.dashboard_port, settings.base.http_port)
+    assert command[command.index("--redis-port") + 1] == "0"  # the keeper's choice, once the head's are known
     monkeypatch.setenv("DCPSERVE_GCS_FT", "0")
     assert "--redis-port" not in local_nodes.ClusterSettings.from_env().keeper()
+
+
+def test_redis_takes_none_of_the_heads_ports() -> None:
+    command = ["ray", "start", "--head", "--port", "6380", "--dashboard-port", "8266", "--metrics-export-port",
+               "9100", "--num-gpus", "2", "--temp-dir", "/tmp/x"]
+    env = {"AUTOSCALER_METRIC_PORT": "44300", "DASHBOARD_METRIC_PORT": "44301", "PATH": "/bin"}
+    assert head_keeper.head_ports(command, env) == {6380, 8266, 9100, 44300, 44301}
 
 
 def test_free_ports_are_distinct_and_skip_the_excluded() -> None:
