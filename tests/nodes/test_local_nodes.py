@@ -13,8 +13,8 @@ One cluster for the module, started and stopped exactly as a user does (`python 
   once, the other replica serves new requests, Serve and the autoscaler replace replica and node, no KV stays held;
 - a layout no node type can hold is refused at deploy, naming the node type, its GPUs and the layout;
 - the GCS killed (Redis-backed fault tolerance; the head keeper starts it again): requests sent while it is down are
-  all answered, open streams keep streaming through the outage, every node stays the node it was (raylets
-  reconnect), and a changed config deploys once it is back;
+  all answered, open streams keep streaming through the outage, the replicas that ran before run after on the same
+  nodes (their raylets reconnect), and a changed config deploys once it is back;
 - `down` leaves no process of the cluster behind.
 
 What is asserted holds whatever the timing: states are waited for (bounded), never assumed after a sleep. How long
