@@ -40,7 +40,8 @@ from pathlib import Path
 
 import psutil
 
-from deployments.local_cluster import ensure_debian_package, free_port
+from deployments.debian import ensure_debian_package
+from deployments.local_cluster import free_port, port_in_use
 
 GCS_MAX_QUICK_RESTARTS = 3  # restarts each followed by an exit within QUICK_EXIT_S: the GCS cannot start here
 QUICK_EXIT_S = 60.0
@@ -90,6 +91,15 @@ def start_redis(port: int, state_dir: Path, timeout_s: float = 30) -> subprocess
     return redis
 
 
+def gcs_process(port: int) -> psutil.Process | None:
+    """The running GCS of the head whose GCS port is port (a killed one not yet reaped, a zombie, is not running)."""
+    for process in psutil.process_iter(["name", "cmdline", "status"]):
+        if (process.info["name"] == "gcs_server" and process.info["status"] != psutil.STATUS_ZOMBIE
+                and f"--gcs_server_port={port}" in (process.info["cmdline"] or [])):
+            return process
+    return None
+
+
 @dataclass
 class Gcs:
     """The head's GCS process, and what starts it again."""
@@ -102,11 +112,10 @@ class Gcs:
 
     @classmethod
     def find(cls, port: int) -> Gcs:
-        for process in psutil.process_iter(["name", "cmdline"]):
-            cmdline = process.info["cmdline"] or []
-            if process.info["name"] == "gcs_server" and f"--gcs_server_port={port}" in cmdline:
-                return cls(process.pid, cmdline, process.environ(), process.cwd())
-        raise SystemExit(f"no GCS serving port {port} after `ray start --head`")
+        process = gcs_process(port)
+        if process is None:
+            raise SystemExit(f"no GCS serving port {port} after `ray start --head`")
+        return cls(process.pid, process.cmdline(), process.environ(), process.cwd())
 
     def restart(self) -> None:
         process = subprocess.Popen(self.cmdline, env=self.env, cwd=self.cwd, stdout=subprocess.DEVNULL,
@@ -244,13 +253,9 @@ class Keeper:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self.stopping:
             self._reap()
-            if self._gone(gcs.pid):
+            if self._gone(gcs.pid) or port_in_use(self.gcs_port):
                 return
-            try:
-                with socket.create_connection(("127.0.0.1", self.gcs_port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.1)
+            time.sleep(0.1)
 
     def _stop_session(self) -> None:
         """Every process of this session but this one: the GCS and Redis last, SIGKILL for what outlives SIGTERM."""

@@ -24,7 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from deployments.local_cluster import ensure_debian_package, stop_on_signals
+from deployments.debian import ensure_debian_package
+from deployments.local_cluster import stop_on_signals
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"

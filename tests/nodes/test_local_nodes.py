@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deployments import local_cluster
+from deployments import head_keeper, local_cluster
 from tests.e2e.cluster import (
     LOOPBACK,
     driver_of,
@@ -372,13 +372,8 @@ def running_replicas(local_nodes: LocalNodes) -> dict[str, str] | None:
 
 
 def gcs_pid(ray_port: int) -> int | None:
-    import psutil
-
-    for process in psutil.process_iter(["name", "cmdline", "status"]):
-        if (process.info["name"] == "gcs_server" and process.info["status"] != psutil.STATUS_ZOMBIE
-                and f"--gcs_server_port={ray_port}" in (process.info["cmdline"] or [])):
-            return process.pid
-    return None
+    process = head_keeper.gcs_process(ray_port)
+    return None if process is None else process.pid
 
 
 def gcs_down(ray_port: int) -> bool:
