@@ -16,6 +16,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from engine.protocol import KvLedger
+
+
+def replica_stats(ledger: KvLedger, num_running: int, num_waiting: int, admission_queued: int) -> dict[str, float]:
+    """One replica's autoscaling stats (EngineReplica.record_autoscaling_stats, and the simulator's replicas):
+    its concurrent sequences, its KV usage (committed + headroom over capacity) and the admission queue's length."""
+    return {
+        "sequences": float(max(len(ledger.per_request), num_running + num_waiting)),
+        "kv_usage": min(1.0, (ledger.committed_blocks + ledger.headroom_blocks) / ledger.capacity_blocks),
+        "admission_queued": float(admission_queued),
+    }
+
 
 def desired_replicas(
     sequences_per_replica: list[float],

@@ -30,6 +30,7 @@ import ray
 from ray import serve
 
 from cluster.node_types import NODE_TYPE_LABEL
+from deployments.autoscaling import replica_stats
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
 from deployments.streams import DeltaBatch, Outbox, Subscribed
@@ -325,12 +326,7 @@ class EngineReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Concurrent sequences here, KV usage, and the admission queue's length (the same on every replica)."""
         engine = self.engine.stats()
-        ledger = self.engine.kv_ledger()
-        return {
-            "sequences": float(max(len(ledger.per_request), engine.num_running + engine.num_waiting)),
-            "kv_usage": min(1.0, (ledger.committed_blocks + ledger.headroom_blocks) / ledger.capacity_blocks),
-            "admission_queued": float(self.admission_queued),
-        }
+        return replica_stats(self.engine.kv_ledger(), engine.num_running, engine.num_waiting, self.admission_queued)
 
     async def check_health(self) -> None:
         """Serve's health check: the engine loop is alive and every TP rank answers."""

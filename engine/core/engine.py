@@ -120,18 +120,8 @@ class LLMEngine:
         return Request("", list(prompt_token_ids), SamplingParams(max_tokens=max_tokens))
 
     def kv_ledger(self) -> KvLedger:
-        """The KV ledger over the scheduler's unfinished requests."""
-        scheduler = self.scheduler
-        per_request = {r.request_id: scheduler.committed_blocks(r) for r in scheduler.requests.values()}
-        return KvLedger(
-            admission=scheduler.config.admission,
-            capacity_blocks=self.block_manager.num_blocks,
-            tokens_per_block=self.block_manager.tokens_per_block,
-            used_blocks=self.block_manager.usage().used,
-            committed_blocks=sum(per_request.values()),
-            headroom_blocks=scheduler.headroom_blocks(num_sequences=len(per_request)),
-            per_request=per_request,
-        )
+        """The KV ledger over the scheduler's unfinished requests (the scheduler owns it)."""
+        return self.scheduler.kv_ledger()
 
     # ---- one step --------------------------------------------------------------------------------------------
 

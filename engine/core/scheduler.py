@@ -28,6 +28,7 @@ from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager, BlockUsage, check_fits, headroom_blocks
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.step import ScheduledRequest, SchedulerOutput
+from engine.protocol import KvLedger
 
 
 @dataclass(slots=True)
@@ -260,6 +261,19 @@ class Scheduler:
         the pool can start), none under "full". The engine's ledger counts every sequence its replica holds."""
         count = len(self.running) if num_sequences is None else num_sequences
         return headroom_blocks(self.config.admission, self.config.kv_headroom, self.block_manager.num_blocks, count)
+
+    def kv_ledger(self) -> KvLedger:
+        """The KV ledger over the unfinished requests: what the replica accepts, refuses and reports with."""
+        per_request = {r.request_id: self.committed_blocks(r) for r in self.requests.values()}
+        return KvLedger(
+            admission=self.config.admission,
+            capacity_blocks=self.block_manager.num_blocks,
+            tokens_per_block=self.block_manager.tokens_per_block,
+            used_blocks=self.block_manager.usage().used,
+            committed_blocks=sum(per_request.values()),
+            headroom_blocks=self.headroom_blocks(num_sequences=len(per_request)),
+            per_request=per_request,
+        )
 
     def committed_blocks(self, request: Request) -> int:
         """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"
