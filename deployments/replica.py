@@ -170,6 +170,7 @@ class EngineReplica:
         # Routing stats come every routing_stats_period_s while Serve routes here; a few missed periods mean draining.
         self._probe_grace_s = 3 * self.args.routing_stats_period_s + 2.0
         self._report_task: asyncio.Task[None] | None = None
+        self._report_lock = asyncio.Lock()
         self._metrics_task: asyncio.Task[None] | None = None
         self._ensure_reporting()
         logger.info(
@@ -237,9 +238,16 @@ class EngineReplica:
                                               check_kv=True, prompt_hashes=request.prompt_hashes)
         except KvFull as full:
             # Normal with prefix caching when the queue's copy of the cache is a report behind: the replica's count
-            # decides (its next report corrects the queue).
+            # decides. It reports before it answers, so the queue re-grants the request from the replica's state of
+            # now: with the stale copy it would grant it here again, and the request would go round in a tight loop
+            # (ingress, queue, replica) until the next periodic report.
             logger.debug("ticket %s: the queue counted %d blocks, the replica needs %d of %d free", request.ticket,
                          request.kv_blocks, full.need, full.free_blocks)
+            if self.admission is not None:
+                try:
+                    await self._report()
+                except Exception as err:  # noqa: BLE001 - the refusal still corrects the queue's free blocks
+                    logger.warning("KV report to the admission queue after a refusal failed: %r", err)
             return Refused(self.replica_id, full.free_blocks)
         except ValueError as err:  # never fits this engine, or bad token ids: the client's error, not a retry
             return Rejected(self.replica_id, str(err))
@@ -343,17 +351,23 @@ class EngineReplica:
     async def _report_loop(self) -> None:
         while True:
             try:
-                ledger = self.engine.kv_ledger()
-                prefix = await self.engine.prefix_report(*self._prefix_position)
-                reply = await self.admission.report.remote(
-                    self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                    self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
-                )
-                self.admission_queued = int(reply.get("num_queued", 0))
-                self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))
+                await self._report()
             except Exception as err:  # noqa: BLE001 - the queue restarts; keep reporting
                 logger.warning("KV report to the admission queue failed: %r", err)
             await asyncio.sleep(self.args.kv_report_period_s)
+
+    async def _report(self) -> None:
+        """One KV report to the admission queue: the ledger, health, and the prefix cache's changes since the queue's
+        copy. One at a time: each starts from the prefix position the last one's reply gave."""
+        async with self._report_lock:
+            ledger = self.engine.kv_ledger()
+            prefix = await self.engine.prefix_report(*self._prefix_position)
+            reply = await self.admission.report.remote(
+                self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
+                self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
+            )
+            self.admission_queued = int(reply.get("num_queued", 0))
+            self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))
 
     def _on_step(self, stats: EngineStats) -> None:
         if self.metrics is None:

@@ -35,6 +35,14 @@ _STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_re
 REQUEUE_MIN_WAIT_S = 1.0
 
 
+def refusal_backoff_s(refusals: int) -> float:
+    """How long a request waits before it asks the queue again after its `refusals`-th refusal by a replica: not
+    after the first (the replica reported its KV before it refused, so the queue's next grant starts from the
+    replica's state), then 10 ms doubling to at most 1 s, so that a queue and a replica that keep disagreeing never
+    make a tight loop."""
+    return 0.0 if refusals <= 1 else min(0.01 * 2 ** (refusals - 2), 1.0)
+
+
 def _call_as_own_request(call: Callable[[], Any]) -> Any:
     """Makes a Serve handle call with an internal request id of its own. A child call inherits its HTTP request's
     id, and Serve's router keeps its pending requests in a dict by that id: the choices of one request (n > 1, a
@@ -111,6 +119,7 @@ class Sessions:
         try:
             returned: list[str] = []  # what became of earlier grants, for an honest error
             late_chance_used = False
+            refusals = 0
             while True:
                 timeout = deadline - loop.time()
                 if timeout <= 0:
@@ -141,6 +150,8 @@ class Sessions:
                     break
                 if isinstance(first, Refused):  # it holds less free KV than the queue knew
                     await self.admission.refused.remote(ticket, replica_id, first.free_blocks)
+                    refusals += 1
+                    await asyncio.sleep(refusal_backoff_s(refusals))
                 else:  # not reached in time, or the call failed: the grant goes back, the request to the head
                     logger.warning("ticket %s: granted replica %s %s; re-queued at the head", ticket, replica_id,
                                    problem)

@@ -411,3 +411,63 @@ def test_a_released_ticket_stops_counting_as_a_sequence_before_the_replica_repor
         assert queue.replicas["a"].released == set()
 
     asyncio.run(run())
+
+
+def test_a_refusing_replica_reports_first_or_the_queue_grants_it_again() -> None:
+    """Why EngineReplica.generate reports its KV before it answers Refused. The queue's copy of a replica's prefix
+    cache says a prompt's blocks are pinned (shared by a running request, so the new request adds few blocks); the
+    request holding them has finished since, so on the replica the same blocks cost as much as free ones. The
+    replica refuses; the refusal's free-block count alone leaves the queue's stale need in place and it grants the
+    same replica again at once, a loop that lasts until the next periodic report. After a fresh report the queue
+    counts what the replica counts, and the request waits."""
+    from engine.config import SchedulerConfig
+    from engine.core.block_manager import BlockManager
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler
+    from engine.protocol import KvFull
+    from engine.sampling_params import SamplingParams
+
+    manager = BlockManager(num_blocks=24, block_size=4, dcp_size=1, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256, max_num_batched_tokens=256), manager, frozenset({0}))
+    queue = AdmissionQueue(max_queued=4)
+    position: list[tuple[str | None, int]] = [(None, 0)]
+
+    def report() -> None:
+        ledger = scheduler.kv_ledger()
+        assert manager.reporter is not None
+        queue.report("r", ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
+                     headroom=ledger.headroom_blocks, prefix=manager.reporter.report(*position[0]))
+        position[0] = queue.prefix_position("r")
+
+    def step() -> None:
+        output = scheduler.schedule()
+        scheduler.update(output, {entry.request_id: 5 for entry in output.scheduled if entry.sample})
+
+    prompt = list(range(1, 33))  # 8 full blocks of 4 tokens
+    scheduler.add_request(Request("a", [*prompt, 99], SamplingParams(max_tokens=2)))
+    scheduler.add_request(Request("c", list(range(100, 148)), SamplingParams(max_tokens=50)))  # 12 blocks, growing
+    step()
+    report()  # the queue's copy: a's 8 prompt blocks pinned, a and c held
+    while len(scheduler.requests["c"].block_ids) < 14:  # a finishes (its blocks stay cached, unpinned); c grows
+        step()
+    assert "a" not in scheduler.requests
+
+    new = Request("b", [*prompt, 77], SamplingParams(max_tokens=2))
+    need = 9  # admission_blocks("usage", 33 tokens, ...) at 4 tokens per block
+    ask = PrefixAsk(tuple(prompt_hashes(new.prompt_token_ids, 4, b"")), 4, b"", len(new.prompt_token_ids))
+
+    async def grant() -> str | None:
+        try:
+            return await queue.acquire("b", need, 0.01, front=True, ask=ask)
+        except QueueTimeout:
+            return None
+
+    assert asyncio.run(grant()) == "r"  # the stale copy: 9 - 8 pinned = 1 block, and the queue sees 1 free
+    replica_need = scheduler.committed_blocks(new)
+    with pytest.raises(KvFull) as full:
+        scheduler.kv_ledger().require(replica_need)  # the replica: 9 blocks, 8 free
+    queue.refused("b", "r", full.value.free_blocks)
+    assert asyncio.run(grant()) == "r"  # granted again: the loop
+    queue.refused("b", "r", full.value.free_blocks)
+    report()  # what the replica does before it answers Refused
+    assert asyncio.run(grant()) is None  # now the queue counts 9 blocks against 8 free: the request waits
