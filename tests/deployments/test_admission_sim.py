@@ -1,4 +1,4 @@
-"""The real AdmissionQueue driven by simulated conversations on a virtual clock (tests/deployments/virtual_time.py).
+"""The real AdmissionQueue driven by simulated conversations on a virtual clock (simulator/clock.py).
 
 Rules whose outcome depends on interleaving (which replica a turn goes to, given when reports land) are asserted here,
 exactly, for many seeds: the queue takes its clock from the loop, fake replicas report their KV and prefix cache on
@@ -18,7 +18,7 @@ from deployments.admission import AdmissionQueue
 from deployments.prefix_routing import PrefixAsk
 from engine.core.block_manager import blocks_needed
 from engine.core.prefix_cache import CACHED, PINNED, PrefixReporter, chain_hashes, prompt_hashes
-from tests.deployments import virtual_time
+from simulator.clock import run_simulated
 
 SEED = b"sim"
 TOKENS_PER_BLOCK = 16
@@ -116,36 +116,7 @@ def simulate_conversations(seed: int, turn_s: tuple[float, float], conversations
             task.cancel()
         return grants
 
-    return virtual_time.run(main())
-
-
-def test_the_virtual_clock_jumps_to_timers_and_drives_the_queue_s_timeouts() -> None:
-    async def main() -> tuple[float, float, str]:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        await asyncio.sleep(3600)
-        slept = loop.time() - start
-        queue = AdmissionQueue(max_queued=1, clock=loop.time)
-        queue.report("a", 4, 16, {})
-        await queue.acquire("holder", 4, 1.0)
-        waited = loop.time()
-        try:
-            await queue.acquire("waiter", 2, 30.0)
-        except Exception as err:  # noqa: BLE001 - the QueueTimeout's message is what is checked
-            message = str(err)
-        return slept, loop.time() - waited, message
-
-    slept, waited, message = virtual_time.run(main())
-    assert slept == 3600 and waited == pytest.approx(30.0)
-    assert "waited 30.0s in the admission queue" in message
-
-
-def test_a_wait_on_nothing_is_a_deadlock_not_a_hang() -> None:
-    async def main() -> None:
-        await asyncio.get_running_loop().create_future()
-
-    with pytest.raises(virtual_time.VirtualTimeDeadlock):
-        virtual_time.run(main())
+    return run_simulated(main())
 
 
 @pytest.mark.parametrize("turn_s", [(0.05, 0.2), (0.1, 0.3), (0.2, 0.8)], ids=["short", "medium", "long"])

@@ -15,7 +15,7 @@ import pytest
 
 from deployments.streams import DeltaBatch, DeltaLinks, Outbox, StreamLost, Subscribed
 from engine.protocol import RequestDelta, TokenLogprob, merge_deltas
-from tests.deployments import virtual_time
+from simulator.clock import run_simulated
 
 
 def _delta(request_id: str, i: int, finished: bool) -> RequestDelta:
@@ -103,7 +103,7 @@ def test_one_item_carries_a_whole_step_of_every_request(step_s: float) -> None:
     stream carries at least 4 tokens per item whatever the step time; nothing is lost or reordered."""
     lengths = {f"r{i}": 60 for i in range(32)}
     engine = _Engine(lengths, step_s)
-    received, ended = virtual_time.run(_collect(engine, 0.05))
+    received, ended = run_simulated(_collect(engine, 0.05))
     full = {r: merge_deltas([_delta(r, i, i == n - 1) for i in range(n)]) for r, n in lengths.items()}
     assert _per_request(received) == full
     assert ended == {r: True for r in lengths}
@@ -125,7 +125,7 @@ def test_a_first_and_a_finishing_delta_go_out_at_once() -> None:
     finish leave in the item of the step that made them, never held for the interval."""
     lengths = {f"r{i}": 3 + 7 * i for i in range(8)}
     engine = _Engine(lengths, 0.01)
-    received, _ = virtual_time.run(_collect(engine, 0.5))  # an interval far longer than the requests
+    received, _ = run_simulated(_collect(engine, 0.5))  # an interval far longer than the requests
     first_at: dict[str, float] = {}
     for t, batch in received:
         for delta in batch.deltas:
@@ -138,7 +138,7 @@ def test_a_first_and_a_finishing_delta_go_out_at_once() -> None:
 def test_interval_zero_sends_every_step() -> None:
     lengths = {"a": 10, "b": 5}
     engine = _Engine(lengths, 0.01)
-    received, _ = virtual_time.run(_collect(engine, 0.0))
+    received, _ = run_simulated(_collect(engine, 0.0))
     assert [t for t, _ in received] == engine.step_at
     assert [len(batch.deltas) for _, batch in received] == [2] * 5 + [1] * 5
 
@@ -146,7 +146,7 @@ def test_interval_zero_sends_every_step() -> None:
 def test_a_failing_request_gets_its_error_after_its_tokens_and_the_others_go_on() -> None:
     lengths = {"ok": 6, "bad": 6}
     engine = _Engine(lengths, 0.01, fail_after={"bad": 3})
-    received, ended = virtual_time.run(_collect(engine, 0.0))
+    received, ended = run_simulated(_collect(engine, 0.0))
     errors = [(t, e) for t, batch in received for e in batch.errors]
     assert [e for _, e in errors] == [("bad", "RuntimeError: bad failed in the engine")]
     bad_tokens_before = [d for t, b in received if t < errors[0][0] for d in b.deltas if d.request_id == "bad"]
@@ -177,7 +177,7 @@ def test_cancel_and_close_end_the_engine_streams_and_report_them_unfinished() ->
         stepping.cancel()
         return engine, ended, outbox.closed
 
-    engine, ended, closed = virtual_time.run(main())
+    engine, ended, closed = run_simulated(main())
     assert closed and ended == {r: False for r in lengths}
     assert engine.closed_early == set(lengths)
 
@@ -251,7 +251,7 @@ def test_the_ingress_demultiplexes_each_batch_into_its_requests() -> None:
         await _close(links)
         return got
 
-    got = virtual_time.run(main())
+    got = run_simulated(main())
     assert got["a1"] == [_delta("a1", 0, False), _delta("a1", 1, True)]
     assert got["a2"][0] == _delta("a2", 0, False) and str(got["a2"][1]) == "RuntimeError: boom"
     assert got["b1"] == [_delta("b1", 0, True)]
@@ -280,7 +280,7 @@ def test_a_lost_stream_fails_every_request_on_it_at_once_and_the_next_request_op
         await _close(links)
         return got, num_links
 
-    got, num_links = virtual_time.run(main())
+    got, num_links = run_simulated(main())
     assert all(isinstance(err, StreamLost) and "actor died" in str(err) for err in got), got
     assert num_links == 1 and replicas["A"].opened == 2
     assert lost == ["A"]  # closing the links at the end is not a loss
@@ -301,7 +301,7 @@ def test_a_stream_the_replica_ends_or_the_ingress_closes_idle_is_not_a_lost_repl
         assert links.num_links() == 0
         await _close(links)
 
-    virtual_time.run(main())
+    run_simulated(main())
     assert lost == []
 
 
@@ -325,7 +325,7 @@ def test_an_idle_stream_closes_after_idle_s_and_a_waiting_request_keeps_it_open(
         await _close(links)
         return seen
 
-    assert virtual_time.run(main()) == [(1, 0), (0, 1)]
+    assert run_simulated(main()) == [(1, 0), (0, 1)]
     assert replicas["A"].opened == 1
 
 
@@ -343,7 +343,7 @@ def test_a_stream_that_answers_from_the_wrong_replica_fails_its_requests() -> No
             await _close(links)
         return None
 
-    lost = virtual_time.run(main())
+    lost = run_simulated(main())
     assert lost is not None and "asked replica A" in str(lost)
 
 
@@ -373,7 +373,7 @@ def test_a_stream_that_never_opens_is_given_up_after_subscribe_timeout_s() -> No
         await _close(links)
         return waited, error, open_after
 
-    waited, error, open_after = virtual_time.run(main())
+    waited, error, open_after = run_simulated(main())
     assert waited == pytest.approx(10.0) and error is not None and "within 10s" in str(error)
     assert not open_after and cancelled == [True]
 
@@ -411,7 +411,7 @@ def test_a_stream_whose_ingress_stops_renewing_ends_and_aborts_its_requests(rene
         stepping.cancel()
         return lasted, ended, items
 
-    lasted, ended, items = virtual_time.run(main())
+    lasted, ended, items = run_simulated(main())
     if renewed:
         assert lasted > 4 * LEASE_S and items > 100
     else:
@@ -441,6 +441,6 @@ def test_the_ingress_renews_each_stream_and_ends_one_the_replica_no_longer_has()
         assert isinstance(error, BaseException)
         return error
 
-    error = virtual_time.run(main())
+    error = run_simulated(main())
     assert isinstance(error, StreamLost) and "no longer has" in str(error)
     assert [round(t / RENEW_S) for t in renewals] == [1, 2, 3, 4]
