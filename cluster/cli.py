@@ -1,4 +1,5 @@
-"""The `dcpserve` command line.
+"""The `dcpserve` commands of the planner and the engine (dcpserve/cli.py assembles the command line from these and
+the simulator's):
 
     dcpserve layout --tokens 9 --dcp 2 [--block-size 2] [--interleave 1]
         which DCP rank holds each token of a sequence, at which page and slot (docs/dcp.md)
@@ -11,7 +12,7 @@
     dcpserve generate --model DIR [--tp 2 --dcp 2] --prompt "..." [--max-tokens 32 --temperature 0 ...]
         run the engine on one or more prompts and print the completions (tp > 1 runs a Ray worker group)
 
-Each command is one `_cmd_<name>` function and one add_parser block in build_parser. Keep transformers out of
+Each command is one `_cmd_<name>` function and one add_parser block in add_commands. Keep transformers out of
 the module-level imports (tiny_model imports it when writing weights), so `layout`, `plan` and `--help` stay fast.
 """
 
@@ -23,8 +24,8 @@ import sys
 
 import torch
 
-from cluster.model_specs import load_model_spec
 from cluster.planner import PLAN_DTYPES, PlanRequest, format_plan, plan_layouts
+from cluster.published_models import PUBLISHED, model_spec
 from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
 from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
 from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
@@ -83,7 +84,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
-        model = load_model_spec(args.model)  # GQA (Llama / Qwen) or MLA (DeepSeek-V2 / V3), from config.json
+        model = model_spec(args.model)  # GQA (Llama / Qwen) or MLA (DeepSeek-V2 / V3), by name or config.json
         request = PlanRequest(
             gpus_per_node=args.gpus_per_node,
             gpu_memory_bytes=args.gpu_memory,
@@ -135,10 +136,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcpserve",
-                                     description="Long-context LLM serving with decode context parallelism.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds layout, tiny-model, plan and generate to the dcpserve command line."""
     layout = commands.add_parser("layout", help="show which DCP rank holds each token of a sequence")
     layout.add_argument("--tokens", type=int, required=True, help="sequence length")
     layout.add_argument("--dcp", type=int, required=True, help="decode context parallel size N")
@@ -156,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_tiny_model)
 
     plan = commands.add_parser("plan", help="KV capacity of every valid TP x DCP layout for a model and GPU")
-    plan.add_argument("--model", required=True, help="model directory or its config.json")
+    plan.add_argument("--model", required=True,
+                      help=f"a published config ({', '.join(PUBLISHED)}) or a model directory or its config.json")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node (default 8)")
     plan.add_argument("--gpu-memory", type=cli_type(parse_bytes), required=True,
                       help="memory of one GPU: 80GiB, 80GB (10^9), 141G (= GiB) or bytes")
@@ -184,14 +184,3 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", help="a stop string; repeat for several")
     EngineArgs.add_cli_args(gen.add_argument_group("engine (EngineArgs, engine/args.py)"))
     gen.set_defaults(func=_cmd_generate)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    status: int = args.func(args)
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,6 +15,8 @@ ALLOWED = {
     "engine": set(),
     "cluster": {"engine"},
     "deployments": {"engine", "cluster"},
+    "simulator": {"engine", "cluster", "deployments"},
+    "dcpserve": {"engine", "cluster", "deployments", "simulator"},
 }
 
 

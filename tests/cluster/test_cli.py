@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from tests.cluster.model_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3
+from cluster.published_models import DEEPSEEK_V2_LITE, DEEPSEEK_V3
+from dcpserve.cli import main
 
 
 def dcpserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -26,7 +26,7 @@ def dcpserve(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """cluster.cli.main, the console script's entry point, in this process: a SystemExit with a message ends with
+    """dcpserve.cli.main, the console script's entry point, in this process: a SystemExit with a message ends with
     status 1 and the message on stderr, as the interpreter ends the script."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -19,9 +19,9 @@ from cluster.planner import (
     plan_layouts,
     weight_bytes_per_rank,
 )
+from cluster.published_models import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2
 from engine.args import parse_bytes, parse_tokens
 from engine.config import ModelConfig
-from tests.cluster.model_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.cli import main as dcpserve_main
+from dcpserve.cli import main as dcpserve_main
 from deployments.config import AppArgs, parse_args
 from engine.args import EngineArgs, cli_flags
 from engine.frontend.llm import LLM

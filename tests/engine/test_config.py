@@ -96,7 +96,7 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:
 
 
 def test_reads_deepseek_v2_lite_as_one_latent_kv_head() -> None:
-    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+    from cluster.published_models import DEEPSEEK_V2_LITE
 
     config = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
     assert config.mla is not None and config.moe is not None
@@ -117,7 +117,7 @@ def test_reads_deepseek_v2_lite_as_one_latent_kv_head() -> None:
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_mla_kv_cache_is_one_latent_head_on_every_rank_and_agrees_with_the_planner(tp: int) -> None:
     from cluster.model_specs import MlaSpec
-    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+    from cluster.published_models import DEEPSEEK_V2_LITE
 
     config = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
     spec = config.kv_cache_spec(tp)
@@ -131,7 +131,7 @@ def test_mla_kv_cache_is_one_latent_head_on_every_rank_and_agrees_with_the_plann
 
 
 def test_reads_deepseek_v3_routing_and_refuses_its_fp8_weights() -> None:
-    from tests.cluster.model_configs import DEEPSEEK_V3
+    from cluster.published_models import DEEPSEEK_V3
 
     with pytest.raises(ValueError, match="quantization_config \\(quant_method='fp8'\\) is not supported"):
         ModelConfig.from_dict(DEEPSEEK_V3)
@@ -147,7 +147,7 @@ def test_reads_deepseek_v3_routing_and_refuses_its_fp8_weights() -> None:
 
 
 def test_mtp_layers_are_accepted_and_said_to_be_unused(caplog: pytest.LogCaptureFixture) -> None:
-    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+    from cluster.published_models import DEEPSEEK_V2_LITE
 
     with caplog.at_level(logging.INFO, logger="engine.deepseek_config"):
         ModelConfig.from_dict({**DEEPSEEK_V2_LITE, "num_nextn_predict_layers": 1})
@@ -170,7 +170,7 @@ def test_mtp_layers_are_accepted_and_said_to_be_unused(caplog: pytest.LogCapture
     ({"moe_intermediate_size": None}, r"missing required field 'moe_intermediate_size'"),
 ])
 def test_unsupported_deepseek_configs_are_refused_by_name(change: dict, message: str) -> None:
-    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+    from cluster.published_models import DEEPSEEK_V2_LITE
 
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**DEEPSEEK_V2_LITE, **change})
@@ -178,7 +178,7 @@ def test_unsupported_deepseek_configs_are_refused_by_name(change: dict, message:
 
 def test_mla_layouts_are_every_dcp_dividing_tp() -> None:
     """One latent KV head: dcp may be any divisor of tp (dcp = tp removes all duplication), tp divides the heads."""
-    from tests.cluster.model_configs import DEEPSEEK_V2_LITE
+    from cluster.published_models import DEEPSEEK_V2_LITE
 
     model = ModelConfig.from_dict(DEEPSEEK_V2_LITE)  # 16 heads
     for tp, dcp in [(1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 8), (16, 16)]:

@@ -1,9 +1,15 @@
-"""config.json of published MLA models (the fields of their Hugging Face configs that the planner reads, with their
-real values), written here so that no test downloads anything."""
+"""config.json of published models: the fields of their Hugging Face configs that the planner and the simulator
+read, with their real values, so that `dcpserve simulate --model kimi-k2` (and the tests) need no download.
+
+Only configs: no weights, no tokenizer. `PUBLISHED` names them for the command line.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from cluster.model_specs import GqaSpec, MlaSpec, load_model_spec, model_spec_from_dict
 
 # deepseek-ai/DeepSeek-V2-Lite(-Chat): 15.7B parameters, 2.4B active; one q_proj (q_lora_rank null).
 DEEPSEEK_V2_LITE: dict[str, Any] = {
@@ -49,3 +55,32 @@ KIMI_K2: dict[str, Any] = {
                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
     "routed_scaling_factor": 2.827, "topk_group": 1, "vocab_size": 163840,
 }
+
+# meta-llama/Llama-3.1-70B-Instruct: 70.6B parameters, GQA with 8 KV heads (so tp = 8 holds one KV head per rank and
+# tp > 8 would duplicate them), 128k context with Llama 3's RoPE scaling.
+LLAMA_3_1_70B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 8192,
+    "intermediate_size": 28672, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 64,
+    "num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+    "deepseek-v3": DEEPSEEK_V3,
+    "kimi-k2": KIMI_K2,
+    "llama-3.1-70b": LLAMA_3_1_70B,
+}
+
+
+def model_spec(value: str) -> GqaSpec | MlaSpec:
+    """The spec of a published config by name (PUBLISHED), or of a model directory or config.json by path."""
+    if value in PUBLISHED:
+        return model_spec_from_dict(PUBLISHED[value], source=value)
+    if not Path(value).exists():
+        raise ValueError(f"model {value!r} is neither a model directory or config.json nor a published config "
+                         f"({', '.join(PUBLISHED)})")
+    return load_model_spec(value)

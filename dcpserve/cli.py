@@ -1,0 +1,34 @@
+"""The `dcpserve` command line: the planner's and engine's commands (cluster/cli.py) and the simulator's
+(simulator/cli.py). `dcpserve --help` lists them; `dcpserve COMMAND --help` describes one.
+
+The commands live with the package they use; this module only assembles them, from the top of the package table
+(it may import every package, and nothing imports it), so `dcpserve plan --trace` can use the simulator without the
+planner importing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster.cli import add_commands as add_cluster_commands
+from simulator.cli import add_commands as add_simulator_commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dcpserve",
+                                     description="Long-context LLM serving with decode context parallelism.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_cluster_commands(commands)
+    add_simulator_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    status: int = args.func(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

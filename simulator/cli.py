@@ -1,0 +1,196 @@
+"""`dcpserve simulate`: replay a trace through the app's real control plane on simulated GPUs.
+
+    dcpserve simulate --trace agentic|chat|1k-1k|8k-1k|8k-8k|FILE.jsonl --model kimi-k2|DIR|CONFIG_JSON --gpu b200 \\
+        --nodes 1 --gpus-per-node 8 --layout tp=8,dcp=8 [--concurrency 512] [--requests 2000] [--seed 0] \\
+        [--admission usage|full] [--autoscale --max-replicas 8 ...] [--step-model roofline|FIT.json] [--out DIR]
+
+Progress goes to stderr, the result table to stdout, and with --out the summary.json (docs/simulate.md lists
+its keys). Bad input stops the run before anything is simulated: a trace line that is not valid JSON or misses a
+field (its line number), a layout the model cannot take (the planner's error), weights that do not fit the GPU
+(with the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster.published_models import PUBLISHED, model_spec
+from deployments.config import AutoscalingArgs
+from engine.args import cli_type
+from engine.config import SchedulerConfig
+from simulator.gpus import GPUS, gpu_spec
+from simulator.replica import ReplicaShape
+from simulator.run import ServeSettings, Simulation, SimulationConfig
+from simulator.step_time import KV_DTYPES, WEIGHT_DTYPES, LinearStepModel, RooflineModel, StepTimeModel
+from simulator.synth import PRESETS, parse_preset_or_path
+from simulator.trace import TraceError
+
+# The scheduler limits a simulated GPU replica runs with by default: vLLM's defaults for its OpenAI server on GPUs
+# with 70 GiB or more (vllm/engine/arg_utils.py: max_num_seqs 1024, max_num_batched_tokens 8192).
+DEFAULT_MAX_NUM_SEQS = 1024
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def parse_layout(value: str) -> tuple[int, int]:
+    """"tp=8,dcp=4" (or "tp=8": dcp 1) -> (8, 4)."""
+    fields: dict[str, int] = {}
+    for part in value.split(","):
+        name, _, number = part.partition("=")
+        name = name.strip()
+        if name not in ("tp", "dcp") or not number.strip().isdigit() or name in fields:
+            raise ValueError(f"layout {value!r}: write it as tp=T,dcp=D (for example tp=8,dcp=8)")
+        fields[name] = int(number)
+    if "tp" not in fields:
+        raise ValueError(f"layout {value!r} names no tp: write it as tp=T,dcp=D (for example tp=8,dcp=8)")
+    return fields["tp"], fields.get("dcp", 1)
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds simulate to the dcpserve command line."""
+    sim = commands.add_parser(
+        "simulate", help="replay a trace through the real admission queue, scheduler and autoscaler on simulated GPUs",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--trace", required=True,
+                     help=f"a Mooncake JSONL trace file, or a generated preset: {', '.join(PRESETS)}")
+    sim.add_argument("--requests", type=int, default=1000, help="requests a preset generates (default 1000)")
+    sim.add_argument("--rate", type=float, default=None,
+                     help="sessions per second a preset's clients start (default: the preset's rate)")
+    sim.add_argument("--seed", type=int, default=0, help="the preset's seed; the same seed, the same summary")
+    sim.add_argument("--model", required=True,
+                     help=f"a published config ({', '.join(PUBLISHED)}) or a model directory or config.json "
+                          "(Llama / Qwen / DeepSeek-V2 / V3 / Kimi K2)")
+    sim.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="simulated GPU (default h200)")
+    sim.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    sim.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node (default 8)")
+    sim.add_argument("--layout", type=cli_type(parse_layout), default=None,
+                     help="one replica's layout, tp=T,dcp=D (default tp=--gpus-per-node,dcp=1)")
+    sim.add_argument("--replicas", type=int, default=None,
+                     help="replicas (default: as many as the GPUs hold; with --autoscale, the most it may reach)")
+    sim.add_argument("--concurrency", type=int, default=None,
+                     help="closed loop: this many clients, each sending its next session when the last one ended "
+                          "(default: open loop at the trace's timestamps)")
+    engine = sim.add_argument_group("engine (each replica; EngineArgs' names)")
+    engine.add_argument("--admission", default="usage", choices=("usage", "full"), help="KV admission (default usage)")
+    engine.add_argument("--weight-dtype", default="bfloat16", choices=WEIGHT_DTYPES, help="weights (default bfloat16)")
+    engine.add_argument("--kv-dtype", default="bfloat16", choices=KV_DTYPES, help="KV cache (default bfloat16)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
+    engine.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help=f"sequences per step (default {DEFAULT_MAX_NUM_SEQS}, vLLM's on large GPUs)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help=f"tokens per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM's on large GPUs)")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default: the model's max_position_embeddings)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory for weights + KV (default 0.9)")
+    engine.add_argument("--step-model", default="roofline",
+                        help="roofline (from the GPU and model specs), or a fitted model's JSON file")
+    serve = sim.add_argument_group("app (AppArgs' names and defaults)")
+    defaults = ServeSettings()
+    serve.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                       help=f"admission queue bound (default {defaults.max_queued_requests})")
+    serve.add_argument("--queue-timeout-s", type=float, default=defaults.queue_timeout_s,
+                       help=f"longest wait in the queue (default {defaults.queue_timeout_s:g})")
+    serve.add_argument("--no-prefix-routing", action="store_true", help="grant by free KV alone")
+    scaling = sim.add_argument_group("autoscaling (AutoscalingArgs' names and defaults)")
+    scaling.add_argument("--autoscale", action="store_true", help="run the app's autoscaling policy")
+    scaling_defaults = AutoscalingArgs()
+    scaling.add_argument("--min-replicas", type=int, default=scaling_defaults.min_replicas)
+    scaling.add_argument("--target-sequences-per-replica", type=float,
+                         default=scaling_defaults.target_sequences_per_replica)
+    scaling.add_argument("--upscale-delay-s", type=float, default=scaling_defaults.upscale_delay_s)
+    scaling.add_argument("--downscale-delay-s", type=float, default=scaling_defaults.downscale_delay_s)
+    scaling.add_argument("--replica-start-s", type=float, default=60.0,
+                         help="from the decision to a new replica taking requests (default 60)")
+    sim.add_argument("--out", default=None, help="a directory for summary.json")
+    sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    sim.set_defaults(func=_cmd_simulate)
+
+
+def build(args: argparse.Namespace) -> tuple[Simulation, dict[str, Any]]:
+    """The simulation the arguments describe, and the facts of its setup for the table (raises ValueError)."""
+    spec = model_spec(args.model)
+    tp, dcp = args.layout if args.layout is not None else (args.gpus_per_node, 1)
+    if tp > args.gpus_per_node:
+        raise ValueError(f"tp={tp} spans more than one node of {args.gpus_per_node} GPUs; a replica never spans "
+                         f"nodes: lower tp or raise --gpus-per-node")
+    gpu = gpu_spec(args.gpu)
+    roofline = RooflineModel(spec, gpu, tp, dcp, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+    num_blocks = roofline.kv_blocks_per_replica(args.block_size, args.gpu_memory_utilization)
+    step_model: StepTimeModel = roofline
+    if args.step_model != "roofline":
+        path = Path(args.step_model)
+        if not path.is_file():
+            raise ValueError(f"--step-model {args.step_model!r} is neither 'roofline' nor a fitted model's JSON file")
+        step_model = LinearStepModel.from_json(path.read_text())
+    max_model_len = args.max_model_len or spec.max_position_embeddings
+    scheduler = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens, admission=args.admission)
+    shape = ReplicaShape(tp=tp, dcp=dcp, num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
+                         enable_prefix_caching=not args.no_prefix_caching)
+    gpus = args.nodes * args.gpus_per_node
+    fit = (args.gpus_per_node // tp) * args.nodes
+    if fit < 1:
+        raise ValueError(f"no replica of tp={tp} fits {args.nodes} node(s) of {args.gpus_per_node} GPUs")
+    replicas = args.replicas or fit
+    if replicas > fit:
+        raise ValueError(f"--replicas {replicas} of tp={tp} need {replicas * tp} GPUs; {args.nodes} node(s) of "
+                         f"{args.gpus_per_node} hold {fit} replicas")
+    autoscaling = None
+    if args.autoscale:
+        autoscaling = AutoscalingArgs(
+            min_replicas=args.min_replicas, max_replicas=replicas,
+            target_sequences_per_replica=args.target_sequences_per_replica,
+            upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
+    serve = ServeSettings(max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
+                          prefix_routing=not args.no_prefix_routing)
+    config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve, autoscaling=autoscaling,
+                              replica_start_s=args.replica_start_s, concurrency=args.concurrency,
+                              progress=None if args.quiet else sys.stderr)
+    facts = {"model": spec.describe_shape(), "gpu": gpu.name, "gpus": gpus, "layout": f"tp={tp} dcp={dcp}",
+             "replicas": replicas, "kv_tokens_per_replica": num_blocks * shape.tokens_per_block,
+             "step_model": step_model.describe()}
+    return Simulation(config, step_model), facts
+
+
+def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
+    rows = [
+        ("model", facts["model"]), ("GPU", f"{facts['gpu']} x {facts['gpus']}"), ("layout", facts["layout"]),
+        ("replicas", str(facts["replicas"])), ("KV tokens per replica", f"{facts['kv_tokens_per_replica']:,}"),
+        ("step model", facts["step_model"]),
+        ("requests (finished)", f"{summary['requests']} ({summary['finished']})"),
+        ("simulated time", f"{summary['duration_s']:.1f} s"),
+        ("output tok/s per GPU", f"{summary['output_tokens_per_s_per_gpu']:.1f}"),
+        ("requests/s", f"{summary['requests_per_s']:.3f}"),
+        ("TTFT p50 / p90 / p99", " / ".join(f"{summary['ttft_s'][q]:.3f} s" for q in ("p50", "p90", "p99"))),
+        ("ITL p50 / p90 / p99", " / ".join(f"{summary['itl_s'][q] * 1000:.1f} ms" for q in ("p50", "p90", "p99"))),
+        ("concurrent sequences mean / peak",
+         f"{summary['mean_concurrent_sequences']:.1f} / {summary['peak_concurrent_sequences']}"),
+        ("KV utilization mean", f"{summary['kv_utilization_mean']:.1%}"),
+        ("prefix hit rate", f"{summary['prefix_hit_rate']:.1%}"),
+        ("preemptions", str(summary["preemptions"])),
+        ("refused", ", ".join(f"{k} {v}" for k, v in summary["refused"].items()) or "none"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        simulation, facts = build(args)
+        trace = parse_preset_or_path(args.trace, args.requests, args.seed, args.rate)
+    except (TraceError, ValueError) as err:
+        raise SystemExit(f"dcpserve simulate: {err}") from None
+    summary = simulation.run(trace)
+    summary["setup"] = facts
+    print(format_summary(summary, facts))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {out / 'summary.json'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,170 @@
+"""What a simulation measures, exactly and in simulated time: per-request TTFT, every inter-token gap, concurrency as
+a time integral, refusals by reason, and periodic samples of KV use and replicas; then `summary()`.
+
+Exact, not sampled, wherever the number is a percentile or a mean a user compares against a benchmark: TTFT and ITL
+percentiles come from every request's and every gap's value (gaps are counted per distinct value: they are sums
+of step durations, so there are far fewer distinct values than tokens), and mean concurrency is the integral of the
+number of sequences the replicas hold over time divided by the time. KV utilization and replicas over time are
+samples every sample_period_s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of sorted values, by linear interpolation between closest ranks (numpy's
+    default); 0.0 for no values."""
+    if not sorted_values:
+        return 0.0
+    rank = (len(sorted_values) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def counted_percentile(counts: Counter[float], q: float) -> float:
+    """The q-th percentile of values given as value -> count (the lower closest rank: values are step sums)."""
+    total = sum(counts.values())
+    if total == 0:
+        return 0.0
+    target = (total - 1) * q / 100.0
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen > target:
+            return value
+    return max(counts)
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50": percentile(ordered, 50), "p90": percentile(ordered, 90), "p99": percentile(ordered, 99)}
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as its client saw it."""
+
+    arrival: float
+    input_length: int
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    finished_at: float | None = None
+    outcome: str = "pending"  # "finished", or the refusal's kind (queue_full, queue_timeout, never_fits, ...)
+    session_id: str | None = None
+    replica_id: str | None = None  # the replica that served it
+
+
+@dataclass
+class Recorder:
+    """Collects a simulation's measurements as they happen."""
+
+    records: dict[str, RequestRecord] = field(default_factory=dict)
+    itl_counts: Counter[float] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    num_output_tokens: int = 0
+    # Concurrency: sequences the replicas hold (accepted, not finished), integrated over time.
+    sequences: int = 0
+    peak_sequences: int = 0
+    _sequence_seconds: float = 0.0
+    _last_change: float = 0.0
+    first_arrival: float | None = None
+    last_finish: float = 0.0
+    # Periodic samples: (time, replicas, KV utilization of the replicas' pools, sequences, queued).
+    samples: list[tuple[float, int, float, int, int]] = field(default_factory=list)
+    gpu_seconds: float = 0.0  # replicas' GPUs times the time they were up (autoscaling changes it)
+    _gpus: int = 0
+    _gpus_since: float = 0.0
+
+    def arrived(self, ticket: str, now: float, input_length: int, session_id: str | None = None) -> RequestRecord:
+        record = self.records[ticket] = RequestRecord(now, input_length, session_id=session_id)
+        if self.first_arrival is None:
+            self.first_arrival = now
+        return record
+
+    def _concurrency(self, now: float, change: int) -> None:
+        self._sequence_seconds += self.sequences * (now - self._last_change)
+        self._last_change = now
+        self.sequences += change
+        self.peak_sequences = max(self.peak_sequences, self.sequences)
+
+    def accepted(self, now: float) -> None:
+        self._concurrency(now, +1)
+
+    def token(self, record: RequestRecord, now: float) -> None:
+        if record.first_token_at is None:
+            record.first_token_at = now
+        else:
+            self.itl_counts[now - record.last_token_at] += 1  # type: ignore[operator]  # set with the first token
+        record.last_token_at = now
+        record.num_output_tokens += 1
+        self.num_output_tokens += 1
+
+    def finished(self, record: RequestRecord, now: float, held_kv: bool) -> None:
+        """The request ended after a replica accepted it (held_kv) or without ever being accepted."""
+        if held_kv:
+            self._concurrency(now, -1)
+        record.finished_at = now
+        record.outcome = "finished"
+        self.last_finish = max(self.last_finish, now)
+
+    def timed_out(self, record: RequestRecord, now: float) -> None:
+        """An accepted request ran past request_timeout_s (its KV was freed)."""
+        self._concurrency(now, -1)
+        self.refuse(record, "request_timeout", now)
+
+    def refuse(self, record: RequestRecord, kind: str, now: float) -> None:
+        record.outcome = kind
+        record.finished_at = now
+        self.refused[kind] += 1
+
+    def gpus_changed(self, now: float, gpus: int) -> None:
+        """The GPUs of the replicas up changed to `gpus` (a replica started or stopped)."""
+        self.gpu_seconds += self._gpus * (now - self._gpus_since)
+        self._gpus, self._gpus_since = gpus, now
+
+    def close(self, now: float) -> None:
+        """Ends the GPU-time integral at `now` (the end of the run)."""
+        self.gpus_changed(now, self._gpus)
+
+    def mean_sequences(self, now: float) -> float:
+        start = self.first_arrival or 0.0
+        integral = self._sequence_seconds + self.sequences * (now - self._last_change)
+        return integral / (now - start) if now > start else 0.0
+
+    def summary(self, now: float, num_preemptions: int, prefix_queried_tokens: int, prefix_hit_tokens: int,
+                replicas_over_time: list[tuple[float, int]]) -> dict[str, Any]:
+        """The run's summary.json (docs/simulate.md lists every key)."""
+        finished = [r for r in self.records.values() if r.outcome == "finished"]
+        start = self.first_arrival or 0.0
+        duration = max(self.last_finish - start, 1e-12)
+        ttft = [r.first_token_at - r.arrival for r in finished if r.first_token_at is not None]
+        itl = {"p50": counted_percentile(self.itl_counts, 50), "p90": counted_percentile(self.itl_counts, 90),
+               "p99": counted_percentile(self.itl_counts, 99)}
+        kv = [sample[2] for sample in self.samples]
+        return {
+            "requests": len(self.records),
+            "finished": len(finished),
+            "duration_s": duration,
+            "output_tokens": self.num_output_tokens,
+            "gpu_seconds": self.gpu_seconds,
+            "output_tokens_per_s": self.num_output_tokens / duration,
+            "output_tokens_per_s_per_gpu": self.num_output_tokens / self.gpu_seconds if self.gpu_seconds else 0.0,
+            "requests_per_s": len(finished) / duration,
+            "ttft_s": _quantiles(ttft),
+            "itl_s": itl,
+            "e2e_s": _quantiles([r.finished_at - r.arrival for r in finished if r.finished_at is not None]),
+            "kv_utilization_mean": sum(kv) / len(kv) if kv else 0.0,
+            "peak_concurrent_sequences": self.peak_sequences,
+            "mean_concurrent_sequences": self.mean_sequences(self.last_finish if finished else now),
+            "refused": dict(sorted(self.refused.items())),
+            "preemptions": num_preemptions,
+            "prefix_hit_rate": prefix_hit_tokens / prefix_queried_tokens if prefix_queried_tokens else 0.0,
+            "replicas_over_time": [[t, n] for t, n in replicas_over_time],
+        }

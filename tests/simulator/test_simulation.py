@@ -1,0 +1,170 @@
+"""The simulation end to end, on the real admission queue, scheduler, block manager and autoscaling policy: what must
+hold whatever the load (every request answered, every token delivered, no KV held after the drain), the mechanisms
+(admission policies, prefix routing, queue bounds, autoscaling up and down), and determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from deployments.config import AutoscalingArgs
+from engine.config import SchedulerConfig
+from simulator.replica import ReplicaShape
+from simulator.run import ServeSettings, Simulation, SimulationConfig
+from simulator.step_time import LinearStepModel
+from simulator.synth import PRESETS, generate
+from simulator.trace import TraceRequest, expected_hash_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+# 2 ms a step, 20 us a token, 1 ns a context token: a small GPU-like replica.
+STEP_MODEL = LinearStepModel(c0=2e-3, c_tok=20e-6, c_seq=0.0, c_ctx=1e-9, c_pair=0.0)
+
+
+def shape(num_blocks: int = 400, admission: str = "usage", dcp: int = 2, max_num_seqs: int = 64,
+          prefix_caching: bool = True) -> ReplicaShape:
+    scheduler = SchedulerConfig(max_model_len=32768, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                                admission=admission)  # type: ignore[arg-type]  # "usage" | "full" from the tests
+    return ReplicaShape(tp=2, dcp=dcp, num_blocks=num_blocks, block_size=16, scheduler=scheduler,
+                        enable_prefix_caching=prefix_caching)
+
+
+def single_turn(count: int, gap_ms: float, seed: int = 0, input_tokens: int = 1500,
+                output_tokens: int = 200) -> list[TraceRequest]:
+    """count requests gap_ms apart, lengths varying around the given ones, each with a prefix of its own."""
+    requests = []
+    for index in range(count):
+        length = input_tokens + (index * 7919 + seed) % input_tokens
+        ids = tuple(range(index * 1000, index * 1000 + expected_hash_ids(length)))
+        requests.append(TraceRequest(index * gap_ms, length, output_tokens + (index * 31) % output_tokens, ids))
+    return requests
+
+
+def run(config: SimulationConfig, trace: list[TraceRequest]) -> tuple[Simulation, dict[str, Any]]:
+    simulation = Simulation(config, STEP_MODEL)
+    return simulation, simulation.run(trace)
+
+
+def assert_drained(simulation: Simulation, summary: dict[str, Any], trace: list[TraceRequest]) -> None:
+    """Every request answered, every finished one got exactly its trace's tokens, nothing held anywhere."""
+    assert summary["requests"] == len(trace)
+    assert summary["finished"] + sum(summary["refused"].values()) == len(trace)
+    records = simulation.recorder.records
+    assert all(r.outcome != "pending" for r in records.values())
+    by_ticket = {f"t{i}": request for i, request in enumerate(trace)}  # open loop: tickets in trace order
+    for ticket, record in records.items():
+        if record.outcome == "finished" and ticket in by_ticket:
+            assert record.num_output_tokens == by_ticket[ticket].output_length, ticket
+    assert summary["output_tokens"] == sum(r.num_output_tokens for r in records.values())
+    assert simulation.recorder.sequences == 0
+    for replica in simulation.replicas.values():
+        usage = replica.block_manager.usage()
+        assert usage.used == 0 and usage.reserved == 0, replica.replica_id
+        assert not replica.scheduler.requests
+    assert simulation.queue is not None and simulation.queue.num_queued == 0
+    assert not any(r.grants for r in simulation.queue.replicas.values())
+
+
+def test_a_burst_far_past_the_kv_is_served_or_refused_with_a_reason() -> None:
+    """400 requests in 2 s onto two replicas that hold ~10 of them at once: every one is answered (tokens or a
+    refusal naming its reason), the refusals are the queue's own (full, timeout), and the KV drains to zero."""
+    trace = single_turn(400, gap_ms=5.0)
+    config = SimulationConfig(shape(), num_replicas=2, serve=ServeSettings(max_queued_requests=64, queue_timeout_s=5.0))
+    simulation, summary = run(config, trace)
+    assert_drained(simulation, summary, trace)
+    assert summary["finished"] > 50
+    assert set(summary["refused"]) <= {"queue_full", "queue_timeout"}
+    assert summary["refused"].get("queue_full", 0) > 0 and summary["refused"].get("queue_timeout", 0) > 0
+    assert summary["peak_concurrent_sequences"] <= 2 * 64
+
+
+def test_usage_admission_runs_more_sequences_than_full_and_preempts_losslessly() -> None:
+    trace = single_turn(60, gap_ms=1.0, input_tokens=600, output_tokens=400)
+    results = {}
+    for admission in ("usage", "full"):
+        config = SimulationConfig(shape(num_blocks=120, admission=admission), num_replicas=1,
+                                  serve=ServeSettings(max_queued_requests=100, queue_timeout_s=600.0))
+        simulation, summary = run(config, trace)
+        assert_drained(simulation, summary, trace)
+        assert summary["finished"] == len(trace)  # nothing refused: the queue is long and patient enough
+        results[admission] = summary
+    assert results["usage"]["peak_concurrent_sequences"] > results["full"]["peak_concurrent_sequences"]
+    assert results["full"]["preemptions"] == 0
+    assert results["usage"]["preemptions"] > 0  # decode growth ran out of KV; every request still got its tokens
+
+
+def returns_to_its_replica(simulation: Simulation) -> float:
+    """Of the later turns of sessions, the share served by the replica that served the session's previous turn."""
+    last: dict[str, str] = {}
+    returned = later = 0
+    for record in simulation.recorder.records.values():  # in sending order: a session's turns in turn order
+        if record.session_id is None or record.replica_id is None:
+            continue
+        if record.session_id in last:
+            later += 1
+            returned += last[record.session_id] == record.replica_id
+        last[record.session_id] = record.replica_id
+    return returned / later
+
+
+def test_prefix_routing_sends_a_session_back_to_its_replica() -> None:
+    """Multi-turn sessions on four replicas: with prefix routing nearly every later turn goes back to the replica
+    holding its history and more prompt tokens are cache hits; granting by free KV alone scatters the turns."""
+    trace = generate(PRESETS["agentic"], 300, seed=3)
+    trace = [r for r in trace if r.input_length <= 30000]
+    results = {}
+    for routing in (True, False):
+        config = SimulationConfig(shape(num_blocks=3000, dcp=1), num_replicas=4, concurrency=16,
+                                  serve=ServeSettings(prefix_routing=routing, max_queued_requests=100))
+        simulation, summary = run(config, trace)
+        assert summary["finished"] + sum(summary["refused"].values()) == len(trace)
+        results[routing] = (returns_to_its_replica(simulation), summary["prefix_hit_rate"])
+    assert results[True][0] > 0.75
+    assert results[False][0] < results[True][0] - 0.2
+    assert results[True][1] > results[False][1]
+
+
+def test_autoscaling_follows_a_burst_up_and_back_down() -> None:
+    """The app's policy with Serve's delays on simulated time: a burst raises the replicas to the GPUs' limit after
+    upscale_delay_s + replica_start_s; when the traffic is gone they come back to min_replicas after
+    downscale_delay_s, each drained before it stops."""
+    trace = single_turn(300, gap_ms=20.0) + [TraceRequest(300_000.0, 1000, 10, tuple(range(10**6, 10**6 + 2)))]
+    scaling = AutoscalingArgs(min_replicas=1, max_replicas=4, target_sequences_per_replica=4, upscale_delay_s=5.0,
+                              downscale_delay_s=30.0)
+    config = SimulationConfig(shape(), num_replicas=4, autoscaling=scaling, replica_start_s=20.0,
+                              serve=ServeSettings(max_queued_requests=400, queue_timeout_s=120.0))
+    simulation, summary = run(config, trace)
+    assert_drained(simulation, summary, trace)
+    counts = [count for _, count in summary["replicas_over_time"]]
+    assert counts[0] == 1 and max(counts) == 4 and counts[-1] == 1
+    first_up = next(t for t, count in summary["replicas_over_time"] if count > 1)
+    assert first_up >= 5.0 + 20.0  # the delay held, then the replica started
+    # GPU time counts what ran: less than 4 replicas all along, more than 1.
+    duration = summary["duration_s"]
+    assert 2 * duration < summary["gpu_seconds"] < 4 * 2 * duration
+
+
+def test_the_same_seed_gives_the_same_summary_bit_for_bit(tmp_path: Path) -> None:
+    """Two runs of the CLI in processes with different string-hash seeds write identical summary.json files."""
+    model = tmp_path / "model"
+    model.mkdir()
+    from cluster.published_models import DEEPSEEK_V2_LITE
+
+    (model / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
+    outputs = []
+    for hash_seed in ("1", "2"):
+        out = tmp_path / f"out{hash_seed}"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        result = subprocess.run(
+            [sys.executable, "-m", "dcpserve.cli", "simulate", "--trace", "chat", "--requests", "200", "--seed", "5",
+             "--model", str(model), "--gpu", "h100", "--gpus-per-node", "2", "--layout", "tp=2,dcp=2",
+             "--concurrency", "32", "--quiet", "--out", str(out)],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert result.returncode == 0, result.stderr
+        outputs.append((out / "summary.json").read_bytes())
+    assert outputs[0] == outputs[1]
+    summary = json.loads(outputs[0])
+    assert summary["finished"] > 0 and summary["output_tokens_per_s_per_gpu"] > 0
