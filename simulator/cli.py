@@ -165,6 +165,9 @@ def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
         ("requests (finished)", f"{summary['requests']} ({summary['finished']})"),
         ("simulated time", f"{summary['duration_s']:.1f} s"),
         ("output tok/s per GPU", f"{summary['output_tokens_per_s_per_gpu']:.1f}"),
+        ("  while every client had work", f"{summary['steady']['output_tokens_per_s_per_gpu']:.1f} over "
+         f"{summary['steady']['window_s']:.1f} s, {summary['steady']['mean_concurrent_sequences']:.1f} sequences"
+         if summary["steady"] else "-"),
         ("requests/s", f"{summary['requests_per_s']:.3f}"),
         ("TTFT p50 / p90 / p99", " / ".join(f"{summary['ttft_s'][q]:.3f} s" for q in ("p50", "p90", "p99"))),
         ("ITL p50 / p90 / p99", " / ".join(f"{summary['itl_s'][q] * 1000:.1f} ms" for q in ("p50", "p90", "p99"))),

@@ -80,6 +80,9 @@ class Recorder:
     samples: list[tuple[float, int, float, int, int]] = field(default_factory=list)
     gpu_seconds: float = 0.0  # replicas' GPUs times the time they were up (autoscaling changes it)
     _gpus: int = 0
+    # The steady window's throughput and concurrency (load_ends): before the trace runs out of sessions to start.
+    steady: dict[str, float] | None = None
+    load_ended: bool = False
     _gpus_since: float = 0.0
 
     def arrived(self, ticket: str, now: float, input_length: int, session_id: str | None = None) -> RequestRecord:
@@ -129,6 +132,25 @@ class Recorder:
         self.gpu_seconds += self._gpus * (now - self._gpus_since)
         self._gpus, self._gpus_since = gpus, now
 
+    def load_ends(self, now: float) -> None:
+        """The trace has no more sessions to start (the first closed-loop client found none, or the last open-loop
+        session arrived): the steady window, from the first arrival to now, ends here (first call only)."""
+        if self.load_ended:
+            return
+        self.load_ended = True
+        start = self.first_arrival or 0.0
+        window = now - start
+        if window <= 0:
+            return  # fewer sessions than clients: every client never had work at once
+        self.gpus_changed(now, self._gpus)
+        integral = self._sequence_seconds + self.sequences * (now - self._last_change)
+        self.steady = {
+            "window_s": window,
+            "output_tokens": self.num_output_tokens,
+            "output_tokens_per_s_per_gpu": self.num_output_tokens / self.gpu_seconds if self.gpu_seconds else 0.0,
+            "mean_concurrent_sequences": integral / window if window > 0 else 0.0,
+        }
+
     def close(self, now: float) -> None:
         """Ends the GPU-time integral at `now` (the end of the run)."""
         self.gpus_changed(now, self._gpus)
@@ -167,4 +189,5 @@ class Recorder:
             "preemptions": num_preemptions,
             "prefix_hit_rate": prefix_hit_tokens / prefix_queried_tokens if prefix_queried_tokens else 0.0,
             "replicas_over_time": [[t, n] for t, n in replicas_over_time],
+            "steady": self.steady,
         }

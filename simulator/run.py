@@ -116,6 +116,7 @@ class Simulation:
         self._last_progress = 0.0
         self.num_units = 0
         self.units_done = 0
+        self._units_started = 0
         self.autoscaler = (SimAutoscaler(config.autoscaling, config.num_replicas)
                            if config.autoscaling is not None else None)
         self._target = 0  # the autoscaler's target replica count
@@ -233,11 +234,15 @@ class Simulation:
         loop = asyncio.get_running_loop()
         first = unit[0].timestamp_ms or 0.0
         await asyncio.sleep(max(0.0, first / 1000.0 - loop.time()))
+        self._units_started += 1
+        if self._units_started == self.num_units:
+            self.recorder.load_ends(loop.time())
         await self._send_turns(unit)
 
     async def _closed_loop_client(self, units: Iterator[list[TraceRequest]]) -> None:
         for unit in units:
             await self._send_turns(unit)
+        self.recorder.load_ends(asyncio.get_running_loop().time())
 
     async def _send_turns(self, unit: list[TraceRequest]) -> None:
         for index, request in enumerate(unit):

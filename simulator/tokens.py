@@ -44,7 +44,14 @@ class SequenceTokens(Sequence[int]):
 
     def __getitem__(self, index: int | slice) -> int | list[int]:
         num_prompt = self.num_prompt
-        if isinstance(index, slice):
+        if type(index) is slice:
+            start, stop = index.start, index.stop
+            # The scheduler's common slices, a step's tokens of a decode or chunk: plain bounds inside one part.
+            if index.step is None and type(start) is int and type(stop) is int and 0 <= start <= stop:
+                if start >= num_prompt:
+                    return self.outputs[start - num_prompt:stop - num_prompt]
+                if stop <= num_prompt:
+                    return [0] * (stop - start)
             start, stop, step = index.indices(len(self))
             if step != 1:
                 raise ValueError("simulated tokens are sliced with step 1 only")

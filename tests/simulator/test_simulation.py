@@ -4,6 +4,8 @@ hold whatever the load (every request answered, every token delivered, no KV hel
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -11,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from dcpserve.cli import main
 from deployments.config import AutoscalingArgs
 from engine.config import SchedulerConfig
 from simulator.replica import ReplicaShape
@@ -79,6 +84,9 @@ def test_a_burst_far_past_the_kv_is_served_or_refused_with_a_reason() -> None:
     assert set(summary["refused"]) <= {"queue_full", "queue_timeout"}
     assert summary["refused"].get("queue_full", 0) > 0 and summary["refused"].get("queue_timeout", 0) > 0
     assert summary["peak_concurrent_sequences"] <= 2 * 64
+    # Open loop: the steady window ends when the last request arrives.
+    assert summary["steady"]["window_s"] == pytest.approx(399 * 0.005)
+    assert 0 < summary["steady"]["output_tokens"] < summary["output_tokens"]
 
 
 def test_usage_admission_runs_more_sequences_than_full_and_preempts_losslessly() -> None:
@@ -121,6 +129,7 @@ def test_prefix_routing_sends_a_session_back_to_its_replica() -> None:
                                   serve=ServeSettings(prefix_routing=routing, max_queued_requests=100))
         simulation, summary = run(config, trace)
         assert summary["finished"] + sum(summary["refused"].values()) == len(trace)
+        assert summary["steady"] is None  # fewer sessions than clients: no window in which every client had work
         results[routing] = (returns_to_its_replica(simulation), summary["prefix_hit_rate"])
     assert results[True][0] > 0.75
     assert results[False][0] < results[True][0] - 0.2
@@ -168,3 +177,38 @@ def test_the_same_seed_gives_the_same_summary_bit_for_bit(tmp_path: Path) -> Non
     assert outputs[0] == outputs[1]
     summary = json.loads(outputs[0])
     assert summary["finished"] > 0 and summary["output_tokens_per_s_per_gpu"] > 0
+
+
+def simulate_cli(*args: str) -> tuple[int, str, str]:
+    """dcpserve simulate in this process: (status, stdout, stderr); a SystemExit message is the stderr line."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(["simulate", "--quiet", *args])
+        except SystemExit as exit_:
+            status = 1 if isinstance(exit_.code, str) else (exit_.code or 0)
+            if isinstance(exit_.code, str):
+                print(exit_.code, file=sys.stderr)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_bad_input_stops_before_simulating_with_the_reason(tmp_path: Path) -> None:
+    """A trace line that is not JSON (its line number), a layout the model cannot take (the planner's rule), weights
+    that do not fit the GPU (the numbers): each ends the command with status 1 and one clear line, nothing run."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+                     '{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]\n')
+    cases = [
+        (["--trace", str(trace), "--model", "deepseek-v2-lite", "--gpu", "h100", "--layout", "tp=8"],
+         f"{trace}:2"),
+        (["--trace", "chat", "--model", "deepseek-v2-lite", "--layout", "tp=8,dcp=3"], "dcp"),
+        (["--trace", "chat", "--model", "kimi-k2", "--gpu", "h100", "--layout", "tp=2"], "GiB per rank"),
+        (["--trace", "nonsense", "--model", "deepseek-v2-lite"], "no preset"),
+        (["--trace", "chat", "--model", "no-such-model"], "published config"),
+        (["--trace", "chat", "--model", "kimi-k2", "--layout", "tp=eight"], "tp=T,dcp=D"),
+    ]
+    for args, fragment in cases:
+        status, stdout, stderr = simulate_cli(*args)
+        assert status != 0, args
+        assert fragment in stderr, (args, stderr[-2000:])
+        assert stdout == "", args
