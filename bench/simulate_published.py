@@ -39,7 +39,7 @@ from simulator.run import ServeSettings, Simulation, SimulationConfig
 from simulator.step_time import RooflineModel
 from simulator.synth import PRESETS, generate
 
-SCRIPT = "simulate_published"
+SCRIPT = "bench/simulate_published.py"
 # Queue bound and timeout past anything a run reaches: the published runs queue requests in the engine, unbounded.
 PATIENT = ServeSettings(max_queued_requests=100_000, queue_timeout_s=1e9, request_timeout_s=1e9)
 

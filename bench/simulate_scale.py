@@ -31,7 +31,7 @@ from simulator.run import ServeSettings, Simulation, SimulationConfig
 from simulator.step_time import RooflineModel
 from simulator.synth import PRESETS, generate
 
-SCRIPT = "simulate_scale"
+SCRIPT = "bench/simulate_scale.py"
 REQUESTS_PER_NODE = 1563  # 100,032 requests at 64 nodes
 
 

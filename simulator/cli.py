@@ -25,7 +25,8 @@ from engine.config import SchedulerConfig
 from simulator.gpus import GPUS, gpu_spec
 from simulator.replica import ReplicaShape
 from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_time import KV_DTYPES, WEIGHT_DTYPES, LinearStepModel, RooflineModel, StepTimeModel
+from simulator.step_fit import LinearStepModel
+from simulator.step_time import KV_DTYPES, WEIGHT_DTYPES, RooflineModel, StepTimeModel
 from simulator.synth import PRESETS, parse_preset_or_path
 from simulator.trace import TraceError
 

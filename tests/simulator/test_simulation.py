@@ -20,7 +20,7 @@ from deployments.config import AutoscalingArgs
 from engine.config import SchedulerConfig
 from simulator.replica import ReplicaShape
 from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_time import LinearStepModel
+from simulator.step_fit import LinearStepModel
 from simulator.synth import PRESETS, generate
 from simulator.trace import TraceRequest, expected_hash_ids
 
