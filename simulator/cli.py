@@ -2,7 +2,8 @@
 
     dcpserve simulate --trace agentic|chat|1k-1k|8k-1k|8k-8k|FILE.jsonl --model kimi-k2|DIR|CONFIG_JSON --gpu b200 \\
         --nodes 1 --gpus-per-node 8 --layout tp=8,dcp=8 [--concurrency 512] [--requests 2000] [--seed 0] \\
-        [--admission usage|full] [--autoscale --max-replicas 8 ...] [--step-model roofline|FIT.json] [--out DIR]
+        [--admission usage|full] [--autoscale --max-replicas 8 ...] [--step-model roofline|FIT.json] [--out DIR] \\
+        [--sweep layouts | --sweep concurrency=64,128,256]
 
 Progress goes to stderr, the result table to stdout, and with --out the summary.json (docs/simulate.md lists
 its keys). Bad input stops the run before anything is simulated: a trace line that is not valid JSON or misses a
@@ -28,7 +29,7 @@ from simulator.run import ServeSettings, Simulation, SimulationConfig
 from simulator.step_fit import LinearStepModel
 from simulator.step_time import KV_DTYPES, WEIGHT_DTYPES, RooflineModel, StepTimeModel
 from simulator.synth import PRESETS, parse_preset_or_path
-from simulator.trace import TraceError
+from simulator.trace import TraceError, TraceRequest
 
 # The scheduler limits a simulated GPU replica runs with by default: vLLM's defaults for its OpenAI server on GPUs
 # with 70 GiB or more (vllm/engine/arg_utils.py: max_num_seqs 1024, max_num_batched_tokens 8192).
@@ -48,6 +49,18 @@ def parse_layout(value: str) -> tuple[int, int]:
     if "tp" not in fields:
         raise ValueError(f"layout {value!r} names no tp: write it as tp=T,dcp=D (for example tp=8,dcp=8)")
     return fields["tp"], fields.get("dcp", 1)
+
+
+def parse_sweep(value: str) -> tuple[str, list[int]]:
+    """"layouts" -> ("layouts", []); "concurrency=64,128,256" -> ("concurrency", [64, 128, 256])."""
+    if value == "layouts":
+        return "layouts", []
+    name, _, numbers = value.partition("=")
+    if name == "concurrency" and numbers:
+        parts = numbers.split(",")
+        if all(part.strip().isdigit() and int(part) > 0 for part in parts):
+            return "concurrency", [int(part) for part in parts]
+    raise ValueError(f"sweep {value!r}: write `layouts` or `concurrency=64,128,256`")
 
 
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -107,7 +120,11 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     scaling.add_argument("--downscale-delay-s", type=float, default=scaling_defaults.downscale_delay_s)
     scaling.add_argument("--replica-start-s", type=float, default=60.0,
                          help="from the decision to a new replica taking requests (default 60)")
-    sim.add_argument("--out", default=None, help="a directory for summary.json")
+    sim.add_argument("--sweep", type=cli_type(parse_sweep), default=None,
+                     help="`layouts`: every valid tp x dcp of one node's GPUs (as many replicas as the GPUs hold); "
+                          "`concurrency=64,128,256`: closed loop at each. Prints a row per point and marks the "
+                          "frontier (no other point has more tok/s per GPU and a lower ITL p50)")
+    sim.add_argument("--out", default=None, help="a directory for summary.json (a sweep: one per point, sweep.json)")
     sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
     sim.set_defaults(func=_cmd_simulate)
 
@@ -183,10 +200,88 @@ def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def sweep_points(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """The runs of a sweep: (label, the arguments of that run)."""
+    kind, values = args.sweep
+    if kind == "concurrency":
+        return [(f"concurrency {value}", argparse.Namespace(**{**vars(args), "concurrency": value}))
+                for value in values]
+    spec = model_spec(args.model)
+    points = []
+    tp = 1
+    while tp <= args.gpus_per_node:
+        dcp = 1
+        while dcp <= tp:
+            try:
+                spec.validate_layout(tp, dcp)
+            except ValueError:
+                pass
+            else:
+                points.append((f"tp={tp} dcp={dcp}",
+                               argparse.Namespace(**{**vars(args), "layout": (tp, dcp), "replicas": None})))
+            dcp *= 2
+        tp *= 2
+    return points
+
+
+def frontier(results: list[tuple[str, dict[str, Any]]]) -> set[str]:
+    """The points no other point beats on both steady tok/s per GPU (more) and ITL p50 (less)."""
+    scores = {label: (throughput(summary), summary["itl_s"]["p50"]) for label, summary in results}
+    return {label for label, (tps, itl) in scores.items()
+            if not any(other_tps >= tps and other_itl <= itl and (other_tps, other_itl) != (tps, itl)
+                       for other_tps, other_itl in scores.values())}
+
+
+def throughput(summary: dict[str, Any]) -> float:
+    """Output tok/s per GPU while every client had work (the whole run's when there was no such window)."""
+    steady = summary["steady"]
+    return float(steady["output_tokens_per_s_per_gpu"] if steady else summary["output_tokens_per_s_per_gpu"])
+
+
+def _run_sweep(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
+    results: list[tuple[str, dict[str, Any]]] = []
+    skipped: list[tuple[str, str]] = []
+    for label, point in sweep_points(args):
+        try:
+            simulation, facts = build(point)
+        except ValueError as err:  # weights past the GPU, no replica fits: a row that says why
+            skipped.append((label, str(err)))
+            continue
+        if not args.quiet:
+            print(f"sweep: {label}", file=sys.stderr, flush=True)
+        summary = simulation.run(trace)
+        summary["setup"] = facts
+        results.append((label, summary))
+    best = frontier(results)
+    lines = ["point              tok/s/GPU  requests/s  TTFT p50  ITL p50   mean seqs  KV used  refused  frontier"]
+    for label, summary in results:
+        lines.append(f"{label:<18} {throughput(summary):>9.1f} {summary['requests_per_s']:>11.3f} "
+                     f"{summary['ttft_s']['p50']:>8.3f}s {summary['itl_s']['p50'] * 1e3:>7.1f}ms "
+                     f"{summary['mean_concurrent_sequences']:>10.1f} {summary['kv_utilization_mean']:>7.1%} "
+                     f"{sum(summary['refused'].values()):>8} {'*' if label in best else ''}")
+    lines += [f"{label:<18} skipped: {why}" for label, why in skipped]
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        for label, summary in results:
+            point_dir = out / label.replace("=", "").replace(" ", "_")
+            point_dir.mkdir(parents=True, exist_ok=True)
+            (point_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        sweep = {"points": [{"point": label, "frontier": label in best, "output_tokens_per_s_per_gpu":
+                             throughput(summary), "itl_p50_s": summary["itl_s"]["p50"],
+                             "ttft_p50_s": summary["ttft_s"]["p50"]} for label, summary in results],
+                 "skipped": [{"point": label, "why": why} for label, why in skipped]}
+        (out / "sweep.json").write_text(json.dumps(sweep, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {out / 'sweep.json'}", file=sys.stderr)
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     try:
-        simulation, facts = build(args)
         trace = parse_preset_or_path(args.trace, args.requests, args.seed, args.rate)
+        if args.sweep:
+            return _run_sweep(args, trace)
+        simulation, facts = build(args)
     except (TraceError, ValueError) as err:
         raise SystemExit(f"dcpserve simulate: {err}") from None
     summary = simulation.run(trace)

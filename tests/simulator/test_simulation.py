@@ -212,3 +212,27 @@ def test_bad_input_stops_before_simulating_with_the_reason(tmp_path: Path) -> No
         assert status != 0, args
         assert fragment in stderr, (args, stderr[-2000:])
         assert stdout == "", args
+
+
+def test_a_layout_sweep_runs_every_valid_layout_and_marks_the_frontier(tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite on two H100s: tp=1, tp=2 and tp=2 x dcp=2 each run (one row each, a summary.json each); the
+    frontier is the rows no other row beats on both tok/s per GPU and ITL p50, and sweep.json says which."""
+    status, stdout, stderr = simulate_cli(
+        "--trace", "8k-1k", "--requests", "48", "--model", "deepseek-v2-lite", "--gpu", "h100", "--gpus-per-node", "2",
+        "--concurrency", "16", "--sweep", "layouts", "--out", str(tmp_path))
+    assert status == 0, stderr
+    rows = [line for line in stdout.splitlines() if line.startswith("tp=")]
+    assert [row.split()[0] + " " + row.split()[1] for row in rows] == ["tp=1 dcp=1", "tp=2 dcp=1", "tp=2 dcp=2"]
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    points = {p["point"]: p for p in sweep["points"]}
+    assert set(points) == {"tp=1 dcp=1", "tp=2 dcp=1", "tp=2 dcp=2"}
+    on_frontier = [p for p in points.values() if p["frontier"]]
+    assert on_frontier and sum(row.endswith("*") for row in rows) == len(on_frontier)
+    for point in on_frontier:  # nothing beats a frontier point on both
+        assert not any(o["output_tokens_per_s_per_gpu"] > point["output_tokens_per_s_per_gpu"]
+                       and o["itl_p50_s"] < point["itl_p50_s"] for o in points.values())
+    for label in points:
+        summary = json.loads((tmp_path / label.replace("=", "").replace(" ", "_") / "summary.json").read_text())
+        assert summary["setup"]["layout"] == label
+    status, _, stderr = simulate_cli("--trace", "chat", "--model", "deepseek-v2-lite", "--sweep", "concurrency=a")
+    assert status != 0 and "concurrency=64,128,256" in stderr
