@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.planner import PlanRequest, plan_layouts
 from cluster.published_models import PUBLISHED, model_spec
 from deployments.config import AutoscalingArgs
 from engine.args import cli_type
@@ -206,22 +207,12 @@ def sweep_points(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace
     if kind == "concurrency":
         return [(f"concurrency {value}", argparse.Namespace(**{**vars(args), "concurrency": value}))
                 for value in values]
-    spec = model_spec(args.model)
-    points = []
-    tp = 1
-    while tp <= args.gpus_per_node:
-        dcp = 1
-        while dcp <= tp:
-            try:
-                spec.validate_layout(tp, dcp)
-            except ValueError:
-                pass
-            else:
-                points.append((f"tp={tp} dcp={dcp}",
-                               argparse.Namespace(**{**vars(args), "layout": (tp, dcp), "replicas": None})))
-            dcp *= 2
-        tp *= 2
-    return points
+    # The planner's enumeration of the layouts the model's rules accept on one node (dtypes do not change which).
+    request = PlanRequest(gpus_per_node=args.gpus_per_node, gpu_memory_bytes=gpu_spec(args.gpu).memory_bytes,
+                          context_len=1, block_size=args.block_size)
+    return [(f"tp={row.tp} dcp={row.dcp}",
+             argparse.Namespace(**{**vars(args), "layout": (row.tp, row.dcp), "replicas": None}))
+            for row in plan_layouts(model_spec(args.model), request)]
 
 
 def frontier(results: list[tuple[str, dict[str, Any]]]) -> set[str]:
