@@ -6,9 +6,9 @@
         [--sweep layouts | --sweep concurrency=64,128,256]
 
 Progress goes to stderr, the result table to stdout, and with --out the summary.json (docs/simulate.md lists
-its keys). Bad input stops the run before anything is simulated: a trace line that is not valid JSON or misses a
-field (its line number), a layout the model cannot take (the planner's error), weights that do not fit the GPU
-(with the numbers).
+its keys) and the plots: timeline.png, and a sweep's sweep.png. Bad input stops the run before anything is
+simulated: a trace line that is not valid JSON or misses a field (its line number), a layout the model cannot take
+(the planner's error), weights that do not fit the GPU (with the numbers).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from deployments.config import AutoscalingArgs
 from engine.args import cli_type
 from engine.config import SchedulerConfig
 from simulator.gpus import GPUS, gpu_spec
+from simulator.plots import Sample, SweepPoint, write_concurrency_sweep, write_layout_sweep, write_timeline
 from simulator.replica import ReplicaShape
 from simulator.run import ServeSettings, Simulation, SimulationConfig
 from simulator.step_fit import LinearStepModel
@@ -36,6 +37,8 @@ from simulator.trace import TraceError, TraceRequest
 # with 70 GiB or more (vllm/engine/arg_utils.py: max_num_seqs 1024, max_num_batched_tokens 8192).
 DEFAULT_MAX_NUM_SEQS = 1024
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# summary.json's "samples": the names of the fields of the Recorder's sample tuples (simulator/metrics.py), in order.
+SAMPLE_KEYS = ("t_s", "replicas", "kv_utilization", "sequences", "queued")
 
 
 def parse_layout(value: str) -> tuple[int, int]:
@@ -125,7 +128,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                      help="`layouts`: every valid tp x dcp of one node's GPUs (as many replicas as the GPUs hold); "
                           "`concurrency=64,128,256`: closed loop at each. Prints a row per point and marks the "
                           "frontier (no other point has more tok/s per GPU and a lower ITL p50)")
-    sim.add_argument("--out", default=None, help="a directory for summary.json (a sweep: one per point, sweep.json)")
+    sim.add_argument("--out", default=None,
+                     help="a directory for summary.json and timeline.png (a sweep: those per point, sweep.json and "
+                          "sweep.png)")
     sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
     sim.set_defaults(func=_cmd_simulate)
 
@@ -229,9 +234,28 @@ def throughput(summary: dict[str, Any]) -> float:
     return float(steady["output_tokens_per_s_per_gpu"] if steady else summary["output_tokens_per_s_per_gpu"])
 
 
+def _simulate(simulation: Simulation, trace: list[TraceRequest], facts: dict[str, Any]) -> dict[str, Any]:
+    """Runs the simulation: its summary, with the setup and the timeline's samples."""
+    summary = simulation.run(trace)
+    summary["setup"] = facts
+    summary["samples"] = [dict(zip(SAMPLE_KEYS, sample, strict=True)) for sample in simulation.recorder.samples]
+    return summary
+
+
+def _write_run(out: Path, summary: dict[str, Any], samples: list[Sample], label: str | None = None) -> list[Path]:
+    """A run's summary.json and timeline.png in `out`: the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    write_timeline(out / "timeline.png", samples, summary["setup"], label)
+    return [out / "summary.json", out / "timeline.png"]
+
+
 def _run_sweep(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
+    kind, _ = args.sweep
     results: list[tuple[str, dict[str, Any]]] = []
+    concurrency: dict[str, int | None] = {}
     skipped: list[tuple[str, str]] = []
+    out = Path(args.out) if args.out else None
     for label, point in sweep_points(args):
         try:
             simulation, facts = build(point)
@@ -240,9 +264,11 @@ def _run_sweep(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
             continue
         if not args.quiet:
             print(f"sweep: {label}", file=sys.stderr, flush=True)
-        summary = simulation.run(trace)
-        summary["setup"] = facts
+        summary = _simulate(simulation, trace, facts)
         results.append((label, summary))
+        concurrency[label] = point.concurrency
+        if out is not None:
+            _write_run(out / label.replace("=", "").replace(" ", "_"), summary, simulation.recorder.samples, label)
     best = frontier(results)
     lines = ["point              tok/s/GPU  requests/s  TTFT p50  ITL p50   mean seqs  KV used  refused  frontier"]
     for label, summary in results:
@@ -252,18 +278,20 @@ def _run_sweep(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
                      f"{sum(summary['refused'].values()):>8} {'*' if label in best else ''}")
     lines += [f"{label:<18} skipped: {why}" for label, why in skipped]
     print("\n".join(lines))
-    if args.out:
-        out = Path(args.out)
-        for label, summary in results:
-            point_dir = out / label.replace("=", "").replace(" ", "_")
-            point_dir.mkdir(parents=True, exist_ok=True)
-            (point_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
         sweep = {"points": [{"point": label, "frontier": label in best, "output_tokens_per_s_per_gpu":
                              throughput(summary), "itl_p50_s": summary["itl_s"]["p50"],
                              "ttft_p50_s": summary["ttft_s"]["p50"]} for label, summary in results],
                  "skipped": [{"point": label, "why": why} for label, why in skipped]}
         (out / "sweep.json").write_text(json.dumps(sweep, indent=2, sort_keys=True) + "\n")
         print(f"wrote {out / 'sweep.json'}", file=sys.stderr)
+        if results:  # every point skipped: nothing to plot
+            points = [SweepPoint(label, throughput(summary), summary["itl_s"]["p50"], label in best,
+                                 concurrency[label]) for label, summary in results]
+            write_plot = write_concurrency_sweep if kind == "concurrency" else write_layout_sweep
+            write_plot(out / "sweep.png", points, results[0][1]["setup"])
+            print(f"wrote {out / 'sweep.png'}", file=sys.stderr)
     return 0
 
 
@@ -275,12 +303,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         simulation, facts = build(args)
     except (TraceError, ValueError) as err:
         raise SystemExit(f"dcpserve simulate: {err}") from None
-    summary = simulation.run(trace)
-    summary["setup"] = facts
+    summary = _simulate(simulation, trace, facts)
     print(format_summary(summary, facts))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {out / 'summary.json'}", file=sys.stderr)
+        for path in _write_run(Path(args.out), summary, simulation.recorder.samples):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
