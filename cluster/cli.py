@@ -9,6 +9,7 @@ the simulator's):
     dcpserve plan --model DIR --gpus-per-node 8 --gpu-memory 80GiB --context 128k [--dtype bfloat16] ...
         KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout, for
         Llama / Qwen (GQA) and DeepSeek-V2 / V3 (MLA) configs
+        (with --trace, simulator/plan.py also ranks the layouts by simulated goodput on that trace)
     dcpserve generate --model DIR [--tp 2 --dcp 2] --prompt "..." [--max-tokens 32 --temperature 0 ...]
         run the engine on one or more prompts and print the completions (tp > 1 runs a Ray worker group)
 
@@ -82,19 +83,25 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_request(args: argparse.Namespace) -> PlanRequest:
+    """The PlanRequest of `dcpserve plan`'s arguments (raises ValueError); `plan --trace` (simulator/plan.py) plans
+    with the same one."""
+    return PlanRequest(
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=args.gpu_memory,
+        context_len=args.context,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
+    )
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         model = model_spec(args.model)  # GQA (Llama / Qwen) or MLA (DeepSeek-V2 / V3), by name or config.json
-        request = PlanRequest(
-            gpus_per_node=args.gpus_per_node,
-            gpu_memory_bytes=args.gpu_memory,
-            context_len=args.context,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            weight_dtype=args.weight_dtype,
-            kv_dtype=args.kv_dtype,
-        )
+        request = plan_request(args)
     except (OSError, ValueError) as err:
         raise SystemExit(f"dcpserve plan: {err}") from err
     print(format_plan(model, request, plan_layouts(model, request), model_name=args.model))

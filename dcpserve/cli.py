@@ -2,8 +2,8 @@
 (simulator/cli.py). `dcpserve --help` lists them; `dcpserve COMMAND --help` describes one.
 
 The commands live with the package they use; this module only assembles them, from the top of the package table
-(it may import every package, and nothing imports it), so `dcpserve plan --trace` can use the simulator without the
-planner importing it.
+(it may import every package, and nothing imports it), so `dcpserve plan --trace` (simulator/plan.py's
+`extend_plan` on cluster/cli.py's plan command) can use the simulator without the planner importing it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 
 from cluster.cli import add_commands as add_cluster_commands
 from simulator.cli import add_commands as add_simulator_commands
+from simulator.plan import extend_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_cluster_commands(commands)
     add_simulator_commands(commands)
+    extend_plan(commands.choices["plan"])  # plan --trace: the layouts ranked by simulated goodput
     return parser
 
 

@@ -6,12 +6,16 @@ percentiles come from every request's and every gap's value (gaps are counted pe
 of step durations, so there are far fewer distinct values than tokens), and mean concurrency is the integral of the
 number of sequences the replicas hold over time divided by the time. KV utilization and replicas over time are
 samples every sample_period_s.
+
+Goodput (`goodput`): the requests that met a latency target on both TTFT and their own mean inter-token latency,
+per second and per GPU-second, computed from the records after the run.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +63,72 @@ class RequestRecord:
     outcome: str = "pending"  # "finished", or the refusal's kind (queue_full, queue_timeout, never_fits, ...)
     session_id: str | None = None
     replica_id: str | None = None  # the replica that served it
+
+
+def mean_itl_s(record: RequestRecord) -> float | None:
+    """The request's own mean inter-token latency, (last_token_at - first_token_at) / (num_output_tokens - 1); 0.0
+    for a request of one token (it has no gap, so it meets any ITL target), None for one with no token."""
+    if record.first_token_at is None or record.last_token_at is None or record.num_output_tokens < 1:
+        return None
+    if record.num_output_tokens == 1:
+        return 0.0
+    return (record.last_token_at - record.first_token_at) / (record.num_output_tokens - 1)
+
+
+def meets_slo(record: RequestRecord, ttft_target_s: float, itl_target_s: float) -> bool:
+    """Whether the request finished with TTFT <= ttft_target_s and mean ITL <= itl_target_s (a value exactly at its
+    target meets it). A refused or timed-out request never does."""
+    if record.outcome != "finished" or record.first_token_at is None:
+        return False
+    itl = mean_itl_s(record)
+    return record.first_token_at - record.arrival <= ttft_target_s and itl is not None and itl <= itl_target_s
+
+
+def span_s(records: Iterable[RequestRecord]) -> float:
+    """From the first arrival to the last request's end, finished or refused (0.0 for none). The summary's
+    duration_s ends at the last finished request instead, so it leaves out a tail of refusals; a rate of requests
+    that met a target is taken over the whole of the run that was asked of the replicas."""
+    arrivals, ends = [], []
+    for record in records:
+        arrivals.append(record.arrival)
+        if record.finished_at is not None:
+            ends.append(record.finished_at)
+    return max(ends) - min(arrivals) if ends else 0.0
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The requests of a run that met both latency targets, counted and as rates."""
+
+    ttft_target_s: float
+    itl_target_s: float  # on each request's own mean inter-token latency (mean_itl_s)
+    requests: int  # every request sent, refused ones included
+    met: int  # finished and met both targets (meets_slo)
+    requests_per_s: float  # met per second of the run (span_s)
+    requests_per_s_per_gpu: float  # met per GPU-second the replicas were up (summary's gpu_seconds)
+
+    @property
+    def fraction_met(self) -> float:
+        """Of all requests sent, the share that met both targets (0.0 for no requests)."""
+        return self.met / self.requests if self.requests else 0.0
+
+
+def goodput(records: Iterable[RequestRecord], duration_s: float, gpu_seconds: float, ttft_target_s: float,
+            itl_target_s: float) -> Goodput:
+    """Goodput of a run from its records (Recorder.records' values), its duration (span_s of the records) and its
+    GPU-seconds (the summary's gpu_seconds): the requests meets_slo accepts, per second and per GPU-second."""
+    for name, value in (("ttft_target_s", ttft_target_s), ("itl_target_s", itl_target_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    for name, value in (("duration_s", duration_s), ("gpu_seconds", gpu_seconds)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    records = list(records)
+    met = sum(meets_slo(record, ttft_target_s, itl_target_s) for record in records)
+    # A run of no time (every request refused at its arrival) met nothing: rates of 0, as the summary's are.
+    return Goodput(ttft_target_s=ttft_target_s, itl_target_s=itl_target_s, requests=len(records), met=met,
+                   requests_per_s=met / duration_s if duration_s else 0.0,
+                   requests_per_s_per_gpu=met / gpu_seconds if gpu_seconds else 0.0)
 
 
 @dataclass
