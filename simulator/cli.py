@@ -114,6 +114,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--queue-timeout-s", type=float, default=defaults.queue_timeout_s,
                        help=f"longest wait in the queue (default {defaults.queue_timeout_s:g})")
     serve.add_argument("--no-prefix-routing", action="store_true", help="grant by free KV alone")
+    serve.add_argument("--request-latency-s", type=float, default=0.0,
+                       help="from a request's arrival to its admission: HTTP, the ingress, the hop to the queue "
+                            "(default 0)")
     scaling = sim.add_argument_group("autoscaling (AutoscalingArgs' names and defaults)")
     scaling.add_argument("--autoscale", action="store_true", help="run the app's autoscaling policy")
     scaling_defaults = AutoscalingArgs()
@@ -174,6 +177,7 @@ def build(args: argparse.Namespace) -> tuple[Simulation, dict[str, Any]]:
                           prefix_routing=not args.no_prefix_routing)
     config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve, autoscaling=autoscaling,
                               replica_start_s=args.replica_start_s, concurrency=args.concurrency,
+                              request_latency_s=args.request_latency_s,
                               progress=None if args.quiet else sys.stderr)
     facts = {"model": spec.describe_shape(), "gpu": gpu.name, "gpus": gpus, "layout": f"tp={tp} dcp={dcp}",
              "replicas": replicas, "kv_tokens_per_replica": num_blocks * shape.tokens_per_block,

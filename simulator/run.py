@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -71,6 +72,9 @@ class SimulationConfig:
     concurrency: int | None = None  # closed loop: this many clients, each sends its next unit when free
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
     sample_period_s: float = 1.0
+    # From a request's arrival to its admission: HTTP, the ingress, the hop to the queue (the hops the simulation
+    # leaves out). 0: none; bench/simulate_validate.py measures the served app's on this machine.
+    request_latency_s: float = 0.0
     progress: TextIO | None = None  # where progress lines go (stderr in the CLI), every progress_wall_s of wall time
     progress_wall_s: float = 5.0
 
@@ -79,6 +83,8 @@ class SimulationConfig:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.replica_start_s < 0:
             raise ValueError(f"replica_start_s must be >= 0, got {self.replica_start_s}")
+        if not self.request_latency_s >= 0:
+            raise ValueError(f"request_latency_s must be >= 0, got {self.request_latency_s}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (or None for the trace's timestamps), got {self.concurrency}")
 
@@ -110,6 +116,11 @@ class Simulation:
         self._finishing: dict[str, asyncio.Future[None]] = {}
         self._records: dict[str, RequestRecord] = {}
         self.queue: AdmissionQueue | None = None
+        # The queue's decisions by outcome, heard as the app's AdmissionMetrics hears them (deployments/metrics.py:
+        # dcpserve_admission_requests_total{outcome} and the grants that came back, refused_by_replica).
+        self.admission_events: Counter[str] = Counter()
+        self.queue_waits: list[float] = []  # each wait that ended (dcpserve_admission_queue_wait_seconds)
+        self.peak_granted = 0  # the most grants the queue held at a sample (the app's /health num_grants)
         self._next_replica = 0
         self._next_ticket = 0
         self._wall_start = 0.0
@@ -134,7 +145,8 @@ class Simulation:
         loop = asyncio.get_running_loop()
         settings = self.config.serve
         self.queue = AdmissionQueue(max_queued=settings.max_queued_requests, leak_grace_s=settings.grant_leak_grace_s,
-                                     clock=loop.time, prefix_routing=settings.prefix_routing)
+                                     clock=loop.time, prefix_routing=settings.prefix_routing,
+                                     on_event=self._on_admission_event)
         initial = self.autoscaler.initial_replicas if self.autoscaler is not None else self.config.num_replicas
         for _ in range(initial):
             self.add_replica()
@@ -163,7 +175,19 @@ class Simulation:
         for replica in list(self.replicas.values()):
             replica.stop()
         self._progress(now, final=True)
-        return self.recorder.summary(now, preemptions, queried, hits, self.replicas_over_time)
+        summary = self.recorder.summary(now, preemptions, queried, hits, self.replicas_over_time)
+        summary["admission"] = dict(sorted(self.admission_events.items()))
+        summary["peak_granted_sequences"] = self.peak_granted
+        waits = self.queue_waits
+        summary["queue_wait_mean_s"] = sum(waits) / len(waits) if waits else 0.0
+        steps = summary["steps"] = sum(r.num_steps for r in self.replicas.values())
+        summary["step_mean_s"] = sum(r.busy_seconds for r in self.replicas.values()) / steps if steps else 0.0
+        return summary
+
+    def _on_admission_event(self, outcome: str, waited_s: float | None) -> None:
+        self.admission_events[outcome] += 1
+        if waited_s is not None:
+            self.queue_waits.append(waited_s)
 
     def add_replica(self) -> SimReplica:
         """Starts one replica (it reports to the queue at once, so it is grantable now)."""
@@ -262,6 +286,8 @@ class Simulation:
         self._next_ticket += 1
         arrived = loop.time()
         record = self.recorder.arrived(ticket, arrived, trace_request.input_length, trace_request.session_id)
+        if self.config.request_latency_s:
+            await asyncio.sleep(self.config.request_latency_s)
         max_tokens = trace_request.max_tokens or trace_request.output_length
         tokens_per_block = shape.tokens_per_block
         need = admission_blocks(shape.scheduler.admission, trace_request.input_length, max_tokens, tokens_per_block)
@@ -346,6 +372,9 @@ class Simulation:
         replicas = list(self.replicas.values())
         used = sum(r.block_manager.usage().used / r.block_manager.num_blocks for r in replicas)
         queued = self.queue.num_queued if self.queue is not None else 0
+        if self.queue is not None:
+            granted = sum(len(r.grants) for r in self.queue.replicas.values())
+            self.peak_granted = max(self.peak_granted, granted)
         self.recorder.samples.append((now, len(replicas), used / len(replicas) if replicas else 0.0,
                                       self.recorder.sequences, queued))
 

@@ -87,6 +87,14 @@ class LinearStepModel:
         return (f"linear: {self.c0 * 1e3:.3g} ms + {self.c_tok * 1e6:.3g} us/token + {self.c_seq * 1e6:.3g} us/seq "
                 f"+ {self.c_ctx * 1e9:.3g} ns/context token + {self.c_pair * 1e12:.3g} ps/pair{fit}")
 
+    def scaled(self, factor: float) -> LinearStepModel:
+        """Every constant times `factor` (a step of the same work taking `factor` times as long), same fit report:
+        the model of the same engine on a slower or busier host."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+        constants = {name: getattr(self, name) * factor for name in _COEFFICIENTS}
+        return LinearStepModel(**constants, report=self.report)
+
     def step_seconds(self, work: StepWork) -> float:
         if work.num_tokens == 0:
             return 0.0

@@ -236,3 +236,30 @@ def test_a_layout_sweep_runs_every_valid_layout_and_marks_the_frontier(tmp_path:
         assert summary["setup"]["layout"] == label
     status, _, stderr = simulate_cli("--trace", "chat", "--model", "deepseek-v2-lite", "--sweep", "concurrency=a")
     assert status != 0 and "concurrency=64,128,256" in stderr
+
+
+def test_admission_counts_match_the_records_and_request_latency_delays_each_ttft() -> None:
+    """The queue's decisions, as the app's metrics count them, agree with what each request went through; a request
+    latency adds exactly itself to every TTFT when the load is light enough that nothing waits."""
+    trace = single_turn(120, gap_ms=5.0)
+    config = SimulationConfig(shape(num_blocks=300), num_replicas=1,
+                              serve=ServeSettings(max_queued_requests=20, queue_timeout_s=3.0))
+    simulation, summary = run(config, trace)
+    assert_drained(simulation, summary, trace)
+    admission = summary["admission"]
+    assert admission["admitted"] == summary["finished"]  # nothing refused after its grant in this run
+    assert admission.get("rejected_queue_full", 0) == summary["refused"].get("queue_full", 0) > 0
+    assert admission.get("rejected_timeout", 0) == summary["refused"].get("queue_timeout", 0)
+    assert admission["queued"] > 0 and summary["queue_wait_mean_s"] > 0
+    assert 0 < summary["peak_granted_sequences"] <= summary["peak_concurrent_sequences"] + admission.get(
+        "refused_by_replica", 0)
+    assert summary["steps"] > 0 and summary["step_mean_s"] > 0
+
+    light = single_turn(5, gap_ms=10_000.0)
+    _, base = run(SimulationConfig(shape(), num_replicas=1), light)
+    _, delayed = run(SimulationConfig(shape(), num_replicas=1, request_latency_s=0.25), light)
+    assert base["admission"] == {"admitted": 5} == delayed["admission"]
+    for q in ("p50", "p90", "p99"):
+        assert delayed["ttft_s"][q] == pytest.approx(base["ttft_s"][q] + 0.25, abs=1e-9)
+    with pytest.raises(ValueError, match="request_latency_s must be >= 0"):
+        SimulationConfig(shape(), num_replicas=1, request_latency_s=-1.0)

@@ -274,3 +274,14 @@ def test_fit_and_json_reject_bad_input() -> None:
         LinearStepModel.from_json(text.replace('"c_pair"', '"c_pairs"'))
     with pytest.raises(ValueError, match="not a LinearStepModel JSON"):
         LinearStepModel.from_json("[]")
+
+
+def test_scaled_model_takes_factor_times_as_long_for_every_step() -> None:
+    model = LinearStepModel(1.5e-3, 2.0e-5, 4.0e-6, 3.0e-9, 8.0e-13, FitReport(9, 0.05, 0.1))
+    slower = model.scaled(2.5)
+    for work in synthetic_steps():
+        assert slower.step_seconds(work) == pytest.approx(2.5 * model.step_seconds(work), rel=1e-12)
+    assert slower.report == model.report
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale factor must be a finite number > 0"):
+            model.scaled(bad)
