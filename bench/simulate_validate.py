@@ -18,7 +18,10 @@ twice the tokens):
 4. the simulator: the same trace, the same KV blocks (the replica's /health capacity), the same scheduler limits
    and app settings, the calibrated step model and latency.
 
-It prints, per layout, the real and the simulated value of each metric and their ratio, with the issue's bounds:
+It prints, per layout and rate, the real and the simulated value of each metric and their ratio, with the issue's
+bounds, for two simulations: the step model scaled on the calibration trace (a prediction), and scaled to the
+validation run's own mean engine step (the host's speed during that run taken as given: on a shared 2-core host it
+drifts between runs more than the fit errs, and this column checks the control plane's side alone). The bounds:
 output tok/s, TTFT p50 and peak concurrency within 20%; admission decisions (queued, refused by kind, preempted)
 of the same kinds and counts within 10% (of the count; a count of at most 10 within 1).
 
@@ -295,18 +298,18 @@ def run_simulated(model_dir: Path, tp: int, dcp: int, capacity_blocks: int, sett
 
 
 def calibrate(model_dir: Path, tp: int, dcp: int, settings: dict[str, Any], fit: LinearStepModel,
-              calibration: RealRun, trace: list[TraceRequest]) -> tuple[LinearStepModel, float]:
-    """The fit scaled so that the simulated app's mean step equals the real app's on the calibration trace: the
-    engine alone (step_fit) has the machine's cores to itself, the served engine shares them with the ingress, the
-    proxy, the admission queue and the clients. The scale changes the batches the simulation forms, so it is found
-    by fixed-point iteration (a few simulations of a few hundred milliseconds)."""
-    target = real_metrics(calibration)["mean_step_s"]
+              run: RealRun, trace: list[TraceRequest], latency_s: float) -> tuple[LinearStepModel, float]:
+    """The fit scaled so that the simulated app's mean step equals the real app's in `run` (of `trace`): the engine
+    alone (step_fit) has the machine's cores to itself, the served engine shares them with the ingress, the proxy,
+    the admission queue and the clients. The scale changes the batches the simulation forms, so it is found by
+    fixed-point iteration (a few simulations of a few hundred milliseconds)."""
+    target = real_metrics(run)["mean_step_s"]
     if target <= 0:
-        raise SystemExit("the calibration run exported no engine step times (dcpserve_engine_step_seconds)")
+        raise SystemExit("the run exported no engine step times (dcpserve_engine_step_seconds)")
     factor = 1.0
     for _ in range(CALIBRATION_ROUNDS):
-        summary = run_simulated(model_dir, tp, dcp, calibration.capacity_blocks, settings, fit.scaled(factor), trace,
-                                calibration.latency_s)
+        summary = run_simulated(model_dir, tp, dcp, run.capacity_blocks, settings, fit.scaled(factor), trace,
+                                latency_s)
         factor *= target / summary["step_mean_s"]
     return fit.scaled(factor), factor
 
@@ -355,20 +358,25 @@ def within(kind: str, real: float, sim: float) -> bool:
     return abs(sim - real) <= max(1.0, DECISION_BOUND * real)
 
 
-def table(layout: str, real: dict[str, float], sim: dict[str, float]) -> tuple[list[str], bool]:
-    lines = [f"| {layout} | real app | simulated | sim / real | bound | within |", "|---|---:|---:|---:|---|---|"]
-    ok = True
+def table(layout: str, real: dict[str, float], sim: dict[str, float],
+          own: dict[str, float]) -> tuple[list[str], bool, bool]:
+    """The markdown rows: real, then each simulation with its ratio and whether it is within the bound; and
+    whether every bounded row of each simulation is."""
+    lines = [f"| {layout} | real app | simulated, calibration trace | sim / real | simulated, this run's step | "
+             f"sim / real | bound |", "|---|---:|---:|---:|---:|---:|---|"]
+    ok = own_ok = True
     for key, label, fmt, kind in ROWS:
-        ratio = f"{sim[key] / real[key]:.2f}" if real[key] else "-"
-        if not kind:  # a diagnostic: how the two got there
-            lines.append(f"| {label} | {fmt.format(real[key])} | {fmt.format(sim[key])} | {ratio} | | |")
-            continue
-        inside = within(kind, real[key], sim[key])
-        ok &= inside
-        bound = "±20%" if kind == "ratio" else "±10% (±1 at ≤10)"
-        lines.append(f"| {label} | {fmt.format(real[key])} | {fmt.format(sim[key])} | {ratio} | {bound} | "
-                     f"{'yes' if inside else '**no**'} |")
-    return lines, ok
+        cells = []
+        for values in (sim, own):
+            ratio = f"{values[key] / real[key]:.2f}" if real[key] else "-"
+            inside = not kind or within(kind, real[key], values[key])
+            cells.append(f"{fmt.format(values[key])} | {ratio}{'' if inside else ' **out**'}")
+        if kind:
+            ok &= within(kind, real[key], sim[key])
+            own_ok &= within(kind, real[key], own[key])
+        bound = {"ratio": "±20%", "count": "±10% (±1 at ≤10)"}.get(kind, "")
+        lines.append(f"| {label} | {fmt.format(real[key])} | {cells[0]} | {cells[1]} | {bound} |")
+    return lines, ok, own_ok
 
 
 def fit_step_model(model_dir: Path, tp: int, dcp: int, out: Path, requests: int) -> tuple[LinearStepModel, str]:
@@ -406,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration_prompts = [prompt_ids(r, args.seed + 1) for r in calibration_trace]
     started = time.monotonic()
     sections: list[str] = []
-    all_ok = True
+    all_ok = all_own_ok = True
     with compare.state_dir("dcpserve-validate-", say) as state:
         model_dir = state / "tiny"
         write_tiny_model(model_dir)
@@ -427,28 +435,38 @@ def main(argv: list[str] | None = None) -> int:
                 calibration = run_real(head, model_dir, tp, dcp, settings, calibration_trace, calibration_prompts,
                                        "calibration", probe_fit=fits[tp, dcp][0])
                 fit, factor = calibrate(model_dir, tp, dcp, settings, fits[tp, dcp][0], calibration,
-                                        calibration_trace)
+                                        calibration_trace, calibration.latency_s)
                 say(f"tp={tp} dcp={dcp}: the app's steps take {factor:.2f}x the fit's on the calibration trace")
                 for rate, trace, trace_prompts in zip(rates, traces, prompts, strict=True):
                     real = run_real(head, model_dir, tp, dcp, settings, trace, trace_prompts, f"rate{rate:g}")
                     summary = run_simulated(model_dir, tp, dcp, real.capacity_blocks, settings, fit, trace,
                                             calibration.latency_s)
-                    results.append(((tp, dcp), rate, real, summary, factor, calibration.latency_s))
-        for (tp, dcp), rate, real, summary, factor, latency_s in results:
-            lines, ok = table(f"tp={tp} dcp={dcp}, {rate:g}/s", real_metrics(real), sim_metrics(summary))
+                    # The host's speed during this very run: the fit scaled to this run's own mean step.
+                    own_fit, own_factor = calibrate(model_dir, tp, dcp, settings, fits[tp, dcp][0], real, trace,
+                                                    calibration.latency_s)
+                    own = run_simulated(model_dir, tp, dcp, real.capacity_blocks, settings, own_fit, trace,
+                                        calibration.latency_s)
+                    results.append(((tp, dcp), rate, real, summary, factor, own, own_factor, calibration.latency_s))
+        for (tp, dcp), rate, real, summary, factor, own, own_factor, latency_s in results:
+            lines, ok, own_ok = table(f"tp={tp} dcp={dcp}, {rate:g}/s", real_metrics(real), sim_metrics(summary),
+                                      sim_metrics(own))
             all_ok &= ok
+            all_own_ok &= own_ok
             fit, error = fits[tp, dcp]
             sections.append("\n".join([f"**tp={tp} x dcp={dcp}, {rate:g} requests/s**: KV {real.capacity_blocks} "
                                        f"blocks of {BLOCK_SIZE * dcp} tokens; step model {fit.describe()} ({error}), "
-                                       f"scaled by {factor:.2f} (calibration trace); the app's latency outside "
-                                       f"the steps {latency_s * 1e3:.1f} ms (idle probe)", "", *lines]))
+                                       f"scaled by {factor:.2f} (calibration trace) and by {own_factor:.2f} (this "
+                                       f"run's mean step); the app's latency outside the steps "
+                                       f"{latency_s * 1e3:.1f} ms (idle probe)", "", *lines]))
     stats = (f"{args.requests} requests, Poisson {' and '.join(f'{rate:g}' for rate in rates)}/s, prompts "
              f"{SHAPE.input_tokens.minimum}-{SHAPE.input_tokens.maximum} tokens (median {SHAPE.input_tokens.median}) "
              f"over {SHAPE.num_prefix_groups} shared 512-token prefixes, outputs {SHAPE.output_tokens.minimum}-"
              f"{SHAPE.output_tokens.maximum} (median {SHAPE.output_tokens.median}), seed {args.seed}; queue bound "
              f"{args.max_queued_requests}, queue timeout {args.queue_timeout_s:g} s")
     report = "\n\n".join(sections)
-    print(f"{stats}\n\n{report}\n\nall within bounds: {'yes' if all_ok else 'no'}")
+    verdict = (f"within the issue's bounds: calibrated on another trace {'yes' if all_ok else 'no'}; on the run's "
+               f"own mean step {'yes' if all_own_ok else 'no'}")
+    print(f"{stats}\n\n{report}\n\n{verdict}")
     say(f"done in {time.monotonic() - started:.0f} s")
     if args.write_docs:
         command = "python bench/simulate_validate.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -460,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             f"KV blocks, scheduler limits and app settings, with the step model bench/step_fit.py fitted at that "
             f"layout on a load of its own, scaled to the app's mean step on a calibration trace (seed + 1), and "
             f"the app's latency outside the steps measured on the idle app.", "", report, "",
-            f"All within the issue's bounds: {'yes' if all_ok else 'no'}.",
+            f"All {verdict}. The first simulated column predicts: its step model was scaled on a calibration "
+            f"trace run before. The second takes the host's speed during the run itself as given (the fit scaled "
+            f"to that run's mean engine step, one number), so what it checks is the control plane's side alone.",
         ]))
     return 0 if all_ok else 1
 
