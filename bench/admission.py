@@ -22,13 +22,11 @@ endpoint, then shuts Serve down before the next policy.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
+from bench.prometheus import metric_lines
 from cluster.tiny_model import write_tiny_model
 from engine.config import ModelConfig
 from engine.core.block_manager import blocks_needed
@@ -180,23 +179,13 @@ def kv_budget_bytes(model: ModelConfig, workload: Workload) -> int:
 def scrape_counters(ray_temp: Path, replica_id: str) -> dict[str, float] | None:
     """dcpserve_preemptions and dcpserve_recomputed_tokens of this replica, from the Ray node's Prometheus
     endpoint (found through the service-discovery file Ray writes); None if it cannot be read."""
-    files = sorted(ray_temp.glob("**/prom_metrics_service_discovery.json"))
-    if not files:
-        return None
     totals: dict[str, float] = {}
     found = False
-    for entry in json.loads(files[-1].read_text()):
-        for target in entry.get("targets", []):
-            try:
-                body = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read().decode()
-            except OSError:
-                continue
-            for line in body.splitlines():
-                match = re.match(r"^\w*(dcpserve_preemptions|dcpserve_recomputed_tokens)\w*\{([^}]*)\}\s+(\S+)$",
-                                 line)
-                if match and f'replica="{replica_id}"' in match.group(2):
-                    found = True
-                    totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
+    for line in metric_lines(ray_temp):
+        match = re.match(r"^\w*(dcpserve_preemptions|dcpserve_recomputed_tokens)\w*\{([^}]*)\}\s+(\S+)$", line)
+        if match and f'replica="{replica_id}"' in match.group(2):
+            found = True
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
     return totals if found else None
 
 

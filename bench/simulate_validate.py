@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ import httpx
 
 from bench import compare
 from bench.docs_section import DocsSection
+from bench.prometheus import metric_lines
 from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.config import ModelConfig
@@ -199,25 +198,17 @@ HISTOGRAMS = ("dcpserve_engine_step_seconds", "dcpserve_admission_queue_wait_sec
 
 def scrape(ray_temp: Path) -> dict[str, float]:
     """The app's counters summed over replicas, keyed "name" or "name{outcome|reason}", and its histograms' sums and
-    counts ("name_sum", "name_count"), from every node's Prometheus endpoint (the service-discovery file Ray
-    writes)."""
+    counts ("name_sum", "name_count"), from every node's Prometheus endpoint (bench/prometheus.py)."""
     pattern = re.compile(r"^\w*?(" + "|".join(COUNTERS) + r"|(?:" + "|".join(HISTOGRAMS) + r")_(?:sum|count))"
                          r"(?:_total)?\{([^}]*)\}\s+(\S+)$")
     totals: dict[str, float] = {}
-    for path in sorted(ray_temp.glob("**/prom_metrics_service_discovery.json"))[-1:]:
-        for entry in json.loads(path.read_text()):
-            for target in entry.get("targets", []):
-                try:
-                    body = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read().decode()
-                except OSError:
-                    continue
-                for line in body.splitlines():
-                    match = pattern.match(line)
-                    if not match:
-                        continue
-                    label = re.search(r'(?:outcome|reason)="([^"]*)"', match.group(2))
-                    key = match.group(1) + (f"{{{label.group(1)}}}" if label else "")
-                    totals[key] = totals.get(key, 0.0) + float(match.group(3))
+    for line in metric_lines(ray_temp):
+        match = pattern.match(line)
+        if not match:
+            continue
+        label = re.search(r'(?:outcome|reason)="([^"]*)"', match.group(2))
+        key = match.group(1) + (f"{{{label.group(1)}}}" if label else "")
+        totals[key] = totals.get(key, 0.0) + float(match.group(3))
     return totals
 
 
