@@ -7,8 +7,13 @@ execute, update, the part the simulator's step model replaces plus the host work
 scheduler output into the simulator's `StepWork`, and fits `LinearStepModel` on the even steps. The error it
 prints is on the odd ones, which the fit never saw. The fit is written as JSON for `dcpserve simulate --step-model`.
 
+With --from-steps it runs nothing and fits the steps an engine recorded with `step_trace_path` instead: the served
+app's own steps, each with the host's gap before it (the engine core's inputs and outputs, the replica's other
+threads), which the simulator's back-to-back steps otherwise leave out.
+
     python bench/step_fit.py --out fits/tiny_tp1.json
     python bench/step_fit.py --tp 2 --dcp 2 --out fits/tiny_tp2_dcp2.json
+    python bench/step_fit.py --from-steps /tmp/steps.jsonl --out fits/served.json
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from cluster.tiny_model import write_tiny_model
 from engine.core.step import SchedulerOutput
 from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
-from simulator.step_fit import LinearStepModel
+from simulator.step_fit import LinearStepModel, read_step_trace
 from simulator.step_time import StepWork
 
 WARMUP_STEPS = 5
@@ -80,18 +85,25 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300, help="requests of the load (default 300)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="where to write the fitted model's JSON")
+    parser.add_argument("--from-steps", default=None, metavar="FILE",
+                        help="fit an engine's step trace (step_trace_path) instead of running a load")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        model = args.model
-        if model is None:
-            model = str(Path(scratch) / "tiny")
-            write_tiny_model(model)
-        samples = measure(model, args.tp, args.dcp, args.requests, args.seed)
+    if args.from_steps:
+        samples = read_step_trace(args.from_steps)
+        source = args.from_steps
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            model = args.model
+            if model is None:
+                model = str(Path(scratch) / "tiny")
+                write_tiny_model(model)
+            samples = measure(model, args.tp, args.dcp, args.requests, args.seed)
+        source = f"tp={args.tp} dcp={args.dcp}"
     fitted, train = LinearStepModel.fit(samples[0::2])
     held_out = samples[1::2]
     errors = [abs(fitted.step_seconds(work) - seconds) / seconds for work, seconds in held_out]
     errors.sort()
-    print(f"tp={args.tp} dcp={args.dcp}: {len(samples)} steps, {len(samples[0::2])} fitted, {len(held_out)} held out")
+    print(f"{source}: {len(samples)} steps, {len(samples[0::2])} fitted, {len(held_out)} held out")
     print(f"model: {fitted.describe()}")
     print(f"held-out relative error: median {statistics.median(errors):.1%}, "
           f"p90 {errors[int(0.9 * (len(errors) - 1))]:.1%}")

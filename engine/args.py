@@ -100,6 +100,10 @@ class EngineArgs:
         "run every decode step eagerly: no CUDA graph capture at start (CUDA only; tp > 1 and MoE models run "
         "eagerly anyway for now)"
     )})
+    step_trace_path: str | None = field(default=None, metadata={"help": (
+        "append one JSON line per engine step (its rows and seconds) to this file, to fit the simulator's step "
+        "model to the served app's own steps (`python bench/step_fit.py --from-steps FILE`; native backend only)"
+    )})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -135,6 +139,8 @@ class EngineArgs:
                 f"kv_headroom must be a fraction of the KV cache in [0, 1), got {self.kv_headroom!r}; 0.05 keeps 5% "
                 f"free for the running sequences to grow into"
             )
+        if self.step_trace_path is not None and (not isinstance(self.step_trace_path, str) or not self.step_trace_path):
+            raise ValueError(f"step_trace_path must be a file path or None, got {self.step_trace_path!r}")
         if self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda', 'cpu' or None (cuda where available), got {self.device!r}")
 
@@ -199,6 +205,7 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            step_trace_path=self.step_trace_path,
         )
 
     def prefix_hash_seed(self) -> bytes:

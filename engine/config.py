@@ -337,6 +337,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graph capture of decode (engine/worker/cuda_graphs.py)
+    step_trace_path: str | None = None  # one JSON line per step appended here (engine.core.step_trace)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

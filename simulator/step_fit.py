@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -59,6 +60,34 @@ def _nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
             if not passive.any():
                 break
     return x
+
+
+def read_step_trace(path: str | Path, with_gaps: bool = True) -> list[tuple[StepWork, float]]:
+    """(the step's work, its seconds) for every line of an engine's step trace (engine.core.step_trace). with_gaps:
+    each step's seconds include the host's gap before it where the engine had work all along, the time between steps
+    that the simulator's back-to-back steps leave out (the step model then covers the whole cycle). A line that is
+    not a step is refused with the file's name and its line number."""
+    samples: list[tuple[StepWork, float]] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line)
+                seconds = float(step["seconds"])
+                gap = step.get("gap_s")
+                rows = [(int(start), int(new)) for start, new in step["rows"]]
+                work = StepWork.from_rows(rows)
+                if not (math.isfinite(seconds) and seconds > 0) or not rows:
+                    raise ValueError(f"a step needs seconds > 0 and at least one row, got seconds={seconds!r}, "
+                                     f"{len(rows)} rows")
+                if with_gaps and gap is not None:
+                    seconds += float(gap)
+            except (ValueError, TypeError, KeyError) as err:
+                raise ValueError(f"{path}:{number}: not a step of an engine step trace ({err!r}); the lines are "
+                                 f"what step_trace_path writes (engine/core/step_trace.py)") from err
+            samples.append((work, seconds))
+    return samples
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from engine.core.prefix_cache import PrefixReport
 from engine.core.request import FinishReason, Request, resolve_prompt_token_ids
 from engine.core.scheduler import Scheduler
 from engine.core.step import SchedulerOutput
+from engine.core.step_trace import StepTraceWriter
 from engine.kernels import dcp_local_seq_lens
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -41,7 +42,14 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
-        self.executor: Executor = create_executor(config)
+        # Opened first: a bad path fails before a worker group starts.
+        self.step_trace = StepTraceWriter(config.step_trace_path) if config.step_trace_path else None
+        try:
+            self.executor: Executor = create_executor(config)
+        except BaseException:
+            if self.step_trace is not None:
+                self.step_trace.close()
+            raise
         self.block_manager = BlockManager(
             self.executor.num_blocks, config.cache.block_size, config.parallel.dcp,
             enable_prefix_caching=config.cache.enable_prefix_caching, hash_seed=config.cache.prefix_hash_seed,
@@ -131,6 +139,8 @@ class LLMEngine:
         output = self.scheduler.schedule()
         self.last_step_idle = output.is_empty and not output.finished_request_ids
         if self.last_step_idle:
+            if self.step_trace is not None:
+                self.step_trace.idle()
             return []  # nothing could run (waiting requests, no KV or seats): only an add or abort changes that
         result = self.executor.execute(output)
         self._gather_prompt_logprobs(output, result)
@@ -139,8 +149,12 @@ class LLMEngine:
         self.num_generation_tokens += len(updates)
         deltas = [self._delta(u.request, u.token_id, u.finished, result) for u in updates]
         self.num_steps += 1
-        self.last_step_seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        self.last_step_seconds = end - start
         self.last_exchange_seconds = self.executor.last_exchange_seconds
+        if self.step_trace is not None:
+            rows = ((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
+            self.step_trace.record(start, end, rows, self.last_exchange_seconds, self.scheduler.has_unfinished)
         return deltas
 
     def _gather_prompt_logprobs(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -239,4 +253,6 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if self.step_trace is not None:
+            self.step_trace.close()
         self.executor.shutdown()

@@ -39,6 +39,7 @@ NON_DEFAULT: dict[str, Any] = {
     "kv_headroom": 0.2,
     "device": "cpu",
     "enforce_eager": True,
+    "step_trace_path": "/tmp/steps.jsonl",
 }
 
 

@@ -188,6 +188,11 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
                        kv_events_topic: str = "") -> dict[str, Any]:
     """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py). kv_events_endpoint: where
     the engine core publishes its KV cache events (with prefix caching; see kv_events_config)."""
+    if args.step_trace_path is not None:
+        raise ValueError(
+            f"step_trace_path={args.step_trace_path!r} records the native engine's steps; vLLM does not show its "
+            f"batches step by step: unset step_trace_path, or use backend: native"
+        )
     tp = args.tensor_parallel_size
     kwargs: dict[str, Any] = {
         "model": args.model,
