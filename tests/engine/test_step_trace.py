@@ -11,6 +11,7 @@ import pytest
 from cluster.tiny_model import write_tiny_model
 from engine.args import EngineArgs
 from engine.backends.vllm.args import vllm_engine_kwargs
+from engine.core.step_trace import StepTraceWriter
 from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from simulator.step_fit import LinearStepModel, read_step_trace
@@ -81,3 +82,15 @@ def test_bad_traces_and_arguments_are_refused_clearly(tiny: Path, tmp_path: Path
         LLM(tiny, step_trace_path=str(missing))
     with pytest.raises(ValueError, match="native engine's steps.*backend: native"):
         vllm_engine_kwargs(EngineArgs(str(tiny), backend="vllm", step_trace_path=str(trace)), "cpu")
+
+
+def test_a_step_without_rows_has_no_line_and_its_time_goes_to_the_next_gap(tmp_path: Path) -> None:
+    writer = StepTraceWriter(str(tmp_path / "steps.jsonl"))
+    writer.record(10.0, 10.5, [(0, 8)], 0.0, busy_after=True)
+    writer.record(10.6, 10.7, [], 0.0, busy_after=True)  # only finished requests' notices
+    writer.record(10.8, 11.0, [(8, 1)], 0.0, busy_after=False)
+    writer.record(12.0, 12.1, [(9, 1)], 0.0, busy_after=True)  # after a wait with no work
+    writer.close()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [line["gap_s"] for line in lines] == [None, pytest.approx(0.3), None]
+    assert [line["seconds"] for line in lines] == [pytest.approx(0.5), pytest.approx(0.2), pytest.approx(0.1)]
