@@ -133,7 +133,10 @@ class LinearStepModel:
     @classmethod
     def fit(cls, samples: Sequence[tuple[StepWork, float]]) -> tuple[LinearStepModel, FitReport]:
         """Non-negative least squares on relative error (each sample weighted by 1 / its seconds, so short decode
-        steps count as much as long prefills), on measured (work, seconds) pairs."""
+        steps count as much as long prefills), on measured (work, seconds) pairs; then one factor on every constant
+        so that the predicted steps add up to the measured ones. A fit of relative error sits below the mean of noisy
+        steps (a step slowed by another process on the host is a large absolute error but a bounded relative one),
+        and the simulator's clock runs on the sum of its steps."""
         if len(samples) < len(_COEFFICIENTS):
             raise ValueError(f"fit needs at least {len(_COEFFICIENTS)} samples, got {len(samples)}")
         seconds = np.array([s for _, s in samples], dtype=float)
@@ -145,6 +148,9 @@ class LinearStepModel:
         scale = np.linalg.norm(weighted, axis=0)
         scale[scale == 0] = 1.0  # a feature that is 0 in every sample: its constant stays 0
         solution = _nnls(weighted / scale, np.ones(len(samples))) / scale
+        predicted_total = float((features @ solution).sum())
+        if predicted_total > 0:
+            solution *= float(seconds.sum()) / predicted_total
         errors = np.abs(features @ solution - seconds) / seconds
         report = FitReport(len(samples), float(np.median(errors)), float(np.percentile(errors, 90)))
         constants = {name: float(value) for name, value in zip(_COEFFICIENTS, solution, strict=True)}
