@@ -41,13 +41,13 @@ class StepTraceWriter:
         """One step that ran from perf_counter() `start` to `end`; busy_after: the engine still had work after it. A
         step with no rows (it only told the workers of finished requests) has no line: its time is part of the next
         step's gap."""
-        rows = [list(row) for row in rows]
-        if self._fd is None or not rows:
+        pairs = [list(row) for row in rows]
+        if self._fd is None or not pairs:
             return
         gap = None if self._busy_end is None else max(0.0, start - self._busy_end)
         self._busy_end = end if busy_after else None
         line = {"t": round(time.time() - (end - start), 6), "seconds": round(end - start, 9),
-                "gap_s": None if gap is None else round(gap, 9), "rows": rows,
+                "gap_s": None if gap is None else round(gap, 9), "rows": pairs,
                 "exchange_s": round(exchange_s, 9), "pid": self._pid}
         os.write(self._fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
 
