@@ -56,6 +56,7 @@ class RequestRecord:
 
     arrival: float
     input_length: int
+    admitted_at: float | None = None  # when a replica accepted it
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_output_tokens: int = 0
@@ -167,7 +168,8 @@ class Recorder:
         self.sequences += change
         self.peak_sequences = max(self.peak_sequences, self.sequences)
 
-    def accepted(self, now: float) -> None:
+    def accepted(self, record: RequestRecord, now: float) -> None:
+        record.admitted_at = now
         self._concurrency(now, +1)
 
     def token(self, record: RequestRecord, now: float) -> None:

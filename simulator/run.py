@@ -331,7 +331,7 @@ class Simulation:
                 queue.release(ticket)
                 self.recorder.refuse(record, "rejected", loop.time())
                 return
-        self.recorder.accepted(loop.time())
+        self.recorder.accepted(record, loop.time())
         record.replica_id = replica_id
         done = self._finishing[ticket] = loop.create_future()
         self._records[ticket] = record
