@@ -57,6 +57,29 @@ class AutoscalingArgs(BaseModel):
         return self
 
 
+POOL_NAME = r"^[a-z][a-z0-9-]{0,31}$"  # part of the pool's deployment name (EngineReplica-<name>) and metric tags
+
+
+class PoolArgs(BaseModel):
+    """One pool of an app with several layouts of the same model: its engine deployment's layout, KV budget and
+    autoscaling. Every other engine argument is the app's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=POOL_NAME, description="the pool's name: lower-case letters, digits and dashes")
+    model: str | None = Field(
+        default=None, description="may repeat the app's model; a pool of another model is refused (one model per app)")
+    tensor_parallel_size: int = Field(ge=1, description="TP ranks = GPUs per replica of this pool")
+    decode_context_parallel_size: int = Field(default=1, ge=1, description="DCP size of this pool's replicas")
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, ge=1, description="per-rank KV budget of this pool (default: the app's)")
+    autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
+
+    @property
+    def min_gpus(self) -> int:
+        return self.autoscaling.min_replicas * self.tensor_parallel_size
+
+
 def _engine_fields() -> dict[str, Any]:
     """EngineArgs' fields as pydantic field definitions: (type, Field(default, description=help))."""
     hints = typing.get_type_hints(EngineArgs)
@@ -146,6 +169,55 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
         "this long before it is killed (Serve's graceful_shutdown_timeout_s); it gets no new grants meanwhile"
     )
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
+    # ---- layout pools ----
+    pools: list[PoolArgs] = Field(
+        default_factory=list, description="several layouts of the model in one app, each an engine deployment of its "
+        "own behind the one ingress and admission queue; empty: one pool of the app's own layout and autoscaling"
+    )
+    gpu_budget: int | None = Field(
+        None, ge=1, description="GPUs the app's engine replicas may hold together; the pools' autoscaling shares it")
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> AppArgs:
+        names = [pool.name for pool in self.pools]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"pools: the names {', '.join(repeated)} are used more than once; name each pool once")
+        for index, pool in enumerate(self.pools):
+            if pool.model is not None and Path(pool.model).resolve() != Path(self.model).resolve():
+                raise ValueError(
+                    f"pools[{index}] ({pool.name}): model {pool.model!r} is not the app's model {self.model!r}; an "
+                    f"app serves one model (deploy another app for another model)"
+                )
+            self.pool_engine_args(pool)  # EngineArgs' checks of the pool's layout (those without the model)
+        if self.gpu_budget is not None:
+            pools = self.pools or [self.default_pool()]
+            needed = sum(pool.min_gpus for pool in pools)
+            if needed > self.gpu_budget:
+                parts = " + ".join(f"{pool.name} {pool.autoscaling.min_replicas} x tp={pool.tensor_parallel_size}"
+                                   for pool in pools)
+                raise ValueError(
+                    f"gpu_budget={self.gpu_budget} cannot hold the pools' minimum replicas: {parts} = {needed} GPUs; "
+                    f"raise gpu_budget to at least {needed} or lower min_replicas"
+                )
+        return self
+
+    def default_pool(self) -> PoolArgs:
+        """The one pool of an app without `pools`: its own layout and autoscaling."""
+        return PoolArgs(name="default", tensor_parallel_size=self.tensor_parallel_size,
+                        decode_context_parallel_size=self.decode_context_parallel_size,
+                        kv_cache_memory_bytes=self.kv_cache_memory_bytes, autoscaling=self.autoscaling)
+
+    def pool_list(self) -> list[PoolArgs]:
+        return list(self.pools) or [self.default_pool()]
+
+    def pool_engine_args(self, pool: PoolArgs) -> EngineArgs:
+        """The engine arguments of the pool's replicas: the app's, with the pool's layout and KV budget."""
+        engine = self.engine_args()
+        kv = pool.kv_cache_memory_bytes if pool.kv_cache_memory_bytes is not None else engine.kv_cache_memory_bytes
+        return dataclasses.replace(engine, tensor_parallel_size=pool.tensor_parallel_size,
+                                   decode_context_parallel_size=pool.decode_context_parallel_size,
+                                   kv_cache_memory_bytes=kv)
 
     def resolved_api_keys(self) -> list[str]:
         """Every configured API key: the list, the environment variable and the file together. Raises ValueError
