@@ -41,8 +41,9 @@ from typing import Any
 from ray import serve
 
 from deployments.metrics import AdmissionMetrics
+from deployments.pools import DEFAULT_POOL, Need, PoolChoice, choose, never_fits, pools_of, smallest_blocks
 from deployments.prefix_routing import PrefixAsk
-from deployments.replica_choice import ReplicaKv, pick_replica, why_not_grantable
+from deployments.replica_choice import ReplicaKv, why_not_grantable
 from engine.core.prefix_cache import PrefixReport
 
 
@@ -75,7 +76,7 @@ class NoReplica(AdmissionError):
 @dataclass
 class _Waiter:
     ticket: str
-    need: int
+    need: Need
     future: asyncio.Future[str]
     ask: PrefixAsk | None = None
 
@@ -133,13 +134,13 @@ class AdmissionQueue:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False,
+    async def acquire(self, ticket: str, need: Need, timeout_s: float, front: bool = False,
                       ask: PrefixAsk | None = None) -> str:
         """Returns the replica id that holds `need` blocks for this ticket until release(ticket) (less, with `ask`,
         the blocks of its prefix the replica holds cached for running requests: grant_of(ticket) says how many it
         counts). front=True (a replica refused it) puts it at the head of the line."""
-        if need < 1:
-            raise ValueError(f"need must be >= 1 block, got {need}")
+        if smallest_blocks(need) < 1:
+            raise ValueError(f"need must be >= 1 block on every pool, got {need}")
         if ticket in self._ticket_replica:
             raise ValueError(f"ticket {ticket!r} already holds a grant")
         if self.replicas and not self._healthy_replicas():
@@ -150,11 +151,12 @@ class AdmissionQueue:
         except NeverFits:
             self._event("rejected_never_fits")
             raise
-        if not self._waiters:
-            choice = pick_replica(self.replicas.values(), need, ask, self.prefix_routing)
+        open_pools = pools_of(need, self.replicas.values()) - self._closed_pools()
+        if open_pools:
+            choice = choose(self.replicas.values(), need, ask, self.prefix_routing, open_pools)
             if choice is not None:
                 self._event("admitted")
-                return self._grant(ticket, ask, *choice)
+                return self._grant(ticket, choice)
         if len(self._waiters) >= self.max_queued and not front:
             self.num_rejected_full += 1
             self._event("rejected_queue_full")
@@ -189,8 +191,8 @@ class AdmissionQueue:
                 ) from None
             self._event("rejected_timeout", waited)
             raise QueueTimeout(
-                f"waited {waited:.1f}s in the admission queue and no replica had {need} free KV blocks "
-                f"(queue_timeout_s); retry later"
+                f"waited {waited:.1f}s in the admission queue and no replica had {smallest_blocks(need)} free KV "
+                f"blocks (queue_timeout_s); retry later"
             ) from None
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
@@ -283,6 +285,8 @@ class AdmissionQueue:
         probes: int = 0,
         headroom: int = 0,
         prefix: PrefixReport | None = None,
+        pool: str = DEFAULT_POOL,
+        step_s: float = 0.0,
     ) -> None:
         """A replica's truth: its capacity, the blocks its ledger counts per ticket, its health, whether Serve routes
         to it (and how many controller probes it has seen), its admission headroom, the changes of its prefix cache.
@@ -296,6 +300,8 @@ class AdmissionQueue:
                 replica.unreachable_at_probe = lost[0]
         replica.capacity = capacity
         replica.tokens_per_block = tokens_per_block
+        replica.pool = pool
+        replica.step_s = step_s
         replica.healthy = healthy
         replica.routable = routable
         replica.probes = probes
@@ -344,7 +350,7 @@ class AdmissionQueue:
 
     @property
     def queued_blocks(self) -> int:
-        return sum(w.need for w in self._waiters)
+        return sum(smallest_blocks(w.need) for w in self._waiters)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -377,20 +383,13 @@ class AdmissionQueue:
     def _healthy_replicas(self) -> list[ReplicaKv]:
         return [r for r in self.replicas.values() if r.healthy]
 
-    def _check_fits_somewhere(self, need: int) -> None:
-        replicas = self._healthy_replicas() or list(self.replicas.values())
-        if not replicas:
-            return  # nothing known yet: wait (503 if none shows up in time)
-        largest = max(replicas, key=lambda r: r.capacity)
-        if need > largest.capacity:
-            tokens = largest.tokens_per_block
-            raise NeverFits(
-                f"this request needs {need} KV blocks ({need * tokens} tokens of {tokens}-token blocks) but a "
-                f"replica holds {largest.capacity} blocks ({largest.capacity * tokens} tokens); shorten the prompt "
-                f"or lower max_tokens"
-            )
+    def _check_fits_somewhere(self, need: Need) -> None:
+        why = never_fits(need, None, self._healthy_replicas() or list(self.replicas.values()))
+        if why is not None:
+            raise NeverFits(why)
 
-    def _grant(self, ticket: str, ask: PrefixAsk | None, need: int, replica: ReplicaKv, hit_blocks: int) -> str:
+    def _grant(self, ticket: str, choice: PoolChoice) -> str:
+        replica, need, hit_blocks, ask = choice.replica, choice.need, choice.hit_blocks, choice.ask
         replica.grants[ticket] = (need, self._clock())
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
@@ -404,18 +403,34 @@ class AdmissionQueue:
                 self._on_routed(len(ask.hashes), hit_blocks)
         return replica.replica_id
 
+    def _closed_pools(self) -> set[str]:
+        """The pools a waiting request can use: closed to the requests behind it (strict FIFO per pool)."""
+        closed: set[str] = set()
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                closed |= pools_of(waiter.need, self.replicas.values())
+        return closed
+
     def _fulfill(self) -> None:
-        """Grants waiters strictly in order while the head fits somewhere."""
-        while self._waiters:
-            head = self._waiters[0]
-            if head.future.done():
-                self._waiters.popleft()
+        """Grants waiters in order; a waiter that finds no room closes the pools it could use to the waiters
+        behind it (one pool: strict FIFO, the head blocks everyone)."""
+        closed: set[str] = set()
+        pools = {replica.pool for replica in self.replicas.values()}
+        for waiter in list(self._waiters):
+            if waiter.future.done():
+                self._waiters.remove(waiter)
                 continue
-            choice = pick_replica(self.replicas.values(), head.need, head.ask, self.prefix_routing)
+            usable = pools_of(waiter.need, self.replicas.values())
+            open_pools = usable - closed
+            choice = choose(self.replicas.values(), waiter.need, waiter.ask, self.prefix_routing,
+                            open_pools) if open_pools else None
             if choice is None:
-                return
-            self._waiters.popleft()
-            head.future.set_result(self._grant(head.ticket, head.ask, *choice))
+                closed |= usable
+                if closed >= pools:
+                    return
+                continue
+            self._waiters.remove(waiter)
+            waiter.future.set_result(self._grant(waiter.ticket, choice))
 
 
 @serve.deployment(max_ongoing_requests=100_000, num_replicas=1, ray_actor_options={"num_cpus": 0})

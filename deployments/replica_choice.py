@@ -41,6 +41,8 @@ class ReplicaKv:
     replica_id: str
     capacity: int
     tokens_per_block: int
+    pool: str = "default"  # its layout pool (deployments/pools.py)
+    step_s: float = 0.0  # its recent mean engine step (the ITL its batch gets); 0: not reported
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
     num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
     held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported

@@ -1,0 +1,125 @@
+"""Layout pools in the admission queue (work in progress): a request's need on each pool, which pools can ever hold
+it, and which pool and replica it is granted now.
+
+An app with several layouts of one model has a pool per layout (deployments/config.py `pools`); the queue knows
+each replica's pool from its reports. A request's KV need depends on the pool: its admission blocks are counted
+in the pool's tokens_per_block (block_size * dcp) and its prefix hashes are of blocks of that size, so the ingress
+sends the queue one `PoolNeed` per pool. An int need (one pool, or every replica alike) is the same need on
+every replica: the app without pools.
+
+The choice (`choose`): among the pools open to the request (the queue's per-pool head-of-line rule decides which
+are open) each pool's best replica (deployments/replica_choice.pick_replica); of those pools, the one whose
+replicas report the lowest mean step time (the ITL a new sequence would get), then the most free KV after the
+grant, as a fraction of the replica's capacity. The reason names which it was. Candidate rules that weigh the
+request's share of a pool's KV or an expected wait are to be measured against this one in the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from deployments.prefix_routing import PrefixAsk
+from deployments.replica_choice import ReplicaKv, pick_replica
+
+DEFAULT_POOL = "default"
+
+
+@dataclass(frozen=True)
+class PoolNeed:
+    """A request's need on one pool: its admission blocks there and its prompt's block hashes at that block size."""
+
+    blocks: int
+    ask: PrefixAsk | None = None
+
+
+Need = int | Mapping[str, PoolNeed]  # an int: the same blocks (and the acquire's ask) on every replica
+
+
+@dataclass(frozen=True)
+class PoolChoice:
+    pool: str
+    need: int  # the blocks counted on the replica (less the prefix blocks its running requests hold)
+    replica: ReplicaKv
+    hit_blocks: int
+    ask: PrefixAsk | None
+    reason: str  # only_pool, only_room, fastest, most_free
+
+
+def need_on(need: Need, ask: PrefixAsk | None, pool: str) -> PoolNeed | None:
+    """The request's need on that pool; None if it names no need there (it never goes to that pool)."""
+    if isinstance(need, int):
+        return PoolNeed(need, ask)
+    return need.get(pool)
+
+
+def pools_of(need: Need, replicas: Iterable[ReplicaKv]) -> set[str]:
+    """The pools of these replicas that the request has a need on."""
+    pools = {replica.pool for replica in replicas}
+    return pools if isinstance(need, int) else pools & set(need)
+
+
+def smallest_blocks(need: Need) -> int:
+    return need if isinstance(need, int) else min((n.blocks for n in need.values()), default=0)
+
+
+def never_fits(need: Need, ask: PrefixAsk | None, replicas: list[ReplicaKv]) -> str | None:
+    """Why no known replica could ever hold the request (every pool's largest capacity below its need there), or
+    None when one could (or none is known yet)."""
+    if not replicas:
+        return None
+    shortfalls = []
+    for pool in sorted({replica.pool for replica in replicas}):
+        pool_need = need_on(need, ask, pool)
+        if pool_need is None:
+            continue
+        largest = max((r for r in replicas if r.pool == pool), key=lambda r: r.capacity)
+        if pool_need.blocks <= largest.capacity:
+            return None
+        tokens = largest.tokens_per_block
+        where = "" if pool == DEFAULT_POOL else f"pool {pool}: "
+        shortfalls.append(f"{where}this request needs {pool_need.blocks} KV blocks ({pool_need.blocks * tokens} "
+                          f"tokens of {tokens}-token blocks) but a replica holds {largest.capacity} blocks "
+                          f"({largest.capacity * tokens} tokens)")
+    if not shortfalls:
+        named = sorted(need) if not isinstance(need, int) else []
+        return f"no pool of this app serves the request (its needs name {named})"
+    return "; ".join(shortfalls) + "; shorten the prompt or lower max_tokens"
+
+
+def mean_step_s(replicas: list[ReplicaKv]) -> float:
+    reported = [r.step_s for r in replicas if r.step_s > 0]
+    return sum(reported) / len(reported) if reported else 0.0
+
+
+def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, prefix_routing: bool,
+           open_pools: set[str] | None = None) -> PoolChoice | None:
+    """The pool and replica to grant now (module doc), among open_pools (None: every pool); None if no open pool
+    has room for the request."""
+    by_pool: dict[str, list[ReplicaKv]] = {}
+    for replica in replicas:
+        by_pool.setdefault(replica.pool, []).append(replica)
+    candidates = []
+    usable = 0
+    for pool, members in sorted(by_pool.items()):
+        pool_need = need_on(need, ask, pool)
+        if pool_need is None or (open_pools is not None and pool not in open_pools):
+            continue
+        usable += 1
+        picked = pick_replica(members, pool_need.blocks, pool_need.ask, prefix_routing)
+        if picked is not None:
+            candidates.append((pool, picked, pool_need.ask, mean_step_s(members)))
+    if not candidates:
+        return None
+    if len(candidates) == 1:
+        pool, (blocks, replica, hits), pool_ask, _ = candidates[0]
+        return PoolChoice(pool, blocks, replica, hits, pool_ask, "only_pool" if usable == 1 else "only_room")
+
+    def key(candidate: tuple[str, tuple[int, ReplicaKv, int], PrefixAsk | None, float]) -> tuple[float, float]:
+        _, (blocks, replica, _), _, step_s = candidate
+        return (step_s, -(replica.free - blocks) / max(replica.capacity, 1))
+
+    best = min(candidates, key=key)
+    steps = {c[3] for c in candidates}
+    pool, (blocks, replica, hits), pool_ask, _ = best
+    return PoolChoice(pool, blocks, replica, hits, pool_ask, "fastest" if len(steps) > 1 else "most_free")

@@ -1,0 +1,125 @@
+"""The admission queue over layout pools: a request's need per pool, the pool it is granted, and the per-pool
+head-of-line rule (a request waits only behind requests that could use the same pools). The real AdmissionQueue
+on a simulated clock: every outcome here is a function of the calls, not of timing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.admission import AdmissionQueue, NeverFits
+from deployments.pools import PoolNeed
+from simulator.clock import run_simulated
+
+# Two pools of one replica each: "short" (tp=2 dcp=1: 16-token blocks, 100 blocks, 20 ms steps) and "long"
+# (tp=2 dcp=2: 32-token blocks, 100 blocks = twice the tokens, 30 ms steps).
+
+
+def report(queue: AdmissionQueue, held_short: dict[str, int] | None = None,
+           held_long: dict[str, int] | None = None) -> None:
+    queue.report("s0", 100, 16, held_short or {}, probes=1, pool="short", step_s=0.020)
+    queue.report("l0", 100, 32, held_long or {}, probes=1, pool="long", step_s=0.030)
+
+
+def need(tokens: int) -> dict[str, PoolNeed]:
+    """A request of `tokens` prompt tokens: its blocks in each pool's block size."""
+    return {"short": PoolNeed(-(-tokens // 16)), "long": PoolNeed(-(-tokens // 32))}
+
+
+def test_a_request_goes_to_the_faster_pool_with_room_and_overflows_to_the_other() -> None:
+    async def scenario() -> list[str]:
+        queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time)
+        report(queue)
+        granted = [await queue.acquire(f"r{i}", need(800), 1.0) for i in range(3)]  # 50 short / 25 long blocks
+        return granted
+
+    # Two fill the short pool (the faster one), the third overflows to the long pool.
+    assert run_simulated(scenario()) == ["s0", "s0", "l0"]
+
+
+def test_a_request_only_the_long_pool_holds_goes_there_and_one_no_pool_holds_is_refused() -> None:
+    async def scenario() -> str:
+        queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time)
+        report(queue)
+        with pytest.raises(NeverFits, match=r"pool long: this request needs 157 KV blocks .* pool short: this "
+                                            r"request needs 313 KV blocks"):
+            await queue.acquire("huge", need(5000), 1.0)
+        return await queue.acquire("r", need(2400), 1.0)  # 150 short blocks: only the long pool (75) holds it
+
+    assert run_simulated(scenario()) == "l0"
+
+
+def test_a_long_request_waits_without_holding_back_short_ones_that_another_pool_has_room_for() -> None:
+    async def scenario() -> list[tuple[str, str, float]]:
+        loop = asyncio.get_running_loop()
+        queue = AdmissionQueue(max_queued=8, clock=loop.time)
+        report(queue)
+        events: list[tuple[str, str, float]] = []
+
+        async def ask(ticket: str, request: dict[str, PoolNeed]) -> None:
+            replica = await queue.acquire(ticket, request, 10.0)
+            events.append((ticket, replica, loop.time()))
+
+        await ask("long-a", {"long": PoolNeed(80)})  # the long pool: 80 of 100 blocks
+        waiting = loop.create_task(ask("long-b", {"long": PoolNeed(60)}))  # waits for long-a
+        await asyncio.sleep(0.1)
+        await ask("short-a", {"short": PoolNeed(30)})  # the short pool is open: no wait behind long-b
+        await asyncio.sleep(0.9)
+        queue.release("long-a")
+        await waiting
+        return events
+
+    events = run_simulated(scenario())
+    assert [(ticket, replica) for ticket, replica, _ in events] == [
+        ("long-a", "l0"), ("short-a", "s0"), ("long-b", "l0")]
+    assert events[1][2] == pytest.approx(0.1) and events[2][2] == pytest.approx(1.0)
+
+
+def test_a_waiting_request_closes_every_pool_it_could_use_to_those_behind_it() -> None:
+    async def scenario() -> list[str]:
+        loop = asyncio.get_running_loop()
+        queue = AdmissionQueue(max_queued=8, clock=loop.time)
+        report(queue)
+        order: list[str] = []
+
+        async def ask(ticket: str, request: dict[str, PoolNeed]) -> None:
+            await queue.acquire(ticket, request, 10.0)
+            order.append(ticket)
+
+        await ask("fill-short", {"short": PoolNeed(90)})
+        await ask("fill-long", {"long": PoolNeed(90)})
+        big = loop.create_task(ask("big", {"short": PoolNeed(60), "long": PoolNeed(30)}))  # fits neither now
+        await asyncio.sleep(0.1)
+        small = loop.create_task(ask("small", {"short": PoolNeed(5), "long": PoolNeed(3)}))  # would fit both
+        await asyncio.sleep(0.1)
+        assert order == ["fill-short", "fill-long"]  # small waits behind big: strict FIFO over their pools
+        queue.release("fill-long")
+        await asyncio.gather(big, small)
+        return order
+
+    assert run_simulated(scenario()) == ["fill-short", "fill-long", "big", "small"]
+
+
+def test_an_int_need_is_the_one_pool_app_strict_fifo() -> None:
+    async def scenario() -> list[str]:
+        loop = asyncio.get_running_loop()
+        queue = AdmissionQueue(max_queued=8, clock=loop.time)
+        queue.report("a", 10, 16, {}, probes=1)
+        order: list[str] = []
+
+        async def ask(ticket: str, blocks: int) -> None:
+            await queue.acquire(ticket, blocks, 10.0)
+            order.append(ticket)
+
+        await ask("first", 8)
+        head = loop.create_task(ask("head", 5))
+        await asyncio.sleep(0.1)
+        behind = loop.create_task(ask("behind", 1))  # 2 blocks free, but the head waits
+        await asyncio.sleep(0.1)
+        assert order == ["first"]
+        queue.release("first")
+        await asyncio.gather(head, behind)
+        return order
+
+    assert run_simulated(scenario()) == ["first", "head", "behind"]
