@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments import protocol
+from deployments.pools import Need
 from engine.protocol import RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ class Choice:
     prompt_ids: list[int]
     prompt_text: str | None  # the prompt as the client sent it, when it was a string
     params: SamplingParams
-    need: int  # KV blocks admission counts for it
+    need: Need  # KV blocks admission counts for it (per pool with layout pools: deployments/pools.py)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

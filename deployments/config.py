@@ -211,6 +211,10 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
     def pool_list(self) -> list[PoolArgs]:
         return list(self.pools) or [self.default_pool()]
 
+    def pool_layouts(self) -> dict[str, int]:
+        """Each pool's tokens_per_block (block_size * dcp): the size of the blocks its KV need is counted in."""
+        return {pool.name: self.block_size * pool.decode_context_parallel_size for pool in self.pool_list()}
+
     def pool_engine_args(self, pool: PoolArgs) -> EngineArgs:
         """The engine arguments of the pool's replicas: the app's, with the pool's layout and KV budget."""
         engine = self.engine_args()

@@ -30,9 +30,9 @@ from deployments.choices import usage as choices_usage
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
+from deployments.pools import Need, request_need
 from deployments.sessions import Sessions
 from engine.backends import model_limits
-from engine.core.block_manager import admission_blocks
 from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -52,7 +52,7 @@ class OpenAIIngress:
         self.model_name = args.name
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
-        self.tokens_per_block = limits.tokens_per_block
+        self.pool_layouts = args.pool_layouts()
         self.admission_policy = limits.admission
         self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
         self._api_keys = [key.encode() for key in args.resolved_api_keys()]  # never logged
@@ -160,7 +160,7 @@ class OpenAIIngress:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
-    def _check(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _check(self, token_ids: list[int], params: SamplingParams) -> Need:
         """Never-fits by length (400 naming the numbers) and bad token ids; returns the KV need in blocks."""
         if not token_ids:
             raise ApiError(400, "the prompt is empty: send at least one token", param="prompt")
@@ -181,7 +181,7 @@ class OpenAIIngress:
                 f"{self.max_model_len - len(token_ids)}",
                 param="max_tokens", code="context_length_exceeded",
             )
-        return admission_blocks(self.admission_policy, len(token_ids), params.max_tokens, self.tokens_per_block)
+        return request_need(self.pool_layouts, self.admission_policy, len(token_ids), params.max_tokens)
 
     def _plan(self, body: Any, prompts: list[list[int]], prompt_texts: list[str]) -> list[Choice]:
         """Every choice of the request, each checked (400s name the field) and counted in KV blocks."""

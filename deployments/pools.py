@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica_choice import ReplicaKv, pick_replica
+from engine.core.block_manager import admission_blocks
 
 DEFAULT_POOL = "default"
 
@@ -44,6 +45,15 @@ class PoolChoice:
     hit_blocks: int
     ask: PrefixAsk | None
     reason: str  # only_pool, only_room, fastest, most_free
+
+
+def request_need(layouts: Mapping[str, int], policy: str, prompt_tokens: int, max_tokens: int) -> Need:
+    """A request's admission blocks under the app's policy: an int with one pool, else per pool (layouts: pool ->
+    its tokens_per_block)."""
+    needs = {pool: admission_blocks(policy, prompt_tokens, max_tokens, tokens) for pool, tokens in layouts.items()}
+    if len(needs) == 1:
+        return next(iter(needs.values()))
+    return {pool: PoolNeed(blocks) for pool, blocks in needs.items()}
 
 
 def need_on(need: Need, ask: PrefixAsk | None, pool: str) -> PoolNeed | None:

@@ -19,6 +19,7 @@ from ray.serve import context as serve_context
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError
 from deployments.metrics import IngressMetrics
+from deployments.pools import Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected, ReplicaQuery
 from deployments.streams import DeltaLinks, Item, StreamLost
@@ -67,6 +68,7 @@ class Sessions:
         self.admission = admission
         self.metrics = metrics
         self.tokens_per_block = limits.tokens_per_block
+        self.pool_layouts = args.pool_layouts()
         self.prefix_caching = limits.prefix_caching
         self.prefix_hash_seed = limits.prefix_hash_seed
         self._background: set[asyncio.Task[Any]] = set()
@@ -102,7 +104,7 @@ class Sessions:
         self.links.close()
 
     async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
-                   need: int) -> AsyncGenerator[RequestDelta]:
+                   need: Need) -> AsyncGenerator[RequestDelta]:
         """Admits the request (first yield, a delta without tokens, once a replica accepted it), then yields its
         deltas.
         Its finally frees everything, whichever way the request ends."""
@@ -115,7 +117,10 @@ class Sessions:
         finished = False
         num_generated = 0
         last_token_at = arrived
-        ask = self._prefix_ask(token_ids, params)
+        ask = self._prefix_ask(token_ids, params, self.tokens_per_block)
+        if not isinstance(need, int):  # layout pools: the prompt's block hashes in each pool's block size
+            need = {pool: PoolNeed(n.blocks, self._prefix_ask(token_ids, params, self.pool_layouts[pool]))
+                    for pool, n in need.items()}
         try:
             returned: list[str] = []  # what became of earlier grants, for an honest error
             late_chance_used = False
@@ -201,13 +206,13 @@ class Sessions:
                 self.metrics.generation_tokens.inc(num_generated)
             self._release(ticket)
 
-    def _prefix_ask(self, token_ids: list[int], params: SamplingParams) -> PrefixAsk | None:
+    def _prefix_ask(self, token_ids: list[int], params: SamplingParams, tokens_per_block: int) -> PrefixAsk | None:
         """The prompt's blocks as the replicas' prefix caches name them, for prefix-aware admission; None with
         caching off, or for a request asking for prompt logprobs (it computes its whole prompt)."""
         if not self.prefix_caching or params.prompt_logprobs is not None:
             return None
-        hashes = prompt_hashes(token_ids, self.tokens_per_block, self.prefix_hash_seed)
-        return PrefixAsk(tuple(hashes), self.tokens_per_block, self.prefix_hash_seed, len(token_ids))
+        hashes = prompt_hashes(token_ids, tokens_per_block, self.prefix_hash_seed)
+        return PrefixAsk(tuple(hashes), tokens_per_block, self.prefix_hash_seed, len(token_ids))
 
     async def _dispatch(self, request: EngineRequest,
                         replica_id: str) -> tuple[asyncio.Queue[Item] | None, Admission | None, str]:

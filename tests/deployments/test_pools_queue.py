@@ -123,3 +123,17 @@ def test_an_int_need_is_the_one_pool_app_strict_fifo() -> None:
         return order
 
     assert run_simulated(scenario()) == ["first", "head", "behind"]
+
+
+def test_a_request_need_is_an_int_with_one_pool_and_blocks_of_each_pools_size_with_several() -> None:
+    from deployments.config import parse_args
+    from deployments.pools import request_need
+
+    one = parse_args({"model": "/m", "block_size": 16, "decode_context_parallel_size": 2,
+                      "tensor_parallel_size": 2})
+    assert one.pool_layouts() == {"default": 32}
+    assert request_need(one.pool_layouts(), "full", 100, 28) == 4  # 128 tokens in 32-token blocks
+    two = parse_args({"model": "/m", "block_size": 16, "pools": [
+        {"name": "short", "tensor_parallel_size": 2}, {"name": "long", "tensor_parallel_size": 2,
+                                                        "decode_context_parallel_size": 2}]})
+    assert request_need(two.pool_layouts(), "full", 100, 28) == {"short": PoolNeed(8), "long": PoolNeed(4)}
