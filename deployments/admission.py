@@ -90,6 +90,7 @@ class Grant:
     replica_id: str
     need: int
     hit_blocks: int
+    pool: str = DEFAULT_POOL
 
 
 class AdmissionQueue:
@@ -393,7 +394,7 @@ class AdmissionQueue:
         replica.grants[ticket] = (need, self._clock())
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
-        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks)
+        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool)
         self.num_granted += 1
         replica.num_granted += 1
         if ask is not None and ask.hashes:
@@ -452,14 +453,14 @@ class KvAdmission:
             self.queue.expire()
             self.metrics.update(self.queue.num_queued, self.queue.queued_blocks)
 
-    async def acquire(self, ticket: str, need: int, timeout_s: float, front: bool = False,
+    async def acquire(self, ticket: str, need: Need, timeout_s: float, front: bool = False,
                       ask: PrefixAsk | None = None) -> dict[str, Any]:
         """{"replica_id", "need" (the blocks counted there), "hit_blocks"} or {"error", "message"}."""
         try:
             replica_id = await self.queue.acquire(ticket, need, timeout_s, front, ask)
             grant = self.queue.grant_of(ticket)
             return {"replica_id": replica_id, "need": grant.need if grant else need,
-                    "hit_blocks": grant.hit_blocks if grant else 0}
+                    "hit_blocks": grant.hit_blocks if grant else 0, "pool": grant.pool if grant else DEFAULT_POOL}
         except AdmissionError as err:
             return {"error": err.kind, "message": err.message}
         finally:
@@ -479,10 +480,11 @@ class KvAdmission:
 
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
                healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
-               prefix: PrefixReport | None = None) -> dict[str, Any]:
+               prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0) -> dict[str, Any]:
         """Returns the queue length, which replicas pass on to the autoscaler, and where the queue's copy of the
         replica's prefix cache stands (the replica's next report starts from there)."""
-        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix)
+        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix,
+                          pool, step_s)
         epoch, version = self.queue.prefix_position(replica_id)
         return {"num_queued": self.queue.num_queued, "queued_blocks": self.queue.queued_blocks,
                 "prefix_epoch": epoch, "prefix_version": version}

@@ -13,22 +13,24 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from cluster.node_types import check_replica_fits, cluster_config_from_env, node_types
 from deployments.admission import KvAdmission
-from deployments.config import AppArgs, parse_args
+from deployments.config import AppArgs, PoolArgs, parse_args
 from deployments.ingress import OpenAIIngress
 from deployments.replica import EngineReplica, replica_bundles
 from engine.backends import validate_engine_args
 
 
-def engine_deployment(args: AppArgs) -> Any:
-    """EngineReplica with its placement group, router, autoscaling policy and health checks."""
-    tp = args.tensor_parallel_size
-    scaling = args.autoscaling
+def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
+    """EngineReplica of one pool (default: the app's one pool) with its placement group, router, autoscaling policy
+    and health checks. The app without pools keeps the name EngineReplica; a pool's is EngineReplica-<pool>."""
+    pool = pool or args.default_pool()
+    tp = pool.tensor_parallel_size
+    scaling = pool.autoscaling
     actor_options: dict[str, Any] = {"num_cpus": 1}
     if tp == 1:
         actor_options["num_gpus"] = 1
     return serve.deployment(
         EngineReplica,
-        name="EngineReplica",
+        name="EngineReplica" if not args.pools else f"EngineReplica-{pool.name}",
         ray_actor_options=actor_options,
         placement_group_bundles=replica_bundles(tp),
         placement_group_strategy="STRICT_PACK",
@@ -85,8 +87,9 @@ def check_cluster_fits(args: AppArgs) -> None:
     if found is None:
         return
     config, path = found
-    check_replica_fits(node_types(config), args.tensor_parallel_size, args.decode_context_parallel_size,
-                       f"the cluster config {path}")
+    for pool in args.pool_list():
+        check_replica_fits(node_types(config), pool.tensor_parallel_size, pool.decode_context_parallel_size,
+                           f"the cluster config {path}")
 
 
 def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
@@ -94,11 +97,17 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     args = parse_args(raw_args)
     # Fails the deploy now, with the engine's message (bad model dir, TP x DCP layout, a vLLM that is missing or cannot
     # run this layout here), instead of a replica that fails to start again and again.
-    validate_engine_args(args.engine_args(), args.device or _cluster_device())
+    device = args.device or _cluster_device()
+    for pool in args.pool_list():
+        validate_engine_args(args.pool_engine_args(pool), device)
     check_cluster_fits(args)
     admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
         args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s)
-    engine = engine_deployment(args).bind(args, admission)
+    if args.pools:  # one engine deployment per pool; the ingress finds a granted replica's by its pool
+        engine: Any = {pool.name: engine_deployment(args, pool).bind(args, admission, pool.name)
+                       for pool in args.pools}
+    else:
+        engine = engine_deployment(args).bind(args, admission)
     ingress = serve.deployment(
         name="OpenAIIngress",
         num_replicas=args.num_ingress_replicas,

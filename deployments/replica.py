@@ -33,6 +33,7 @@ from cluster.node_types import NODE_TYPE_LABEL
 from deployments.autoscaling import replica_stats
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
+from deployments.pools import DEFAULT_POOL
 from deployments.streams import DeltaBatch, Outbox, Subscribed
 from engine.protocol import EngineClient, EngineStats
 from engine.sampling_params import SamplingParams
@@ -132,7 +133,7 @@ def _node_has_cuda() -> bool:
 class EngineReplica:
     """Serve deployment class (wrapped by build_app): runs one engine and reports its KV."""
 
-    async def __init__(self, args: AppArgs, admission: Any = None) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
+    async def __init__(self, args: AppArgs, admission: Any = None, pool: str = DEFAULT_POOL) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         from engine.backends import start_engine
 
         device = args.device
@@ -141,13 +142,16 @@ class EngineReplica:
 
             device = "cuda" if torch.cuda.is_available() or _node_has_cuda() else "cpu"
         self.args = args.model_copy(update={"device": device})
+        self.pool = next(p for p in self.args.pool_list() if p.name == pool)  # its layout pool (deployments/pools.py)
         self.metrics: ReplicaMetrics | None = None
+        self.step_s = 0.0  # recent mean engine step (an exponential average), the ITL its batch gets
         # Starting the engine blocks (rank actors or vLLM's workers, weights, KV sizing): keep it off the event loop.
-        self.engine: EngineClient = await asyncio.to_thread(start_engine, self.args.engine_args(), self._on_step)
+        self.engine: EngineClient = await asyncio.to_thread(start_engine, self.args.pool_engine_args(self.pool),
+                                                            self._on_step)
         stats = self.engine.stats()
         self.metrics = ReplicaMetrics(
             tp=stats.tp, dcp=stats.dcp, num_kv_heads=stats.num_kv_heads,
-            target_sequences_per_replica=self.args.autoscaling.target_sequences_per_replica,
+            target_sequences_per_replica=self.pool.autoscaling.target_sequences_per_replica,
             admission=stats.admission, **_node_tags(),
         )
         ledger = self.engine.kv_ledger()
@@ -365,11 +369,13 @@ class EngineReplica:
             reply = await self.admission.report.remote(
                 self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                 self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
+                self.pool.name, self.step_s,
             )
             self.admission_queued = int(reply.get("num_queued", 0))
             self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))
 
     def _on_step(self, stats: EngineStats) -> None:
+        self.step_s = stats.last_step_seconds if not self.step_s else 0.9 * self.step_s + 0.1 * stats.last_step_seconds
         if self.metrics is None:
             return
         try:

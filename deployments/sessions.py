@@ -19,7 +19,7 @@ from ray.serve import context as serve_context
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError
 from deployments.metrics import IngressMetrics
-from deployments.pools import Need, PoolNeed
+from deployments.pools import DEFAULT_POOL, Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected, ReplicaQuery
 from deployments.streams import DeltaLinks, Item, StreamLost
@@ -64,7 +64,9 @@ class Sessions:
     def __init__(self, args: AppArgs, engine: Any, admission: Any, metrics: IngressMetrics,
                  limits: ModelLimits) -> None:
         self.args = args
-        self.engine = engine
+        # The engine deployment's handle, or with layout pools each pool's (deployments/pools.py).
+        self._engines: dict[str, Any] = engine if isinstance(engine, dict) else {DEFAULT_POOL: engine}
+        self._replica_pools: dict[str, str] = {}  # replica id -> its pool, from the grants
         self.admission = admission
         self.metrics = metrics
         self.tokens_per_block = limits.tokens_per_block
@@ -76,11 +78,17 @@ class Sessions:
         self.links = DeltaLinks(self._open_delta_stream, self._renew_delta_stream,
                                 subscribe_timeout_s=args.dispatch_timeout_s, on_lost=self._replica_lost)
 
+    def _engine(self, replica_id: str) -> Any:
+        """The handle of the deployment the replica belongs to."""
+        if len(self._engines) == 1:
+            return next(iter(self._engines.values()))
+        return self._engines[self._replica_pools[replica_id]]
+
     def _open_delta_stream(self, replica_id: str, subscriber: str) -> Any:
-        return self.engine.options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
+        return self._engine(replica_id).options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
 
     async def _renew_delta_stream(self, replica_id: str, subscriber: str) -> bool:
-        response = self.engine.renew.remote(ReplicaQuery(replica_id), subscriber)
+        response = self._engine(replica_id).renew.remote(ReplicaQuery(replica_id), subscriber)
         try:
             return bool(await response)
         except asyncio.CancelledError:
@@ -146,6 +154,7 @@ class Sessions:
                     raise ApiError(status, message, code=reply["error"],
                                    retry_after=self.args.retry_after_s if status in (429, 503) else None)
                 replica_id = reply["replica_id"]
+                self._replica_pools[replica_id] = reply.get("pool", DEFAULT_POOL)
                 attempt = len(returned)
                 request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id,
                                         reply_to=self.links.subscriber, attempt=attempt,
@@ -233,7 +242,7 @@ class Sessions:
                 return None, None, f"did not open a delta stream within dispatch_timeout_s={timeout:g}s"
             except StreamLost as lost:
                 return None, None, str(lost)
-            response = _call_as_own_request(lambda: self.engine.generate.remote(request))
+            response = _call_as_own_request(lambda: self._engine(replica_id).generate.remote(request))
             try:
                 first = await asyncio.wait_for(response, timeout=max(deadline - loop.time(), 0.0))
             except TimeoutError:
@@ -265,7 +274,7 @@ class Sessions:
         self._in_background(self._abort_async(replica_id, ticket, attempt))
 
     async def _abort_async(self, replica_id: str, ticket: str, attempt: int) -> None:
-        response = self.engine.abort.remote(ReplicaQuery(replica_id), ticket, attempt)
+        response = self._engine(replica_id).abort.remote(ReplicaQuery(replica_id), ticket, attempt)
         try:
             await asyncio.wait_for(response, self.args.dispatch_timeout_s)
         except TimeoutError:

@@ -70,7 +70,7 @@ def test_the_choices_of_one_request_are_dispatched_as_calls_of_their_own() -> No
     cancellation must not end it)."""
     engine = _RecordingEngine()
     sessions = object.__new__(Sessions)  # _dispatch reads the engine handle, the links and the dispatch timeout
-    sessions.engine = engine
+    sessions._engines = {"default": engine}
     sessions.args = cast(AppArgs, types.SimpleNamespace(dispatch_timeout_s=5.0))
 
     async def run() -> None:
