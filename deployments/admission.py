@@ -105,6 +105,7 @@ class AdmissionQueue:
         on_event: Callable[[str, float | None], None] | None = None,
         prefix_routing: bool = True,
         on_routed: Callable[[int, int], None] | None = None,
+        on_pool: Callable[[str, str], None] | None = None,
     ) -> None:
         """on_event(outcome, waited_s), when given, hears every decision (deployments/metrics.py
         ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO.
@@ -114,6 +115,7 @@ class AdmissionQueue:
         self.max_queued = max_queued
         self._on_event = on_event
         self._on_routed = on_routed
+        self._on_pool = on_pool  # on_pool(pool, reason): every grant's pool and why (deployments/pools.py)
         self.prefix_routing = prefix_routing
         self.replica_ttl_s = replica_ttl_s  # a replica silent this long gets no more grants
         self.leak_grace_s = leak_grace_s  # a grant its replica never saw this long is dropped (caller died)
@@ -397,6 +399,8 @@ class AdmissionQueue:
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool)
         self.num_granted += 1
         replica.num_granted += 1
+        if self._on_pool is not None:
+            self._on_pool(choice.pool, choice.reason)
         if ask is not None and ask.hashes:
             self.num_prefix_query_blocks += len(ask.hashes)
             self.num_prefix_hit_blocks += hit_blocks
@@ -444,7 +448,7 @@ class KvAdmission:
         self.metrics = AdmissionMetrics()
         self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, leak_grace_s=leak_grace_s,
                                     on_event=self.metrics.on_event, prefix_routing=prefix_routing,
-                                    on_routed=self.metrics.on_routed)
+                                    on_routed=self.metrics.on_routed, on_pool=self.metrics.on_pool)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:

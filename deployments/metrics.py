@@ -207,6 +207,9 @@ class AdmissionMetrics:
         self.prefix_routed = _counter("dcpserve_admission_prefix_routed_requests",
                                       "granted requests with prompt blocks, by whether the granted replica reported "
                                       "any of them cached", ("prefix_hit",))
+        self.pool_grants = _counter("dcpserve_admission_pool_grants",
+                                    "grants by layout pool and why that pool (only_pool, only_room, fastest, "
+                                    "most_free: deployments/pools.py)", ("pool", "reason"))
         for outcome in ADMISSION_OUTCOMES:
             _start_at_zero(self.requests, {"outcome": outcome})
         _start_at_zero(self.prefix_query_blocks)
@@ -224,6 +227,10 @@ class AdmissionMetrics:
         self.requests.inc(tags={"outcome": outcome})
         if waited_s is not None:
             self.wait.observe(waited_s)
+
+    def on_pool(self, pool: str, reason: str) -> None:
+        """AdmissionQueue's observer of pool choices: one call per grant."""
+        self.pool_grants.inc(tags={"pool": pool, "reason": reason})
 
     def on_routed(self, prompt_blocks: int, hit_blocks: int) -> None:
         """AdmissionQueue's observer of prefix routing: one call per grant of a request, with the blocks of its prompt
@@ -281,7 +288,8 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_http_responses", "dcpserve_prompt_tokens", "dcpserve_generation_tokens",
         "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
         "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",
-        "dcpserve_admission_prefix_routed_requests", "dcpserve_stream_items", "dcpserve_stream_tokens",
+        "dcpserve_admission_prefix_routed_requests", "dcpserve_admission_pool_grants", "dcpserve_stream_items",
+        "dcpserve_stream_tokens",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

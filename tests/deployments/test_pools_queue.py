@@ -38,6 +38,23 @@ def test_a_request_goes_to_the_faster_pool_with_room_and_overflows_to_the_other(
     assert run_simulated(scenario()) == ["s0", "s0", "l0"]
 
 
+def test_every_grant_names_its_pool_and_why() -> None:
+    heard: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time,
+                               on_pool=lambda pool, reason: heard.append((pool, reason)))
+        report(queue)
+        for i in range(3):
+            await queue.acquire(f"r{i}", need(800), 1.0)
+        await queue.acquire("only-long", {"long": PoolNeed(10)}, 1.0)
+        grant = queue.grant_of("only-long")
+        assert grant is not None and grant.pool == "long"
+
+    run_simulated(scenario())
+    assert heard == [("short", "fastest"), ("short", "fastest"), ("long", "only_room"), ("long", "only_pool")]
+
+
 def test_a_request_only_the_long_pool_holds_goes_there_and_one_no_pool_holds_is_refused() -> None:
     async def scenario() -> str:
         queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time)
