@@ -32,6 +32,13 @@ class PoolNeed:
 
     blocks: int
     ask: PrefixAsk | None = None
+    # The blocks of the whole sequence (prompt + max_tokens): a pool whose largest replica holds fewer could admit
+    # the request under "usage" but never finish it. 0: the same as blocks.
+    total_blocks: int = 0
+
+    @property
+    def ever_blocks(self) -> int:
+        return max(self.blocks, self.total_blocks)
 
 
 Need = int | Mapping[str, PoolNeed]  # an int: the same blocks (and the acquire's ask) on every replica
@@ -44,7 +51,9 @@ class PoolChoice:
     replica: ReplicaKv
     hit_blocks: int
     ask: PrefixAsk | None
-    reason: str  # only_pool, only_room, fastest, most_free
+    # only_pool (the one pool that can ever hold it), only_room (the one of its pools with room now, or not closed
+    # by a request waiting ahead), fastest, most_free
+    reason: str
 
 
 def request_need(layouts: Mapping[str, int], policy: str, prompt_tokens: int, max_tokens: int) -> Need:
@@ -53,7 +62,8 @@ def request_need(layouts: Mapping[str, int], policy: str, prompt_tokens: int, ma
     needs = {pool: admission_blocks(policy, prompt_tokens, max_tokens, tokens) for pool, tokens in layouts.items()}
     if len(needs) == 1:
         return next(iter(needs.values()))
-    return {pool: PoolNeed(blocks) for pool, blocks in needs.items()}
+    return {pool: PoolNeed(blocks, total_blocks=-(-(prompt_tokens + max_tokens) // layouts[pool]))
+            for pool, blocks in needs.items()}
 
 
 def need_on(need: Need, ask: PrefixAsk | None, pool: str) -> PoolNeed | None:
@@ -64,9 +74,13 @@ def need_on(need: Need, ask: PrefixAsk | None, pool: str) -> PoolNeed | None:
 
 
 def pools_of(need: Need, replicas: Iterable[ReplicaKv]) -> set[str]:
-    """The pools of these replicas that the request has a need on."""
-    pools = {replica.pool for replica in replicas}
-    return pools if isinstance(need, int) else pools & set(need)
+    """The pools of these replicas that could ever hold the request: it has a need there and the pool's largest
+    replica holds that many blocks. Only these are the request's to wait for (and to close to those behind it)."""
+    largest: dict[str, int] = {}
+    for replica in replicas:
+        largest[replica.pool] = max(largest.get(replica.pool, 0), replica.capacity)
+    return {pool for pool, capacity in largest.items()
+            if (pool_need := need_on(need, None, pool)) is not None and pool_need.ever_blocks <= capacity}
 
 
 def smallest_blocks(need: Need) -> int:
@@ -84,11 +98,12 @@ def never_fits(need: Need, ask: PrefixAsk | None, replicas: list[ReplicaKv]) -> 
         if pool_need is None:
             continue
         largest = max((r for r in replicas if r.pool == pool), key=lambda r: r.capacity)
-        if pool_need.blocks <= largest.capacity:
+        blocks = pool_need.ever_blocks
+        if blocks <= largest.capacity:
             return None
         tokens = largest.tokens_per_block
         where = "" if pool == DEFAULT_POOL else f"pool {pool}: "
-        shortfalls.append(f"{where}this request needs {pool_need.blocks} KV blocks ({pool_need.blocks * tokens} "
+        shortfalls.append(f"{where}this request needs {blocks} KV blocks ({blocks * tokens} "
                           f"tokens of {tokens}-token blocks) but a replica holds {largest.capacity} blocks "
                           f"({largest.capacity * tokens} tokens)")
     if not shortfalls:
@@ -109,13 +124,12 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
     by_pool: dict[str, list[ReplicaKv]] = {}
     for replica in replicas:
         by_pool.setdefault(replica.pool, []).append(replica)
+    holding = pools_of(need, (r for members in by_pool.values() for r in members))
     candidates = []
-    usable = 0
     for pool, members in sorted(by_pool.items()):
         pool_need = need_on(need, ask, pool)
-        if pool_need is None or (open_pools is not None and pool not in open_pools):
+        if pool_need is None or pool not in holding or (open_pools is not None and pool not in open_pools):
             continue
-        usable += 1
         picked = pick_replica(members, pool_need.blocks, pool_need.ask, prefix_routing)
         if picked is not None:
             candidates.append((pool, picked, pool_need.ask, mean_step_s(members)))
@@ -123,7 +137,7 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
         return None
     if len(candidates) == 1:
         pool, (blocks, replica, hits), pool_ask, _ = candidates[0]
-        return PoolChoice(pool, blocks, replica, hits, pool_ask, "only_pool" if usable == 1 else "only_room")
+        return PoolChoice(pool, blocks, replica, hits, pool_ask, "only_pool" if len(holding) == 1 else "only_room")
 
     def key(candidate: tuple[str, tuple[int, ReplicaKv, int], PrefixAsk | None, float]) -> tuple[float, float]:
         _, (blocks, replica, _), _, step_s = candidate

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deployments.admission import AdmissionQueue
+from deployments.pools import DEFAULT_POOL
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
@@ -59,8 +60,11 @@ class SimReplica:
     """One replica: the real scheduler and block manager, stepping on simulated time."""
 
     def __init__(self, replica_id: str, shape: ReplicaShape, step_model: StepTimeModel, queue: AdmissionQueue,
-                 report_period_s: float, on_tokens: Callable[[list[TokenUpdate], float], None]) -> None:
+                 report_period_s: float, on_tokens: Callable[[list[TokenUpdate], float], None],
+                 pool: str = DEFAULT_POOL) -> None:
         self.replica_id = replica_id
+        self.pool = pool
+        self.step_s = 0.0  # recent mean step (EngineReplica's exponential average), reported to the queue
         self.shape = shape
         self.step_model = step_model
         self.queue = queue
@@ -134,6 +138,7 @@ class SimReplica:
             await asyncio.sleep(seconds)
             self.num_steps += 1
             self.busy_seconds += seconds
+            self.step_s = seconds if not self.step_s else 0.9 * self.step_s + 0.1 * seconds
             self.num_step_tokens += work.num_tokens
             sampled = {
                 entry.request_id: EOS_TOKEN if entry.num_output_tokens + 1 >= output_lengths[entry.request_id]
@@ -158,5 +163,5 @@ class SimReplica:
         reporter = self.block_manager.reporter
         prefix = None if reporter is None else reporter.report(*self._prefix_position)
         self.queue.report(self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                          True, not self.draining, self.probes, ledger.headroom_blocks, prefix)
+                          True, not self.draining, self.probes, ledger.headroom_blocks, prefix, self.pool, self.step_s)
         self._prefix_position = self.queue.prefix_position(self.replica_id)

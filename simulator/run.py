@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from deployments.admission import AdmissionError, AdmissionQueue
 from deployments.autoscaling import replica_stats
 from deployments.config import AppArgs, AutoscalingArgs
+from deployments.pools import DEFAULT_POOL, Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
 from deployments.sessions import REQUEUE_MIN_WAIT_S, refusal_backoff_s
 from engine.core.block_manager import admission_blocks
@@ -61,6 +62,17 @@ class ServeSettings:
 
 
 @dataclass(frozen=True)
+class SimPool:
+    """One layout pool of a pooled app (deployments/pools.py): its replicas' shape, how many, and their step model
+    (None: the simulation's)."""
+
+    name: str
+    shape: ReplicaShape
+    num_replicas: int
+    step_model: StepTimeModel | None = None
+
+
+@dataclass(frozen=True)
 class SimulationConfig:
     """One simulated deployment and how its clients send the trace."""
 
@@ -77,8 +89,16 @@ class SimulationConfig:
     request_latency_s: float = 0.0
     progress: TextIO | None = None  # where progress lines go (stderr in the CLI), every progress_wall_s of wall time
     progress_wall_s: float = 5.0
+    # Layout pools: several shapes behind the one queue (shape and num_replicas are then the first pool's); empty:
+    # one pool of `shape`, the app without pools.
+    pools: tuple[SimPool, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.pools and self.autoscaling is not None:
+            raise ValueError("autoscaling with layout pools is not simulated yet: give each pool its num_replicas")
+        names = [pool.name for pool in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must differ, got {names}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.replica_start_s < 0:
@@ -110,6 +130,8 @@ class Simulation:
     def __init__(self, config: SimulationConfig, step_model: StepTimeModel) -> None:
         self.config = config
         self.step_model = step_model
+        self.pools = {pool.name: pool for pool in config.pools} or {
+            DEFAULT_POOL: SimPool(DEFAULT_POOL, config.shape, config.num_replicas)}
         self.recorder = Recorder()
         self.replicas: dict[str, SimReplica] = {}
         self.replicas_over_time: list[tuple[float, int]] = []
@@ -119,6 +141,7 @@ class Simulation:
         # The queue's decisions by outcome, heard as the app's AdmissionMetrics hears them (deployments/metrics.py:
         # dcpserve_admission_requests_total{outcome} and the grants that came back, refused_by_replica).
         self.admission_events: Counter[str] = Counter()
+        self.pool_grants: Counter[tuple[str, str]] = Counter()  # (pool, reason) of every grant
         self.queue_waits: list[float] = []  # each wait that ended (dcpserve_admission_queue_wait_seconds)
         self.peak_granted = 0  # the most grants the queue held at a sample (the app's /health num_grants)
         self._next_replica = 0
@@ -146,10 +169,15 @@ class Simulation:
         settings = self.config.serve
         self.queue = AdmissionQueue(max_queued=settings.max_queued_requests, leak_grace_s=settings.grant_leak_grace_s,
                                      clock=loop.time, prefix_routing=settings.prefix_routing,
-                                     on_event=self._on_admission_event)
+                                     on_event=self._on_admission_event, on_pool=self._on_pool)
         initial = self.autoscaler.initial_replicas if self.autoscaler is not None else self.config.num_replicas
-        for _ in range(initial):
-            self.add_replica()
+        if self.config.pools:
+            for pool in self.config.pools:
+                for _ in range(pool.num_replicas):
+                    self.add_replica(pool.name)
+        else:
+            for _ in range(initial):
+                self.add_replica()
         self._target = initial
         self._wall_start = self._last_progress = time.perf_counter()
         sampler = loop.create_task(self._sample_loop())
@@ -177,6 +205,7 @@ class Simulation:
         self._progress(now, final=True)
         summary = self.recorder.summary(now, preemptions, queried, hits, self.replicas_over_time)
         summary["admission"] = dict(sorted(self.admission_events.items()))
+        summary["pool_grants"] = {f"{pool}/{reason}": n for (pool, reason), n in sorted(self.pool_grants.items())}
         summary["peak_granted_sequences"] = self.peak_granted
         waits = self.queue_waits
         summary["queue_wait_mean_s"] = sum(waits) / len(waits) if waits else 0.0
@@ -189,13 +218,17 @@ class Simulation:
         if waited_s is not None:
             self.queue_waits.append(waited_s)
 
-    def add_replica(self) -> SimReplica:
-        """Starts one replica (it reports to the queue at once, so it is grantable now)."""
+    def _on_pool(self, pool: str, reason: str) -> None:
+        self.pool_grants[pool, reason] += 1
+
+    def add_replica(self, pool: str = DEFAULT_POOL) -> SimReplica:
+        """Starts one replica of the pool (it reports to the queue at once, so it is grantable now)."""
         assert self.queue is not None  # the run has started
         replica_id = f"replica-{self._next_replica}"
         self._next_replica += 1
-        replica = SimReplica(replica_id, self.config.shape, self.step_model, self.queue,
-                             self.config.serve.kv_report_period_s, self._on_tokens)
+        spec = self.pools[pool]
+        replica = SimReplica(replica_id, spec.shape, spec.step_model or self.step_model, self.queue,
+                             self.config.serve.kv_report_period_s, self._on_tokens, pool=pool)
         self.replicas[replica_id] = replica
         replica.start()
         self._replicas_changed()
@@ -280,7 +313,6 @@ class Simulation:
         loop = asyncio.get_running_loop()
         queue = self.queue
         assert queue is not None  # set before any client runs
-        shape = self.config.shape
         settings = self.config.serve
         ticket = f"t{self._next_ticket}"
         self._next_ticket += 1
@@ -289,14 +321,27 @@ class Simulation:
         if self.config.request_latency_s:
             await asyncio.sleep(self.config.request_latency_s)
         max_tokens = trace_request.max_tokens or trace_request.output_length
-        tokens_per_block = shape.tokens_per_block
-        need = admission_blocks(shape.scheduler.admission, trace_request.input_length, max_tokens, tokens_per_block)
-        names = trace_block_hashes(trace_request.hash_ids, trace_request.input_length,
-                                   self.config.trace_block_tokens, tokens_per_block)
-        ask = None
-        if shape.enable_prefix_caching:
-            hit_limit = max_hit_blocks(trace_request.input_length, tokens_per_block)
-            ask = PrefixAsk(tuple(names[:hit_limit]), tokens_per_block, b"", trace_request.input_length)
+        # The need and the prompt's block names in each pool's block size (the ingress' request_need and asks).
+        per_pool: dict[str, tuple[PoolNeed, list[int]]] = {}
+        for name, pool in self.pools.items():
+            shape = pool.shape
+            tokens_per_block = shape.tokens_per_block
+            blocks = admission_blocks(shape.scheduler.admission, trace_request.input_length, max_tokens,
+                                      tokens_per_block)
+            names = trace_block_hashes(trace_request.hash_ids, trace_request.input_length,
+                                       self.config.trace_block_tokens, tokens_per_block)
+            pool_ask = None
+            if shape.enable_prefix_caching:
+                hit_limit = max_hit_blocks(trace_request.input_length, tokens_per_block)
+                pool_ask = PrefixAsk(tuple(names[:hit_limit]), tokens_per_block, b"", trace_request.input_length)
+            total = -(-(trace_request.input_length + max_tokens) // tokens_per_block)
+            per_pool[name] = (PoolNeed(blocks, pool_ask, total), names)
+        need: Need
+        if len(per_pool) == 1:
+            [(only, names)] = per_pool.values()
+            need, ask = only.blocks, only.ask
+        else:
+            need, ask = {name: pool_need for name, (pool_need, _) in per_pool.items()}, None
         deadline = arrived + settings.queue_timeout_s
         returned = 0
         late_chance_used = False
@@ -314,6 +359,7 @@ class Simulation:
                 self.recorder.refuse(record, err.kind, loop.time())
                 return
             replica = self.replicas[replica_id]
+            names = per_pool[replica.pool][1]
             request = Request(ticket, PromptTokens(trace_request.input_length),  # type: ignore[arg-type]  # simulator.tokens: a list in all the scheduler asks
                               SamplingParams(max_tokens=max_tokens, detokenize=False), arrival_time=arrived)
             request.block_hashes = list(names)

@@ -153,4 +153,7 @@ def test_a_request_need_is_an_int_with_one_pool_and_blocks_of_each_pools_size_wi
     two = parse_args({"model": "/m", "block_size": 16, "pools": [
         {"name": "short", "tensor_parallel_size": 2}, {"name": "long", "tensor_parallel_size": 2,
                                                         "decode_context_parallel_size": 2}]})
-    assert request_need(two.pool_layouts(), "full", 100, 28) == {"short": PoolNeed(8), "long": PoolNeed(4)}
+    assert request_need(two.pool_layouts(), "full", 100, 28) == {"short": PoolNeed(8, total_blocks=8),
+                                                                  "long": PoolNeed(4, total_blocks=4)}
+    assert request_need(two.pool_layouts(), "usage", 100, 28) == {"short": PoolNeed(7, total_blocks=8),
+                                                                   "long": PoolNeed(4, total_blocks=4)}

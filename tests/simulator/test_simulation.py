@@ -269,3 +269,34 @@ def test_admission_counts_match_the_records_and_request_latency_delays_each_ttft
         assert delayed["ttft_s"][q] == pytest.approx(base["ttft_s"][q] + 0.25, abs=1e-9)
     with pytest.raises(ValueError, match="request_latency_s must be >= 0"):
         SimulationConfig(shape(), num_replicas=1, request_latency_s=-1.0)
+
+
+def test_a_pooled_app_sends_long_requests_only_where_they_fit_and_loses_nothing() -> None:
+    """Two pools behind one queue: short (dcp=1, 16-token blocks, 150 blocks: at most 2,400 tokens) and long
+    (dcp=2, 32-token blocks, 400 blocks), the short one faster. Requests of ~1,350-2,700 tokens in all: those past
+    the short pool's capacity go to the long pool only; the others fill the faster pool first and overflow."""
+    from simulator.run import SimPool
+
+    trace = single_turn(60, gap_ms=50.0, input_tokens=1200, output_tokens=150)
+    totals = [r.input_length + r.output_length for r in trace]
+    assert min(totals) < 2400 < max(totals)  # both kinds in the trace
+    short = SimPool("short", shape(num_blocks=150, dcp=1), 1, STEP_MODEL)
+    long = SimPool("long", shape(num_blocks=400, dcp=2), 1, STEP_MODEL.scaled(1.5))
+    config = SimulationConfig(short.shape, 1, serve=ServeSettings(max_queued_requests=100, queue_timeout_s=600.0),
+                              pools=(short, long))
+    simulation, summary = run(config, trace)
+    assert_drained(simulation, summary, trace)
+    assert summary["finished"] == len(trace)
+    grants = summary["pool_grants"]
+    assert sum(grants.values()) == summary["admission"]["admitted"]  # re-grants after a refusal too
+    assert grants.get("long/only_pool", 0) > 0  # the longest fit the long pool only
+    assert "short/only_pool" not in grants  # every request the short pool holds, the long one holds too
+    assert sum(n for key, n in grants.items() if key.startswith("short/")) > 0
+    by_replica = {r.replica_id: r for r in simulation.replicas.values()}
+    lengths = {f"t{i}": r.input_length + r.output_length for i, r in enumerate(trace)}
+    for ticket, record in simulation.recorder.records.items():
+        assert record.replica_id is not None
+        if lengths[ticket] > 2400:  # past what the short pool's KV holds: the long pool, whatever the load
+            assert by_replica[record.replica_id].pool == "long", record
+    with pytest.raises(ValueError, match="autoscaling with layout pools is not simulated yet"):
+        SimulationConfig(short.shape, 1, autoscaling=AutoscalingArgs(), pools=(short, long))
