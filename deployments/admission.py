@@ -369,7 +369,7 @@ class AdmissionQueue:
             "prefix_query_blocks": self.num_prefix_query_blocks,
             "prefix_hit_blocks": self.num_prefix_hit_blocks,
             "replicas": {
-                r.replica_id: {"capacity": r.capacity, "granted": r.granted, "external": r.external,
+                r.replica_id: {"pool": r.pool, "capacity": r.capacity, "granted": r.granted, "external": r.external,
                                "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
                                "num_grants": len(r.grants), "num_granted": r.num_granted,
                                "cached_prefix_blocks": len(r.prefix.index.blocks)}

@@ -154,11 +154,12 @@ class Sessions:
                     raise ApiError(status, message, code=reply["error"],
                                    retry_after=self.args.retry_after_s if status in (429, 503) else None)
                 replica_id = reply["replica_id"]
-                self._replica_pools[replica_id] = reply.get("pool", DEFAULT_POOL)
+                pool = self._replica_pools[replica_id] = reply.get("pool", DEFAULT_POOL)
+                granted_ask = ask if isinstance(need, int) else need[pool].ask  # hashes in that pool's block size
                 attempt = len(returned)
                 request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id,
                                         reply_to=self.links.subscriber, attempt=attempt,
-                                        prompt_hashes=ask.hashes if ask is not None else ())
+                                        prompt_hashes=granted_ask.hashes if granted_ask is not None else ())
                 queue, first, problem = await self._dispatch(request, replica_id)
                 if queue is not None:
                     break
