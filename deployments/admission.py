@@ -133,6 +133,7 @@ class AdmissionQueue:
         self.num_rejected_full = 0
         self.num_refusals = 0
         self.num_unreachable = 0
+        self.pool_grants: dict[str, int] = {}  # "pool/reason" -> grants (deployments/pools.py)
         self.num_leaked = 0  # grants dropped by leak reconciliation (their caller never released them)
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -368,6 +369,7 @@ class AdmissionQueue:
             "num_leaked": self.num_leaked,
             "prefix_query_blocks": self.num_prefix_query_blocks,
             "prefix_hit_blocks": self.num_prefix_hit_blocks,
+            "pool_grants": dict(self.pool_grants),
             "replicas": {
                 r.replica_id: {"pool": r.pool, "capacity": r.capacity, "granted": r.granted, "external": r.external,
                                "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
@@ -399,6 +401,8 @@ class AdmissionQueue:
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool)
         self.num_granted += 1
         replica.num_granted += 1
+        key = f"{choice.pool}/{choice.reason}"
+        self.pool_grants[key] = self.pool_grants.get(key, 0) + 1
         if self._on_pool is not None:
             self._on_pool(choice.pool, choice.reason)
         if ask is not None and ask.hashes:
