@@ -352,6 +352,11 @@ class AdmissionQueue:
     def num_queued(self) -> int:
         return len(self._waiters)
 
+    def num_queued_for(self, pool: str) -> int:
+        """Waiting requests that pool could hold: what its replicas pass on to its autoscaling policy."""
+        replicas = self.replicas.values()
+        return sum(1 for w in self._waiters if not w.future.done() and pool in pools_of(w.need, replicas))
+
     @property
     def queued_blocks(self) -> int:
         return sum(smallest_blocks(w.need) for w in self._waiters)
@@ -494,7 +499,7 @@ class KvAdmission:
         self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix,
                           pool, step_s)
         epoch, version = self.queue.prefix_position(replica_id)
-        return {"num_queued": self.queue.num_queued, "queued_blocks": self.queue.queued_blocks,
+        return {"num_queued": self.queue.num_queued_for(pool), "queued_blocks": self.queue.queued_blocks,
                 "prefix_epoch": epoch, "prefix_version": version}
 
     def remove_replica(self, replica_id: str) -> None:

@@ -60,6 +60,8 @@ def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
                 policy_kwargs={
                     "target_sequences_per_replica": scaling.target_sequences_per_replica,
                     "kv_usage_scale_up": scaling.kv_usage_scale_up,
+                    "gpu_budget": args.gpu_budget,
+                    "tensor_parallel_size": tp,
                 },
             ),
         ),

@@ -157,3 +157,21 @@ def test_a_request_need_is_an_int_with_one_pool_and_blocks_of_each_pools_size_wi
                                                                   "long": PoolNeed(4, total_blocks=4)}
     assert request_need(two.pool_layouts(), "usage", 100, 28) == {"short": PoolNeed(7, total_blocks=8),
                                                                    "long": PoolNeed(4, total_blocks=4)}
+
+
+def test_each_pool_counts_the_waiting_requests_it_could_hold() -> None:
+    async def scenario() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        queue = AdmissionQueue(max_queued=8, clock=loop.time)
+        report(queue)
+        await queue.acquire("fill-long", {"long": PoolNeed(95)}, 1.0)
+        await queue.acquire("fill-short", {"short": PoolNeed(95)}, 1.0)
+        waiting = [loop.create_task(queue.acquire("long-only", {"long": PoolNeed(20)}, 5.0)),
+                   loop.create_task(queue.acquire("either", {"short": PoolNeed(20), "long": PoolNeed(10)}, 5.0))]
+        await asyncio.sleep(0.1)
+        counts = queue.num_queued_for("short"), queue.num_queued_for("long")
+        for task in waiting:
+            task.cancel()
+        return counts
+
+    assert run_simulated(scenario()) == (1, 2)
