@@ -21,7 +21,7 @@ from typing import Any
 from ray.serve import autoscaling_policy as serve_policy
 from ray.serve.config import AutoscalingConfig
 
-from deployments.autoscaling import SequenceAutoscalingPolicy
+from deployments.autoscaling import GpuLedger, SequenceAutoscalingPolicy
 from deployments.config import AutoscalingArgs
 
 
@@ -37,14 +37,19 @@ class PolicyContext:
     capacity_adjusted_max_replicas: int
     config: AutoscalingConfig
     policy_state: dict[str, Any] = field(default_factory=dict)
+    app_name: str = "simulated"
+    deployment_name: str = "EngineReplica"
 
 
 class SimAutoscaler:
     """Decides the engine deployment's replica count each metrics period, from the replicas' stats."""
 
-    def __init__(self, args: AutoscalingArgs, max_replicas: int) -> None:
-        """max_replicas: the most the GPUs allow (the smaller of it and args.max_replicas bounds the count)."""
+    def __init__(self, args: AutoscalingArgs, max_replicas: int, name: str = "EngineReplica",
+                 gpu_budget: int | None = None, tp: int = 1, ledger: GpuLedger | None = None) -> None:
+        """max_replicas: the most the GPUs allow (the smaller of it and args.max_replicas bounds the count). With
+        layout pools, name is the pool's deployment and gpu_budget the GPUs its ledger shares with the others."""
         self.args = args
+        self.name = name
         self.max_replicas = min(args.max_replicas, max_replicas)
         if self.max_replicas < args.min_replicas:
             raise ValueError(
@@ -54,7 +59,8 @@ class SimAutoscaler:
             min_replicas=args.min_replicas, max_replicas=self.max_replicas, initial_replicas=args.initial_replicas,
             upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
             look_back_period_s=args.look_back_period_s, metrics_interval_s=args.metrics_interval_s)
-        self.policy = SequenceAutoscalingPolicy(args.target_sequences_per_replica, args.kv_usage_scale_up)
+        self.policy = SequenceAutoscalingPolicy(args.target_sequences_per_replica, args.kv_usage_scale_up,
+                                                gpu_budget=gpu_budget, tensor_parallel_size=tp, ledger=ledger)
         self._stats: dict[str, deque[tuple[float, dict[str, float]]]] = {}
         self._state: dict[str, Any] = {}
 
@@ -83,7 +89,7 @@ class SimAutoscaler:
                 values = [stats[name] for _, stats in window]
                 aggregated.setdefault(name, {})[replica_id] = sum(values) / len(values)
         ctx = PolicyContext(aggregated, list(running), target, len(running), self.args.min_replicas,
-                            self.max_replicas, self.config)
+                            self.max_replicas, self.config, deployment_name=self.name)
         desired, _ = self.policy(ctx)
         scaled = serve_policy._apply_scaling_factors(desired, ctx.current_num_replicas, self.config)
         decided, self._state = serve_policy._apply_delay_logic(max(0, scaled), target, self.config, self._state,

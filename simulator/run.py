@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from deployments.admission import AdmissionError, AdmissionQueue
-from deployments.autoscaling import replica_stats
+from deployments.autoscaling import GpuLedger, replica_stats
 from deployments.config import AppArgs, AutoscalingArgs
 from deployments.pools import DEFAULT_POOL, Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
@@ -68,8 +68,9 @@ class SimPool:
 
     name: str
     shape: ReplicaShape
-    num_replicas: int
+    num_replicas: int  # from the start; with autoscaling, the most this pool may have
     step_model: StepTimeModel | None = None
+    autoscaling: AutoscalingArgs | None = None  # None: num_replicas all along
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,14 @@ class SimulationConfig:
     request_latency_s: float = 0.0
     progress: TextIO | None = None  # where progress lines go (stderr in the CLI), every progress_wall_s of wall time
     progress_wall_s: float = 5.0
-    # Layout pools: several shapes behind the one queue (shape and num_replicas are then the first pool's); empty:
-    # one pool of `shape`, the app without pools.
+    # Layout pools: several shapes behind the one queue, each with its own autoscaling (shape, num_replicas and
+    # autoscaling above are then unused); empty: one pool of `shape`, the app without pools.
     pools: tuple[SimPool, ...] = ()
+    gpu_budget: int | None = None  # GPUs the pools' autoscaling shares (deployments/autoscaling.py's GpuLedger)
 
     def __post_init__(self) -> None:
         if self.pools and self.autoscaling is not None:
-            raise ValueError("autoscaling with layout pools is not simulated yet: give each pool its num_replicas")
+            raise ValueError("with layout pools, autoscaling is each pool's (SimPool.autoscaling)")
         names = [pool.name for pool in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must differ, got {names}")
@@ -107,6 +109,15 @@ class SimulationConfig:
             raise ValueError(f"request_latency_s must be >= 0, got {self.request_latency_s}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (or None for the trace's timestamps), got {self.concurrency}")
+
+
+@dataclass
+class _PoolScaling:
+    """One pool's autoscaling: the decision's code, its current target, the replicas starting."""
+
+    autoscaler: SimAutoscaler
+    target: int = 0
+    starting: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def sessions_of(trace: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
@@ -151,10 +162,14 @@ class Simulation:
         self.num_units = 0
         self.units_done = 0
         self._units_started = 0
-        self.autoscaler = (SimAutoscaler(config.autoscaling, config.num_replicas)
-                           if config.autoscaling is not None else None)
-        self._target = 0  # the autoscaler's target replica count
-        self._starting: list[asyncio.Task[None]] = []
+        if not config.pools and config.autoscaling is not None:
+            self.pools[DEFAULT_POOL] = SimPool(DEFAULT_POOL, config.shape, config.num_replicas,
+                                               autoscaling=config.autoscaling)
+        ledger = GpuLedger()  # the pools' shared budget, as in Serve's controller
+        self.scaling = {name: _PoolScaling(SimAutoscaler(pool.autoscaling, pool.num_replicas, name=name,
+                                                         gpu_budget=config.gpu_budget, tp=pool.shape.tp,
+                                                         ledger=ledger))
+                        for name, pool in self.pools.items() if pool.autoscaling is not None}
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
@@ -170,18 +185,16 @@ class Simulation:
         self.queue = AdmissionQueue(max_queued=settings.max_queued_requests, leak_grace_s=settings.grant_leak_grace_s,
                                      clock=loop.time, prefix_routing=settings.prefix_routing,
                                      on_event=self._on_admission_event, on_pool=self._on_pool)
-        initial = self.autoscaler.initial_replicas if self.autoscaler is not None else self.config.num_replicas
-        if self.config.pools:
-            for pool in self.config.pools:
-                for _ in range(pool.num_replicas):
-                    self.add_replica(pool.name)
-        else:
+        for name, pool in self.pools.items():
+            scaling = self.scaling.get(name)
+            initial = scaling.autoscaler.initial_replicas if scaling is not None else pool.num_replicas
             for _ in range(initial):
-                self.add_replica()
-        self._target = initial
+                self.add_replica(name)
+            if scaling is not None:
+                scaling.target = initial
         self._wall_start = self._last_progress = time.perf_counter()
         sampler = loop.create_task(self._sample_loop())
-        scaler = loop.create_task(self._autoscale_loop()) if self.autoscaler is not None else None
+        scalers = [loop.create_task(self._autoscale_loop(name)) for name in self.scaling]
         units = sessions_of(trace)
         self.num_units = len(units)
         if self.config.concurrency is None:
@@ -191,10 +204,11 @@ class Simulation:
             await asyncio.gather(*(self._closed_loop_client(source) for _ in range(self.config.concurrency)))
         now = loop.time()
         sampler.cancel()
-        if scaler is not None:
-            scaler.cancel()
-        for task in self._starting:
+        for task in scalers:
             task.cancel()
+        for scaling in self.scaling.values():
+            for task in scaling.starting:
+                task.cancel()
         self._sample(now)
         self.recorder.close(now)
         preemptions = sum(r.scheduler.num_preemptions for r in self.replicas.values())
@@ -241,44 +255,46 @@ class Simulation:
 
     # ---- autoscaling ------------------------------------------------------------------------------------------
 
-    async def _autoscale_loop(self) -> None:
-        """Serve's controller (simulator.autoscale): stats from every replica taking requests each metrics period,
-        then the decision; replicas start replica_start_s after it, and scale-down drains the newest ones."""
+    async def _autoscale_loop(self, pool: str) -> None:
+        """Serve's controller for one pool's deployment (simulator.autoscale): stats from every replica of it taking
+        requests each metrics period, then the decision; replicas start replica_start_s after it, and scale-down
+        drains the newest ones."""
         loop = asyncio.get_running_loop()
-        autoscaler = self.autoscaler
+        scaling = self.scaling[pool]
+        autoscaler = scaling.autoscaler
         queue = self.queue
-        assert autoscaler is not None and queue is not None  # started by _main with both
+        assert queue is not None  # started by _main
         while True:
             await asyncio.sleep(autoscaler.args.metrics_interval_s)
             now = loop.time()
-            running = [r for r in self.replicas.values() if not r.draining]
+            running = [r for r in self.replicas.values() if r.pool == pool and not r.draining]
+            queued = queue.num_queued_for(pool)
             for replica in running:
                 scheduler = replica.scheduler
                 autoscaler.record(now, replica.replica_id, replica_stats(
-                    scheduler.kv_ledger(), len(scheduler.running), len(scheduler.waiting), queue.num_queued))
-            target = autoscaler.decide(now, [r.replica_id for r in running], self._target)
-            self._starting = [task for task in self._starting if not task.done()]
-            current = len(running) + len(self._starting)
-            self._target = target
+                    scheduler.kv_ledger(), len(scheduler.running), len(scheduler.waiting), queued))
+            target = autoscaler.decide(now, [r.replica_id for r in running], scaling.target)
+            scaling.starting = [task for task in scaling.starting if not task.done()]
+            current = len(running) + len(scaling.starting)
+            scaling.target = target
             if target > current:
-                self._starting += [loop.create_task(self._start_replica()) for _ in range(target - current)]
-            while target < current and self._starting:  # Serve stops replicas still starting first
-                self._starting.pop().cancel()
+                scaling.starting += [loop.create_task(self._start_replica(pool)) for _ in range(target - current)]
+            while target < current and scaling.starting:  # Serve stops replicas still starting first
+                scaling.starting.pop().cancel()
                 current -= 1
             for replica in reversed(running[len(running) - (current - target):] if target < current else []):
                 loop.create_task(self._drain(replica))
 
-    async def _start_replica(self) -> None:
+    async def _start_replica(self, pool: str) -> None:
         await asyncio.sleep(self.config.replica_start_s)
-        self.add_replica()
+        self.add_replica(pool)
 
     async def _drain(self, replica: SimReplica) -> None:
         """Serve stops routing to it (the queue grants it nothing more: it reports not routable), it finishes what
         it holds, then it stops and gives its GPUs back."""
-        assert self.autoscaler is not None  # only the autoscaler drains
         replica.draining = True
         replica.report()
-        self.autoscaler.forget(replica.replica_id)
+        self.scaling[replica.pool].autoscaler.forget(replica.replica_id)
         while replica.num_sequences:
             await asyncio.sleep(self.config.serve.kv_report_period_s)
         replica.stop()

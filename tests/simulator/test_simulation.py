@@ -298,5 +298,33 @@ def test_a_pooled_app_sends_long_requests_only_where_they_fit_and_loses_nothing(
         assert record.replica_id is not None
         if lengths[ticket] > 2400:  # past what the short pool's KV holds: the long pool, whatever the load
             assert by_replica[record.replica_id].pool == "long", record
-    with pytest.raises(ValueError, match="autoscaling with layout pools is not simulated yet"):
+    with pytest.raises(ValueError, match=r"with layout pools, autoscaling is each pool's \(SimPool.autoscaling\)"):
         SimulationConfig(short.shape, 1, autoscaling=AutoscalingArgs(), pools=(short, long))
+
+
+def test_pools_autoscale_within_one_gpu_budget() -> None:
+    """Two pools of tp=2, each allowed 1-3 replicas, under a budget of 8 GPUs (4 replicas in all): a burst far past
+    both pools' KV makes both want 3; at no moment do their replicas hold more than 8 GPUs, and every request is
+    still answered."""
+    from simulator.run import SimPool
+
+    scaling = AutoscalingArgs(min_replicas=1, max_replicas=3, target_sequences_per_replica=2.0,
+                              upscale_delay_s=1.0, downscale_delay_s=5.0, look_back_period_s=2.0)
+    short = SimPool("short", shape(num_blocks=150, dcp=1), 3, STEP_MODEL, autoscaling=scaling)
+    long = SimPool("long", shape(num_blocks=400, dcp=2), 3, STEP_MODEL, autoscaling=scaling)
+    trace = single_turn(200, gap_ms=20.0, input_tokens=1200, output_tokens=150)
+    config = SimulationConfig(short.shape, 1, serve=ServeSettings(max_queued_requests=500, queue_timeout_s=600.0),
+                              pools=(short, long), gpu_budget=8, replica_start_s=2.0)
+    simulation = Simulation(config, STEP_MODEL)
+    peak = [0]
+    record_gpus = simulation.recorder.gpus_changed
+
+    def watch(now: float, gpus: int) -> None:
+        peak[0] = max(peak[0], gpus)
+        record_gpus(now, gpus)
+
+    simulation.recorder.gpus_changed = watch  # type: ignore[method-assign]  # the test watches every change
+    summary = simulation.run(trace)
+    assert_drained(simulation, summary, trace)
+    assert summary["finished"] == len(trace)
+    assert 4 < peak[0] <= 8  # both pools grew past their one replica each, and never past the budget
