@@ -94,6 +94,44 @@ def check_cluster_fits(args: AppArgs) -> None:
                            f"the cluster config {path}")
 
 
+def pool_kv_tokens(args: AppArgs, pool: PoolArgs, device: str) -> int | None:
+    """Tokens of KV one replica of the pool holds, where the deploy can know it: the native engine with
+    kv_cache_memory_bytes, or on CPU (its default budget); None where the replica sizes its KV when it starts
+    (gpu_memory_utilization on a GPU, or the vLLM backend)."""
+    engine = args.pool_engine_args(pool)
+    if engine.backend != "native":
+        return None
+    config = engine.create_engine_config()
+    budget = config.cache.kv_cache_memory_bytes
+    if budget is None and device == "cpu":
+        budget = config.cache.cpu_default_kv_bytes
+    if budget is None:
+        return None
+    page_bytes = (config.model_config.kv_bytes_per_token_per_rank(pool.tensor_parallel_size, config.torch_dtype)
+                  * config.cache.block_size)
+    return budget // page_bytes * config.cache.block_size * pool.decode_context_parallel_size
+
+
+def check_pools_hold_a_whole_request(args: AppArgs, device: str) -> None:
+    """Refuses pools of which none can hold one request of max_model_len tokens (prompt and output), naming each
+    pool and the tokens it holds. A pool that holds less is kept while another holds it: it serves the shorter
+    requests (deployments/pools.py sends each request only to pools that can hold all of it)."""
+    if not args.pools:
+        return
+    limit = args.engine_config().scheduler.max_model_len
+    held = {}
+    for pool in args.pools:
+        tokens = pool_kv_tokens(args, pool, device)
+        if tokens is None or tokens >= limit:
+            return
+        held[pool.name] = tokens
+    parts = "; ".join(f"{name} holds {tokens} tokens" for name, tokens in held.items())
+    raise ValueError(
+        f"no pool can hold one request of max_model_len={limit} tokens ({parts}): give a pool more KV "
+        f"(kv_cache_memory_bytes, or a larger decode_context_parallel_size), or lower max_model_len"
+    )
+
+
 def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     """Validates the args (every problem named) and the engine layout, then binds the three deployments."""
     args = parse_args(raw_args)
@@ -102,6 +140,7 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     device = args.device or _cluster_device()
     for pool in args.pool_list():
         validate_engine_args(args.pool_engine_args(pool), device)
+    check_pools_hold_a_whole_request(args, device)
     check_cluster_fits(args)
     admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
         args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s)

@@ -80,6 +80,19 @@ def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:
     assert app is not None
 
 
+def test_build_app_refuses_pools_none_of_which_holds_a_whole_request(tiny_model_dir: Path) -> None:
+    from deployments.app import build_app
+
+    # 256 KiB per rank at tp=2: 512 tokens at dcp=1, 1,024 at dcp=2.
+    pools = [{"name": "short", "tensor_parallel_size": 2},
+             {"name": "long", "tensor_parallel_size": 2, "decode_context_parallel_size": 2}]
+    args = {"model": str(tiny_model_dir), "kv_cache_memory_bytes": 262144, "device": "cpu", "pools": pools}
+    with pytest.raises(ValueError, match=r"no pool can hold one request of max_model_len=2048 tokens \(short holds 512 "
+                                         r"tokens; long holds 1024 tokens\)"):
+        build_app({**args, "max_model_len": 2048})
+    assert build_app({**args, "max_model_len": 1024}) is not None  # the long pool holds it; short serves the rest
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cluster.tiny_model import write_tiny_model
