@@ -231,12 +231,38 @@ def generate(shape: TraceShape, num_requests: int, seed: int) -> list[TraceReque
     return requests
 
 
+def mix(traces: list[list[TraceRequest]]) -> list[TraceRequest]:
+    """One trace of several, each keeping its own timing: their sessions merged by arrival (a session's turns stay
+    together, ties in the order given), the hash ids of each trace after the last one's so that no block is shared
+    across them. Session ids must differ between the traces (generated ones carry their preset's name)."""
+    sessions: list[tuple[float, int, list[TraceRequest]]] = []
+    offset = 0
+    seen: dict[str, int] = {}
+    for index, trace in enumerate(traces):
+        top = -1
+        for request in trace:
+            if request.session_id is not None and seen.setdefault(request.session_id, index) != index:
+                raise ValueError(f"session {request.session_id!r} is in traces {seen[request.session_id]} and "
+                                 f"{index}; mix traces whose session ids differ")
+            shifted = replace(request, hash_ids=tuple(i + offset for i in request.hash_ids))
+            top = max(top, *shifted.hash_ids) if shifted.hash_ids else top
+            if request.timestamp_ms is not None or not sessions:
+                sessions.append((request.timestamp_ms or 0.0, index, [shifted]))
+            else:
+                sessions[-1][2].append(shifted)
+        offset = top + 1 if top >= 0 else offset
+    sessions.sort(key=lambda session: (session[0], session[1]))
+    return [request for _, _, turns in sessions for request in turns]
+
+
 def parse_preset_or_path(value: str, num_requests: int, seed: int,
                          rate_per_s: float | None = None) -> list[TraceRequest]:
     """A trace file's requests (read_trace), or num_requests generated from the preset of that name (a file of
-    that name wins).
+    that name wins), or a mix of presets joined by "+" ("chat+agentic": `mix` of num_requests split evenly, the
+    first taking the remainder, the k-th generated with seed + k).
 
-    rate_per_s, when given, replaces the preset's session arrival rate; a trace file carries its own timing.
+    rate_per_s, when given, replaces the preset's session arrival rate (of every preset of a mix); a trace file
+    carries its own timing.
     """
     path = Path(value)
     if path.is_file():
@@ -244,9 +270,19 @@ def parse_preset_or_path(value: str, num_requests: int, seed: int,
             raise ValueError(f"a rate ({rate_per_s}/s) was given with the trace file {value}, whose timestamps are "
                              f"its timing; drop the rate, or name a preset ({', '.join(PRESETS)})")
         return read_trace(path)
+    names = value.split("+")
+    if len(names) > 1 and all(name in PRESETS for name in names):
+        if len(set(names)) < len(names):
+            raise ValueError(f"{value!r} names a preset twice; a mix takes each preset once")
+        if num_requests < len(names):
+            raise ValueError(f"{num_requests} requests cannot be split over {len(names)} presets; ask for at "
+                             f"least {len(names)}")
+        share, extra = divmod(num_requests, len(names))
+        return mix([parse_preset_or_path(name, share + (extra if k == 0 else 0), seed + k, rate_per_s)
+                    for k, name in enumerate(names)])
     if value in PRESETS:
         shape = PRESETS[value] if rate_per_s is None else replace(PRESETS[value], rate_per_s=rate_per_s)
         return generate(shape, num_requests, seed)
     what = "is a directory, not a trace file" if path.exists() else "is no file"
-    raise ValueError(f"{value!r} {what} and no preset; give the path of a Mooncake JSONL trace or one of "
-                     f"{', '.join(PRESETS)}")
+    raise ValueError(f"{value!r} {what} and no preset; give the path of a Mooncake JSONL trace, one of "
+                     f"{', '.join(PRESETS)}, or presets joined by + (chat+agentic)")

@@ -281,3 +281,30 @@ def test_parse_preset_or_path(tmp_path: Path) -> None:
         parse_preset_or_path(str(tmp_path / "missing.jsonl"), num_requests=5, seed=0)
     with pytest.raises(ValueError, match="is a directory"):
         parse_preset_or_path(str(tmp_path), num_requests=5, seed=0)
+
+
+def test_a_mix_of_presets_keeps_each_sessions_turns_together_in_arrival_order_with_no_shared_block() -> None:
+    chat, agentic = generate(PRESETS["chat"], 200, seed=4), generate(PRESETS["agentic"], 200, seed=5)
+    mixed = parse_preset_or_path("chat+agentic", 400, seed=4)
+    assert len(mixed) == 400
+    starts = [r.timestamp_ms for r in mixed if r.timestamp_ms is not None]
+    assert starts == sorted(starts)
+    assert mixed[0].timestamp_ms is not None
+    # Each session's turns contiguous and in their order: the mix reads back as the two traces.
+    for source, name in ((chat, "chat"), (agentic, "agentic")):
+        mine = [r for r in mixed if (r.session_id or "").startswith(f"{name}-")]
+        assert [(r.input_length, r.output_length, r.session_id) for r in mine] == [
+            (r.input_length, r.output_length, r.session_id) for r in source]
+    sessions = [r.session_id for r in mixed]
+    assert all(sessions.index(s) + sessions.count(s) - 1 == len(sessions) - 1 - sessions[::-1].index(s)
+               for s in set(sessions))
+    chat_ids = {i for r in mixed if (r.session_id or "").startswith("chat-") for i in r.hash_ids}
+    agentic_ids = {i for r in mixed if (r.session_id or "").startswith("agentic-") for i in r.hash_ids}
+    assert chat_ids and agentic_ids and not chat_ids & agentic_ids
+
+
+def test_a_mix_refuses_a_preset_twice_and_fewer_requests_than_presets() -> None:
+    with pytest.raises(ValueError, match="names a preset twice"):
+        parse_preset_or_path("chat+chat", 10, seed=0)
+    with pytest.raises(ValueError, match="cannot be split over 2 presets"):
+        parse_preset_or_path("chat+agentic", 1, seed=0)
