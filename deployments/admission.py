@@ -291,6 +291,8 @@ class AdmissionQueue:
         prefix: PrefixReport | None = None,
         pool: str = DEFAULT_POOL,
         step_s: float = 0.0,
+        gpus: int = 1,
+        max_seqs: int = 0,
     ) -> None:
         """A replica's truth: its capacity, the blocks its ledger counts per ticket, its health, whether Serve routes
         to it (and how many controller probes it has seen), its admission headroom, the changes of its prefix cache.
@@ -306,6 +308,8 @@ class AdmissionQueue:
         replica.tokens_per_block = tokens_per_block
         replica.pool = pool
         replica.step_s = step_s
+        replica.gpus = gpus
+        replica.max_seqs = max_seqs
         replica.healthy = healthy
         replica.routable = routable
         replica.probes = probes
@@ -493,11 +497,12 @@ class KvAdmission:
 
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
                healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
-               prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0) -> dict[str, Any]:
+               prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0, gpus: int = 1,
+               max_seqs: int = 0) -> dict[str, Any]:
         """Returns the queue length, which replicas pass on to the autoscaler, and where the queue's copy of the
         replica's prefix cache stands (the replica's next report starts from there)."""
         self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix,
-                          pool, step_s)
+                          pool, step_s, gpus, max_seqs)
         epoch, version = self.queue.prefix_position(replica_id)
         return {"num_queued": self.queue.num_queued_for(pool), "queued_blocks": self.queue.queued_blocks,
                 "prefix_epoch": epoch, "prefix_version": version}

@@ -1,4 +1,4 @@
-"""Layout pools in the admission queue (work in progress): a request's need on each pool, which pools can ever hold
+"""Layout pools in the admission queue: a request's need on each pool, which pools can ever hold
 it, and which pool and replica it is granted now.
 
 An app with several layouts of one model has a pool per layout (deployments/config.py `pools`); the queue knows
@@ -8,10 +8,15 @@ sends the queue one `PoolNeed` per pool. An int need (one pool, or every replica
 every replica: the app without pools.
 
 The choice (`choose`): among the pools open to the request (the queue's per-pool head-of-line rule decides which
-are open) each pool's best replica (deployments/replica_choice.pick_replica); of those pools, the one whose
-replicas report the lowest mean step time (the ITL a new sequence would get), then the most free KV after the
-grant, as a fraction of the replica's capacity. The reason names which it was. Candidate rules that weigh the
-request's share of a pool's KV or an expected wait are to be measured against this one in the simulator.
+are open) each pool's best replica (deployments/replica_choice.pick_replica); of those, the one where the request
+costs the fewest GPU-seconds per output token (`gpu_seconds_per_token`: the replica's GPUs x its recent mean step x
+the request's share of the replica, the larger of its KV need against the KV still free and one seat of the step's
+max_num_seqs), then the most free KV after the grant, as a fraction of the replica's capacity. So a short request
+goes to the faster layout (its seat share decides), a request that would take much of a small-KV pool's free KV
+goes where it takes a smaller share (a DCP layout counts it in blocks of block_size x dcp tokens) unless that
+layout's steps are slower by more than the share saved, and a pool filling up prices itself out before it is full:
+short requests overflow into a long pool with room. The reason names which it was. docs/structure.md has why
+this rule and not the lowest step alone.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ class PoolChoice:
     hit_blocks: int
     ask: PrefixAsk | None
     # only_pool (the one pool that can ever hold it), only_room (the one of its pools with room now, or not closed
-    # by a request waiting ahead), fastest, most_free
+    # by a request waiting ahead), cheapest (the fewest GPU-seconds per token: gpu_seconds_per_token), most_free
+    # (costs alike: the most KV free after the grant)
     reason: str
 
 
@@ -117,6 +123,16 @@ def mean_step_s(replicas: list[ReplicaKv]) -> float:
     return sum(reported) / len(reported) if reported else 0.0
 
 
+def gpu_seconds_per_token(replica: ReplicaKv, blocks: int, step_s: float) -> float:
+    """What one output token of the request costs on that replica, in GPU-seconds: the replica's GPUs for one of its
+    steps, times the request's share of the replica, which is the larger of its share of the KV still free (need
+    against free: a request that takes much of what is left shuts others out for its whole life) and its share of
+    the step's sequences (1 / max_num_seqs: a short request on a roomy replica still takes a seat)."""
+    kv_share = blocks / max(replica.free, 1)
+    seat_share = 1.0 / replica.max_seqs if replica.max_seqs > 0 else 0.0
+    return replica.gpus * step_s * max(kv_share, seat_share)
+
+
 def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, prefix_routing: bool,
            open_pools: set[str] | None = None) -> PoolChoice | None:
     """The pool and replica to grant now (module doc), among open_pools (None: every pool); None if no open pool
@@ -138,12 +154,19 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
     if len(candidates) == 1:
         pool, (blocks, replica, hits), pool_ask, _ = candidates[0]
         return PoolChoice(pool, blocks, replica, hits, pool_ask, "only_pool" if len(holding) == 1 else "only_room")
+    # A replica that has not stepped yet is priced at its pool's mean step, or at the fastest step any candidate
+    # reports (a pool that has not run yet gets tried), or alike when none has run.
+    fastest = min((step for *_, step in candidates if step > 0), default=1.0)
+
+    def cost(candidate: tuple[str, tuple[int, ReplicaKv, int], PrefixAsk | None, float]) -> float:
+        _, (blocks, replica, _), _, pool_step = candidate
+        return gpu_seconds_per_token(replica, blocks, replica.step_s or pool_step or fastest)
 
     def key(candidate: tuple[str, tuple[int, ReplicaKv, int], PrefixAsk | None, float]) -> tuple[float, float]:
-        _, (blocks, replica, _), _, step_s = candidate
-        return (step_s, -(replica.free - blocks) / max(replica.capacity, 1))
+        _, (blocks, replica, _), _, _ = candidate
+        return (cost(candidate), -(replica.free - blocks) / max(replica.capacity, 1))
 
     best = min(candidates, key=key)
-    steps = {c[3] for c in candidates}
+    costs = {cost(c) for c in candidates}
     pool, (blocks, replica, hits), pool_ask, _ = best
-    return PoolChoice(pool, blocks, replica, hits, pool_ask, "fastest" if len(steps) > 1 else "most_free")
+    return PoolChoice(pool, blocks, replica, hits, pool_ask, "cheapest" if len(costs) > 1 else "most_free")

@@ -145,6 +145,7 @@ class EngineReplica:
         self.pool = next(p for p in self.args.pool_list() if p.name == pool)  # its layout pool (deployments/pools.py)
         self.metrics: ReplicaMetrics | None = None
         self.step_s = 0.0  # recent mean engine step (an exponential average), the ITL its batch gets
+        self.max_num_seqs = self.args.pool_engine_args(self.pool).max_num_seqs  # reported with step_s: its batch
         # Starting the engine blocks (rank actors or vLLM's workers, weights, KV sizing): keep it off the event loop.
         self.engine: EngineClient = await asyncio.to_thread(start_engine, self.args.pool_engine_args(self.pool),
                                                             self._on_step)
@@ -369,7 +370,7 @@ class EngineReplica:
             reply = await self.admission.report.remote(
                 self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                 self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
-                self.pool.name, self.step_s,
+                self.pool.name, self.step_s, self.pool.tensor_parallel_size, self.max_num_seqs,
             )
             self.admission_queued = int(reply.get("num_queued", 0))
             self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))

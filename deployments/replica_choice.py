@@ -43,6 +43,8 @@ class ReplicaKv:
     tokens_per_block: int
     pool: str = "default"  # its layout pool (deployments/pools.py)
     step_s: float = 0.0  # its recent mean engine step (the ITL its batch gets); 0: not reported
+    gpus: int = 1  # the GPUs it runs on (its tp)
+    max_seqs: int = 0  # the sequences one engine step takes (max_num_seqs); 0: not reported
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
     num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
     held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported

@@ -163,5 +163,6 @@ class SimReplica:
         reporter = self.block_manager.reporter
         prefix = None if reporter is None else reporter.report(*self._prefix_position)
         self.queue.report(self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                          True, not self.draining, self.probes, ledger.headroom_blocks, prefix, self.pool, self.step_s)
+                          True, not self.draining, self.probes, ledger.headroom_blocks, prefix, self.pool, self.step_s,
+                          self.shape.tp, self.shape.scheduler.max_num_seqs)
         self._prefix_position = self.queue.prefix_position(self.replica_id)

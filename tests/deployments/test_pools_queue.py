@@ -12,14 +12,14 @@ from deployments.admission import AdmissionQueue, NeverFits
 from deployments.pools import PoolNeed
 from simulator.clock import run_simulated
 
-# Two pools of one replica each: "short" (tp=2 dcp=1: 16-token blocks, 100 blocks, 20 ms steps) and "long"
-# (tp=2 dcp=2: 32-token blocks, 100 blocks = twice the tokens, 30 ms steps).
+# Two pools of one replica each, 2 GPUs and 4 seats per step: "short" (tp=2 dcp=1: 16-token blocks, 100 blocks,
+# 20 ms steps) and "long" (tp=2 dcp=2: 32-token blocks, 100 blocks = twice the tokens, 30 ms steps).
 
 
 def report(queue: AdmissionQueue, held_short: dict[str, int] | None = None,
            held_long: dict[str, int] | None = None) -> None:
-    queue.report("s0", 100, 16, held_short or {}, probes=1, pool="short", step_s=0.020)
-    queue.report("l0", 100, 32, held_long or {}, probes=1, pool="long", step_s=0.030)
+    queue.report("s0", 100, 16, held_short or {}, probes=1, pool="short", step_s=0.020, gpus=2, max_seqs=4)
+    queue.report("l0", 100, 32, held_long or {}, probes=1, pool="long", step_s=0.030, gpus=2, max_seqs=4)
 
 
 def need(tokens: int) -> dict[str, PoolNeed]:
@@ -27,15 +27,26 @@ def need(tokens: int) -> dict[str, PoolNeed]:
     return {"short": PoolNeed(-(-tokens // 16)), "long": PoolNeed(-(-tokens // 32))}
 
 
-def test_a_request_goes_to_the_faster_pool_with_room_and_overflows_to_the_other() -> None:
+def test_a_short_request_goes_to_the_faster_pool_until_its_kv_share_there_costs_more_than_the_slower_pool() -> None:
+    async def scenario() -> list[str]:
+        queue = AdmissionQueue(max_queued=16, clock=asyncio.get_running_loop().time)
+        report(queue)
+        # 10 short / 5 long blocks each. Per token: short 2 GPUs x 20 ms x max(10 / free, 1/4 seat), long 2 x 30 ms
+        # x 1/4 = 15 ms. Short is cheaper while its free KV is 30 or more (at 30: 13.3 ms), not at 20 (20 ms).
+        return [await queue.acquire(f"r{i}", need(160), 1.0) for i in range(9)]
+
+    assert run_simulated(scenario()) == ["s0"] * 8 + ["l0"]
+
+
+def test_a_request_that_takes_much_of_the_fast_pools_kv_goes_to_the_pool_where_it_costs_fewer_gpu_seconds() -> None:
     async def scenario() -> list[str]:
         queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time)
         report(queue)
-        granted = [await queue.acquire(f"r{i}", need(800), 1.0) for i in range(3)]  # 50 short / 25 long blocks
-        return granted
+        # 800 tokens: short 2 x 20 ms x 50/100 = 20 ms per token, long 2 x 30 ms x 25/100 = 15 ms.
+        return [await queue.acquire(f"r{i}", need(800), 1.0) for i in range(3)]
 
-    # Two fill the short pool (the faster one), the third overflows to the long pool.
-    assert run_simulated(scenario()) == ["s0", "s0", "l0"]
+    # The third: long 25/50 of its free KV (30 ms) against short 50/100 (20 ms).
+    assert run_simulated(scenario()) == ["l0", "l0", "s0"]
 
 
 def test_every_grant_names_its_pool_and_why() -> None:
@@ -45,14 +56,18 @@ def test_every_grant_names_its_pool_and_why() -> None:
         queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time,
                                on_pool=lambda pool, reason: heard.append((pool, reason)))
         report(queue)
-        for i in range(3):
-            await queue.acquire(f"r{i}", need(800), 1.0)
+        await queue.acquire("short", need(160), 1.0)
+        await queue.acquire("long", need(800), 1.0)
+        await queue.acquire("fills-short", need(1440), 1.0)  # 90 short blocks (free 90), 45 long (free 75)
+        await queue.acquire("only-room", need(1280), 1.0)  # 40 long blocks: long has 30 free, short 90 for its 80
         await queue.acquire("only-long", {"long": PoolNeed(10)}, 1.0)
         grant = queue.grant_of("only-long")
         assert grant is not None and grant.pool == "long"
 
     run_simulated(scenario())
-    assert heard == [("short", "fastest"), ("short", "fastest"), ("long", "only_room"), ("long", "only_pool")]
+    # fills-short: short 2 x 20 ms x 90/90 = 40 ms, long 2 x 30 ms x 45/75 = 36 ms: long.
+    assert heard == [("short", "cheapest"), ("long", "cheapest"), ("long", "cheapest"), ("short", "only_room"),
+                     ("long", "only_pool")]
 
 
 def test_a_request_only_the_long_pool_holds_goes_there_and_one_no_pool_holds_is_refused() -> None:
