@@ -9,14 +9,19 @@ given to Ray (no `ray_`, no `_total`); METRIC_NAMES holds the names Prometheus s
 Three recorders, one per deployment: ReplicaMetrics (engine KV, prefix cache, sequences, layout, steps;
 EngineReplica), AdmissionMetrics (outcomes, queue length and wait, prefix routing; KvAdmission), IngressMetrics (HTTP
 statuses, tokens and latencies as the client sees them; OpenAIIngress). Units are in the names (seconds, tokens,
-blocks, ratio).
+blocks, ratio). Every series of an engine replica carries its layout pool (`pool`, deployments/pools.py: "default"
+in an app without pools), and so do the ingress' latencies (the pool of the replica that served the request), so
+that PromQL can `sum by (pool)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 from ray.serve import metrics
+from ray.util.metrics import Metric
 
 from engine.protocol import EngineStats, KvLedger
 
@@ -46,13 +51,31 @@ QUEUE_WAIT_BUCKETS_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 # by default, so faster only matters for tests that lower that interval).
 GAUGE_PERIOD_S = 0.5
 
+# The label naming a layout pool (deployments/pools.py) on an engine replica's series and the ingress' latencies.
+POOL_TAG = "pool"
 
-def _gauge(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Gauge:
-    return metrics.Gauge(name, description=description, tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
+_AnyMetric = TypeVar("_AnyMetric", bound=Metric)
 
 
-def _counter(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Counter:
-    return metrics.Counter(name, description=description, tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
+def _pool_keys(tag_keys: tuple[str, ...], pool: str | None) -> tuple[str, ...]:
+    return tag_keys if pool is None else (*tag_keys, POOL_TAG)
+
+
+def _in_pool(metric: _AnyMetric, pool: str | None) -> _AnyMetric:
+    """Tags every value the metric records with the layout pool (a default tag: the callers name only their own
+    tags, the pool is added to each)."""
+    if pool is not None:
+        metric.set_default_tags({POOL_TAG: pool})  # a dict of its own: Serve adds its replica tags to it
+    return metric
+
+
+def _gauge(name: str, description: str, tag_keys: tuple[str, ...] = (), pool: str | None = None) -> metrics.Gauge:
+    return _in_pool(metrics.Gauge(name, description=description, tag_keys=_pool_keys(tag_keys, pool)), pool)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
+
+
+def _counter(name: str, description: str, tag_keys: tuple[str, ...] = (),
+             pool: str | None = None) -> metrics.Counter:
+    return _in_pool(metrics.Counter(name, description=description, tag_keys=_pool_keys(tag_keys, pool)), pool)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 def _start_at_zero(counter: metrics.Counter, tags: dict[str, str] | None = None) -> None:
@@ -82,65 +105,69 @@ class _EngineCount:
 
 
 def _histogram(name: str, description: str, boundaries: list[float],
-               tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
-    return metrics.Histogram(name, description=description, boundaries=boundaries,
-                             tag_keys=tag_keys)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
+               tag_keys: tuple[str, ...] = (), pool: str | None = None) -> metrics.Histogram:
+    return _in_pool(metrics.Histogram(name, description=description, boundaries=boundaries,
+                                      tag_keys=_pool_keys(tag_keys, pool)), pool)  # type: ignore[arg-type]  # Ray annotates tag_keys as a 1-tuple
 
 
 class ReplicaMetrics:
     """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, prefix cache, step
-    timings."""
+    timings; every series tagged with the replica's layout pool."""
 
-    def __init__(self, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
+    def __init__(self, pool: str, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
                  admission: str = "usage", node_id: str = "", node_type: str = "") -> None:
-        self.kv_capacity = _gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
-        self.kv_used = _gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
-        self.kv_reserved = _gauge("dcpserve_kv_reserved_tokens",
-                                  "KV tokens promised to admitted requests, not yet allocated")
-        self.kv_usage = _gauge("dcpserve_kv_usage_ratio", "allocated KV blocks / all KV blocks")
-        self.kv_held = _gauge("dcpserve_kv_held_tokens", "KV tokens the admission policy commits to accepted requests")
-        self.kv_headroom = _gauge("dcpserve_kv_headroom_tokens", "KV tokens usage admission keeps free as growth room")
-        self.kv_block = _gauge("dcpserve_kv_block_size_tokens", "tokens per logical KV block (block_size * dcp)")
-        self.rank_capacity = _gauge("dcpserve_kv_rank_capacity_tokens", "KV tokens one rank's shard holds",
-                                    ("rank", "dcp_rank"))
-        self.rank_used = _gauge("dcpserve_kv_rank_used_tokens", "computed tokens stored on one rank",
+        # Every metric of the replica carries `pool` (a default tag): PromQL can then sum by (pool).
+        gauge = partial(_gauge, pool=pool)
+        counter = partial(_counter, pool=pool)
+        histogram = partial(_histogram, pool=pool)
+        self.kv_capacity = gauge("dcpserve_kv_capacity_tokens", "KV tokens this replica holds in all")
+        self.kv_used = gauge("dcpserve_kv_used_tokens", "KV tokens in allocated blocks (block granularity)")
+        self.kv_reserved = gauge("dcpserve_kv_reserved_tokens",
+                                 "KV tokens promised to admitted requests, not yet allocated")
+        self.kv_usage = gauge("dcpserve_kv_usage_ratio", "allocated KV blocks / all KV blocks")
+        self.kv_held = gauge("dcpserve_kv_held_tokens", "KV tokens the admission policy commits to accepted requests")
+        self.kv_headroom = gauge("dcpserve_kv_headroom_tokens", "KV tokens usage admission keeps free as growth room")
+        self.kv_block = gauge("dcpserve_kv_block_size_tokens", "tokens per logical KV block (block_size * dcp)")
+        self.rank_capacity = gauge("dcpserve_kv_rank_capacity_tokens", "KV tokens one rank's shard holds",
+                                   ("rank", "dcp_rank"))
+        self.rank_used = gauge("dcpserve_kv_rank_used_tokens", "computed tokens stored on one rank",
+                               ("rank", "dcp_rank"))
+        self.rank_usage = gauge("dcpserve_kv_rank_usage_ratio", "tokens stored on one rank / its capacity",
                                 ("rank", "dcp_rank"))
-        self.rank_usage = _gauge("dcpserve_kv_rank_usage_ratio", "tokens stored on one rank / its capacity",
-                                 ("rank", "dcp_rank"))
-        self.layout = _gauge("dcpserve_layout_info", "1, labelled with the replica's TP x DCP layout",
-                             ("tp", "dcp", "kv_heads", "kv_head_copies", "duplication_removed"))
+        self.layout = gauge("dcpserve_layout_info", "1, labelled with the replica's TP x DCP layout",
+                            ("tp", "dcp", "kv_heads", "kv_head_copies", "duplication_removed"))
         # Which node the replica runs on: the dashboard's per-node panels join the per-replica series on `replica`.
-        self.node = _gauge("dcpserve_replica_node_info", "1, labelled with the node the replica runs on and its type",
-                           ("node_id", "node_type"))
-        self.running = _gauge("dcpserve_sequences_running", "sequences the engine is running")
-        self.waiting = _gauge("dcpserve_sequences_waiting",
-                              "sequences waiting inside the engine (accepted, not running)")
-        self.target = _gauge("dcpserve_autoscaling_target_sequences_per_replica",
-                             "the autoscaling policy's target_sequences_per_replica")
-        self.healthy = _gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")
-        self.preemptions = _counter("dcpserve_preemptions", "requests preempted for KV (admission 'usage')")
-        self.recomputed = _counter("dcpserve_recomputed_tokens", "computed tokens preemption threw away (recomputed)")
+        self.node = gauge("dcpserve_replica_node_info", "1, labelled with the node the replica runs on and its type",
+                          ("node_id", "node_type"))
+        self.running = gauge("dcpserve_sequences_running", "sequences the engine is running")
+        self.waiting = gauge("dcpserve_sequences_waiting",
+                             "sequences waiting inside the engine (accepted, not running)")
+        self.target = gauge("dcpserve_autoscaling_target_sequences_per_replica",
+                            "the autoscaling policy's target_sequences_per_replica")
+        self.healthy = gauge("dcpserve_engine_healthy", "1 while the engine loop runs, 0 once it failed")
+        self.preemptions = counter("dcpserve_preemptions", "requests preempted for KV (admission 'usage')")
+        self.recomputed = counter("dcpserve_recomputed_tokens", "computed tokens preemption threw away (recomputed)")
         # Prefix caching: prompt tokens looked up and served from the cache, evictions, cached blocks (all but the
         # looked-up tokens stay 0 while it is off).
-        self.prefix_queries = _counter("dcpserve_prefix_cache_query_tokens",
-                                       "prompt tokens of new requests looked up in the prefix cache")
-        self.prefix_hits = _counter("dcpserve_prefix_cache_hit_tokens",
-                                    "prompt tokens of new requests served from the prefix cache (not computed)")
-        self.prefix_evictions = _counter("dcpserve_prefix_cache_evictions",
-                                         "cached prefix blocks evicted to hold other KV")
-        self.kv_cached = _gauge("dcpserve_kv_cached_blocks",
-                                "logical KV blocks holding a cached prefix block (in use or evictable)")
-        self.accepted = _counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
-                                 ("admission",))
-        self.stream_items = _counter(
+        self.prefix_queries = counter("dcpserve_prefix_cache_query_tokens",
+                                      "prompt tokens of new requests looked up in the prefix cache")
+        self.prefix_hits = counter("dcpserve_prefix_cache_hit_tokens",
+                                   "prompt tokens of new requests served from the prefix cache (not computed)")
+        self.prefix_evictions = counter("dcpserve_prefix_cache_evictions",
+                                        "cached prefix blocks evicted to hold other KV")
+        self.kv_cached = gauge("dcpserve_kv_cached_blocks",
+                               "logical KV blocks holding a cached prefix block (in use or evictable)")
+        self.accepted = counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
+                                ("admission",))
+        self.stream_items = counter(
             "dcpserve_stream_items",
             "stream items this replica sent to the ingress replicas (each: their requests' tokens since the last)",
         )
-        self.stream_tokens = _counter("dcpserve_stream_tokens", "generated tokens this replica sent to the ingress")
-        self.steps = _histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
-        self.exchange = _histogram("dcpserve_engine_dcp_exchange_seconds",
-                                   "time of one step in the DCP exchange (max over ranks; 0 without DCP)",
-                                   STEP_BUCKETS_S)
+        self.stream_tokens = counter("dcpserve_stream_tokens", "generated tokens this replica sent to the ingress")
+        self.steps = histogram("dcpserve_engine_step_seconds", "wall time of one engine step", STEP_BUCKETS_S)
+        self.exchange = histogram("dcpserve_engine_dcp_exchange_seconds",
+                                  "time of one step in the DCP exchange (max over ranks; 0 without DCP)",
+                                  STEP_BUCKETS_S)
         self._engine_counts = (
             _EngineCount(self.preemptions, lambda stats: stats.num_preemptions),
             _EngineCount(self.recomputed, lambda stats: stats.num_recomputed_tokens),
@@ -250,7 +277,8 @@ class AdmissionMetrics:
 
 
 class IngressMetrics:
-    """What clients see: responses by status, prompt / generation tokens, TTFT, inter-token and e2e latency."""
+    """What clients see: responses by status, prompt / generation tokens, TTFT, inter-token and e2e latency (the
+    latencies by the layout pool that served the request: record them with tags={"pool": ...})."""
 
     def __init__(self) -> None:
         self.responses = _counter("dcpserve_http_responses", "API responses by endpoint and HTTP status",
@@ -258,11 +286,12 @@ class IngressMetrics:
         self.prompt_tokens = _counter("dcpserve_prompt_tokens", "prompt tokens of requests a replica accepted")
         self.generation_tokens = _counter("dcpserve_generation_tokens", "tokens generated and sent to clients")
         self.ttft = _histogram("dcpserve_time_to_first_token_seconds",
-                               "arrival to first generated token (admission wait included)", LATENCY_BUCKETS_S)
+                               "arrival to first generated token (admission wait included)", LATENCY_BUCKETS_S,
+                               (POOL_TAG,))
         self.itl = _histogram("dcpserve_inter_token_latency_seconds", "time between consecutive generated tokens",
-                              LATENCY_BUCKETS_S)
+                              LATENCY_BUCKETS_S, (POOL_TAG,))
         self.e2e = _histogram("dcpserve_request_latency_seconds", "arrival to last token of a finished request",
-                              LATENCY_BUCKETS_S)
+                              LATENCY_BUCKETS_S, (POOL_TAG,))
         _start_at_zero(self.prompt_tokens)
         _start_at_zero(self.generation_tokens)
 

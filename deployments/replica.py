@@ -151,7 +151,7 @@ class EngineReplica:
                                                             self._on_step)
         stats = self.engine.stats()
         self.metrics = ReplicaMetrics(
-            tp=stats.tp, dcp=stats.dcp, num_kv_heads=stats.num_kv_heads,
+            pool=self.pool.name, tp=stats.tp, dcp=stats.dcp, num_kv_heads=stats.num_kv_heads,
             target_sequences_per_replica=self.pool.autoscaling.target_sequences_per_replica,
             admission=stats.admission, **_node_tags(),
         )

@@ -18,7 +18,7 @@ from ray.serve import context as serve_context
 
 from deployments.config import AppArgs
 from deployments.http_edge import ApiError
-from deployments.metrics import IngressMetrics
+from deployments.metrics import POOL_TAG, IngressMetrics
 from deployments.pools import DEFAULT_POOL, Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected, ReplicaQuery
@@ -176,6 +176,7 @@ class Sessions:
                     await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
                 returned.append(f"replica {replica_id} {problem}")
             self.metrics.prompt_tokens.inc(len(token_ids))
+            latency_tags = {POOL_TAG: pool}  # the layout pool of the replica that took it
             yield RequestDelta(ticket, [], "", False, None, len(token_ids), 0)  # admitted: no tokens yet
             request_deadline = arrived + self.args.request_timeout_s
             while True:
@@ -189,11 +190,12 @@ class Sessions:
                 now = loop.time()
                 if delta.new_token_ids:
                     # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
-                    (self.metrics.itl if num_generated else self.metrics.ttft).observe(now - last_token_at)
+                    latency = self.metrics.itl if num_generated else self.metrics.ttft
+                    latency.observe(now - last_token_at, tags=latency_tags)
                     num_generated += len(delta.new_token_ids)
                     last_token_at = now
                 if delta.finished:
-                    self.metrics.e2e.observe(now - arrived)
+                    self.metrics.e2e.observe(now - arrived, tags=latency_tags)
                 yield delta
                 if delta.finished:
                     finished = True

@@ -157,7 +157,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
     out = []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = (target["expr"].replace("$application", APP).replace("$replica", ".*")
+            expr = (target["expr"].replace("$application", APP).replace("$replica", ".*").replace("$pool", ".*")
                     .replace("$__rate_interval", "2m"))
             out.append((panel["title"], expr))
     return out
@@ -327,6 +327,10 @@ def test_every_documented_metric_moves_and_has_its_type(loaded: Stack) -> None:
     layout = query(loaded, of_app("ray_dcpserve_layout_info"))["result"][0]["metric"]
     assert (layout["tp"], layout["dcp"], layout["kv_heads"], layout["duplication_removed"]) == (
         "2", str(dcp), "1", str(dcp))
+    # The app has no pools: its replicas' series and the ingress' latencies carry its one pool, "default".
+    for name in ("ray_dcpserve_kv_capacity_tokens", "ray_dcpserve_engine_step_seconds_count",
+                 "ray_dcpserve_inter_token_latency_seconds_count"):
+        assert {s["metric"].get("pool") for s in query(loaded, of_app(name))["result"]} == {"default"}, name
     # The session head is the only node: every engine replica reports it, by its Ray node id.
     import ray
 
@@ -340,8 +344,8 @@ def test_every_dashboard_query_returns_data(loaded: Stack) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["schemaVersion"] >= 39
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and {"application", "replica"} <= set(variables)
-    for name in ("application", "replica"):
+    assert variables["datasource"]["type"] == "datasource" and {"application", "replica", "pool"} <= set(variables)
+    for name in ("application", "replica", "pool"):
         match = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[name]["query"]["query"])
         assert match, variables[name]
         series = query(loaded, match.group(1).replace("$application", APP))["result"]

@@ -1,7 +1,8 @@
 """deployments/metrics.py's recorders without a Ray cluster: what each update and event records.
 
 Ray's metric objects work outside a replica (no Serve labels then); every value they would export goes through
-Metric._record, which the `recorded` fixture captures instead.
+Metric._record, which the `recorded` fixture captures instead, with the tags Ray would export it with (the metric's
+default tags merged with the call's, every tag key checked as Ray checks it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 from ray.util import metrics as ray_metrics
 
 from deployments.metrics import AdmissionMetrics, ReplicaMetrics
-from engine.protocol import EngineStats, KvLedger
+from deployments.replica import EngineReplica
+from engine.protocol import EngineStats, KvLedger, RankKvStats
 
 
 class Recorded:
@@ -39,7 +41,9 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Recorded:
     record = Recorded()
 
     def capture(self: ray_metrics.Metric, value: float, tags: dict[str, str] | None = None) -> None:
-        record.values[self._name].append((value, dict(tags or {})))
+        final = self._get_final_tags(tags)  # what Metric._record exports: default tags, then the call's
+        self._validate_tags(final)  # Ray refuses a value missing one of the metric's tag keys
+        record.values[self._name].append((value, dict(final)))
 
     monkeypatch.setattr(ray_metrics.Metric, "_record", capture)
     return record
@@ -51,8 +55,11 @@ LEDGER = KvLedger(admission="full", capacity_blocks=32, tokens_per_block=32, use
                   headroom_blocks=0, per_request={})
 
 
+POOL = "long"  # the layout pool of the replica under test
+
+
 def replica_metrics() -> ReplicaMetrics:
-    return ReplicaMetrics(tp=2, dcp=2, num_kv_heads=1, target_sequences_per_replica=4, admission="full")
+    return ReplicaMetrics(pool=POOL, tp=2, dcp=2, num_kv_heads=1, target_sequences_per_replica=4, admission="full")
 
 
 def test_engine_counts_become_counters_that_start_at_zero_and_advance_by_the_difference(recorded: Recorded) -> None:
@@ -61,8 +68,8 @@ def test_engine_counts_become_counters_that_start_at_zero_and_advance_by_the_dif
     for preemptions, recomputed in ((0, 0), (2, 40), (2, 40), (5, 100)):
         metrics.update(replace(STATS, num_preemptions=preemptions, num_recomputed_tokens=recomputed), LEDGER)
     assert recorded.increments("dcpserve_preemptions") == [0.0, 2.0, 3.0]  # nothing recorded while it stood still
-    assert recorded.counter("dcpserve_preemptions") == 5
-    assert recorded.counter("dcpserve_recomputed_tokens") == 100
+    assert recorded.counter("dcpserve_preemptions", pool=POOL) == 5
+    assert recorded.counter("dcpserve_recomputed_tokens", pool=POOL) == 100
 
 
 def test_an_engine_restart_counts_what_the_new_engine_did_and_never_goes_back(recorded: Recorded) -> None:
@@ -73,7 +80,7 @@ def test_an_engine_restart_counts_what_the_new_engine_did_and_never_goes_back(re
     metrics.update(replace(STATS, num_preemptions=0), LEDGER)  # again, nothing yet
     metrics.update(replace(STATS, num_preemptions=1), LEDGER)
     assert recorded.increments("dcpserve_preemptions") == [0.0, 5.0, 2.0, 2.0, 1.0]
-    assert recorded.counter("dcpserve_preemptions") == 10
+    assert recorded.counter("dcpserve_preemptions", pool=POOL) == 10
 
 
 def test_prefix_cache_counters_and_cached_blocks(recorded: Recorded) -> None:
@@ -93,11 +100,11 @@ def test_prefix_cache_counters_and_cached_blocks(recorded: Recorded) -> None:
         metrics.update(replace(STATS, prefix_caching=True, prefix_cache_queries=queries, prefix_cache_hits=hits,
                                prefix_cache_evictions=evictions, kv_blocks_cached=cached), LEDGER)
     assert recorded.increments("dcpserve_prefix_cache_query_tokens") == [0.0, 380.0, 380.0, 200.0, 100.0]
-    assert recorded.counter("dcpserve_prefix_cache_query_tokens") == 1060
+    assert recorded.counter("dcpserve_prefix_cache_query_tokens", pool=POOL) == 1060
     assert recorded.increments("dcpserve_prefix_cache_hit_tokens") == [0.0, 352.0, 64.0]
-    assert recorded.counter("dcpserve_prefix_cache_hit_tokens") == 416
+    assert recorded.counter("dcpserve_prefix_cache_hit_tokens", pool=POOL) == 416
     assert recorded.increments("dcpserve_prefix_cache_evictions") == [0.0, 3.0, 1.0]
-    assert recorded.gauge("dcpserve_kv_cached_blocks") == 2
+    assert recorded.gauge("dcpserve_kv_cached_blocks", pool=POOL) == 2
     assert [v for v, _ in recorded.values["dcpserve_kv_cached_blocks"]] == [0, 12, 12, 9, 2, 2]  # every update
 
 
@@ -181,3 +188,193 @@ def test_metric_names_are_the_ones_docs_metrics_md_documents(recorded: Recorded)
             elif isinstance(metric, ray_metrics.Gauge):
                 created[f"ray_{metric._name}"] = "gauge"
     assert created == METRIC_NAMES
+
+
+def test_the_labels_docs_metrics_md_lists_are_the_tags_each_metric_records() -> None:
+    """The labels column of docs/metrics.md = each metric's own tag keys (Serve's and Ray's labels are the
+    module's prose): a replica's metrics list `pool`, the admission queue's none but pool grants'."""
+    import re
+    from pathlib import Path
+
+    from deployments.metrics import IngressMetrics
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    documented = {name: set(re.findall(r"`(\w+)`", labels)) for name, labels in re.findall(
+        r"^\| `(ray_[a-z0-9_]+)` \| (?:gauge|counter|histogram) \|([^|]*)\|", doc, re.M)}
+    tagged: dict[str, set[str]] = {}
+    for recorder in (replica_metrics(), AdmissionMetrics(), IngressMetrics()):
+        for metric in vars(recorder).values():
+            if isinstance(metric, ray_metrics.Metric):
+                suffix = "_total" if isinstance(metric, ray_metrics.Counter) else ""
+                tagged[f"ray_{metric._name}{suffix}"] = set(metric._tag_keys)
+    assert documented == tagged
+    assert all("pool" in tags for name, tags in tagged.items() if name in {
+        "ray_dcpserve_kv_usage_ratio", "ray_dcpserve_sequences_running", "ray_dcpserve_inter_token_latency_seconds"})
+
+
+def _replica_metric_names(metrics: ReplicaMetrics) -> set[str]:
+    return {metric._name for metric in vars(metrics).values() if isinstance(metric, ray_metrics.Metric)}
+
+
+def test_every_series_of_a_replica_carries_its_pool_and_keeps_its_own_tags(recorded: Recorded) -> None:
+    """Everything a replica records (its gauges, the engine's counts, the step histograms, and the counters the
+    replica itself increments) is tagged with its layout pool, so PromQL can sum by (pool); the metrics' own tags
+    stay as they were."""
+    metrics = replica_metrics()
+    ranks = tuple(RankKvStats(rank=r, dcp_rank=r % 2, pages_total=32, pages_used=4, tokens_capacity=512,
+                              tokens_used=100) for r in range(2))
+    stats = replace(STATS, per_rank=ranks, num_preemptions=1, num_recomputed_tokens=8, prefix_cache_queries=64,
+                    prefix_cache_hits=32, prefix_cache_evictions=1, last_step_seconds=0.02)
+    metrics.update(stats, LEDGER)
+    metrics.on_step(stats)
+    # What EngineReplica records itself (generate(), deltas()): its own tags only; the pool comes with the metric.
+    metrics.accepted.inc(tags={"admission": "full"})
+    metrics.stream_items.inc()
+    metrics.stream_tokens.inc(3)
+    assert set(recorded.values) == _replica_metric_names(metrics)  # every metric recorded at least once
+    untagged = {name: tags for name, values in recorded.values.items() for _, tags in values
+                if tags.get("pool") != POOL}
+    assert not untagged, untagged
+    assert recorded.gauge("dcpserve_kv_rank_capacity_tokens", rank="1", dcp_rank="1", pool=POOL) == 512
+    assert recorded.gauge("dcpserve_layout_info", tp="2", dcp="2", kv_heads="1", kv_head_copies="1",
+                          duplication_removed="2", pool=POOL) == 1
+    assert recorded.gauge("dcpserve_replica_node_info", node_id="", node_type="", pool=POOL) == 1
+    assert recorded.gauge("dcpserve_sequences_running", pool=POOL) == 0
+    assert recorded.counter("dcpserve_requests_accepted", admission="full", pool=POOL) == 1
+    assert recorded.counter("dcpserve_stream_tokens", pool=POOL) == 3
+    assert recorded.values["dcpserve_engine_step_seconds"] == [(0.02, {"pool": POOL})]
+
+
+def test_admission_series_carry_no_replica_pool(recorded: Recorded) -> None:
+    """The admission queue's metrics are the whole app's: no pool of a replica (pool grants name theirs)."""
+    metrics = AdmissionMetrics()
+    metrics.on_event("admitted", 0.5)
+    metrics.on_pool("long", "fastest")
+    metrics.update(1, 4)
+    assert recorded.counter("dcpserve_admission_requests", outcome="admitted") == 1
+    assert recorded.values["dcpserve_admission_queue_wait_seconds"] == [(0.5, {})]
+    assert recorded.values["dcpserve_admission_pool_grants"] == [(1.0, {"pool": "long", "reason": "fastest"})]
+
+
+class _StubEngine:
+    """The EngineClient an EngineReplica starts, as far as its constructor and metrics loop use it."""
+
+    def stats(self) -> EngineStats:
+        return STATS
+
+    def kv_ledger(self) -> KvLedger:
+        return LEDGER
+
+
+class _Replica(EngineReplica):
+    """EngineReplica outside Serve: nothing for the garbage collector to call Serve's async __del__ on."""
+
+    def __del__(self) -> None:  # type: ignore[override]  # Serve awaits the real one; nothing to tear down here
+        pass
+
+
+@pytest.mark.parametrize(("app_pools", "pool", "tag"), [
+    (None, None, "default"),  # an app without pools: its one pool is "default"
+    ([{"name": "short", "tensor_parallel_size": 2},
+      {"name": "long", "tensor_parallel_size": 2, "decode_context_parallel_size": 2}], "long", "long"),
+])
+def test_the_engine_replica_tags_its_metrics_with_its_pool(recorded: Recorded, monkeypatch: pytest.MonkeyPatch,
+                                                          app_pools: list[dict] | None, pool: str | None,
+                                                          tag: str) -> None:
+    """EngineReplica's constructor (with a stand-in engine, outside Serve) makes metrics tagged with the pool it was
+    deployed for, and its metrics loop records the engine's gauges with that tag."""
+    import asyncio
+    import types
+
+    from ray import serve
+
+    import engine.backends
+    from deployments import replica as replica_module
+    from deployments.config import parse_args
+
+    started: list[object] = []
+
+    def start_engine(args: object, on_step: object) -> _StubEngine:
+        started.append(args)
+        return _StubEngine()
+
+    monkeypatch.setattr(engine.backends, "start_engine", start_engine)
+    monkeypatch.setattr(replica_module, "_node_tags", lambda: {"node_id": "n1", "node_type": "head"})
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="r1")))
+    args = parse_args({"model": "/m", "device": "cpu", **({"pools": app_pools} if app_pools else {})})
+
+    async def run() -> None:
+        replica = object.__new__(_Replica)
+        await (_Replica.__init__(replica, args, None, pool) if pool else _Replica.__init__(replica, args, None))
+        task = replica._metrics_task
+        assert task is not None
+        try:
+            await asyncio.sleep(0)  # the metrics loop's first update
+            assert not task.done()
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert len(started) == 1
+    assert recorded.gauge("dcpserve_kv_capacity_tokens", pool=tag) == STATS.kv_capacity_tokens
+    assert recorded.gauge("dcpserve_replica_node_info", node_id="n1", node_type="head", pool=tag) == 1
+    assert {tags.get("pool") for values in recorded.values.values() for _, tags in values} == {tag}
+
+
+def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the_request(
+        recorded: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sessions.open records TTFT, ITL and end-to-end latency with the pool the admission queue's grant named
+    (the replica's pool), the request's other counters untagged."""
+    import asyncio
+    import types
+    from typing import cast
+
+    from deployments.config import AppArgs
+    from deployments.metrics import IngressMetrics
+    from deployments.pools import PoolNeed
+    from deployments.replica import Accepted
+    from deployments.sessions import Sessions
+    from deployments.streams import DeltaLinks
+    from engine.protocol import RequestDelta
+    from engine.sampling_params import SamplingParams
+
+    async def acquire(ticket: str, need: object, timeout: float, requeued: bool, ask: object) -> dict:
+        return {"replica_id": "r1", "pool": "long", "need": 3}
+
+    async def release(ticket: str) -> None:
+        return None
+
+    sessions = object.__new__(Sessions)
+    sessions.args = cast(AppArgs, types.SimpleNamespace(queue_timeout_s=5.0, request_timeout_s=5.0,
+                                                        dispatch_timeout_s=5.0))
+    sessions.admission = types.SimpleNamespace(acquire=types.SimpleNamespace(remote=acquire),
+                                               release=types.SimpleNamespace(remote=release))
+    sessions.metrics = IngressMetrics()
+    sessions.prefix_caching = False
+    sessions.tokens_per_block = 16
+    sessions.pool_layouts = {"short": 16, "long": 32}
+    sessions._replica_pools = {}
+    sessions._background = set()
+    sessions.links = cast(DeltaLinks, types.SimpleNamespace(subscriber="ingress-1", is_open=lambda replica: True,
+                                                            unregister=lambda replica, ticket: None))
+
+    async def run() -> list[RequestDelta]:
+        deltas: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        for i, finished in enumerate((False, False, True)):
+            deltas.put_nowait(RequestDelta("t1", [7 + i], "x", finished, "length" if finished else None, 4, i + 1))
+
+        async def dispatch(request: object, replica_id: str) -> tuple[object, object, str]:
+            return deltas, Accepted(replica_id), ""
+
+        monkeypatch.setattr(sessions, "_dispatch", dispatch)  # the replica, accepting at once
+        need = {"short": PoolNeed(1), "long": PoolNeed(1)}
+        got = [delta async for delta in sessions.open("t1", [1, 2, 3, 4], SamplingParams(max_tokens=3), need)]
+        await asyncio.sleep(0)  # the grant's release, in the background
+        return got
+
+    assert len(asyncio.run(run())) == 4  # admitted, then three tokens
+    assert [tags for _, tags in recorded.values["dcpserve_time_to_first_token_seconds"]] == [{"pool": "long"}]
+    assert [tags for _, tags in recorded.values["dcpserve_inter_token_latency_seconds"]] == [{"pool": "long"}] * 2
+    assert [tags for _, tags in recorded.values["dcpserve_request_latency_seconds"]] == [{"pool": "long"}]
+    assert recorded.counter("dcpserve_generation_tokens") == 3
