@@ -235,7 +235,7 @@ class AdmissionMetrics:
                                       "granted requests with prompt blocks, by whether the granted replica reported "
                                       "any of them cached", ("prefix_hit",))
         self.pool_grants = _counter("dcpserve_admission_pool_grants",
-                                    "grants by layout pool and why that pool (only_pool, only_room, fastest, "
+                                    "grants by layout pool and why that pool (only_pool, only_room, cheapest, "
                                     "most_free: deployments/pools.py)", ("pool", "reason"))
         for outcome in ADMISSION_OUTCOMES:
             _start_at_zero(self.requests, {"outcome": outcome})
