@@ -2,8 +2,14 @@
 
     dcpserve simulate --trace agentic|chat|1k-1k|8k-1k|8k-8k|FILE.jsonl --model kimi-k2|DIR|CONFIG_JSON --gpu b200 \\
         --nodes 1 --gpus-per-node 8 --layout tp=8,dcp=8 [--concurrency 512] [--requests 2000] [--seed 0] \\
-        [--admission usage|full] [--autoscale --max-replicas 8 ...] [--step-model roofline|FIT.json] [--out DIR] \\
+        [--admission usage|full] [--autoscale --replicas 8 ...] [--step-model roofline|FIT.json] [--out DIR] \\
         [--sweep layouts | --sweep concurrency=64,128,256]
+    dcpserve simulate ... --nodes 2 --gpus-per-node 8 --pool short:tp=8,dcp=1,replicas=1 \\
+        --pool long:tp=8,dcp=8,replicas=1 [--autoscale --gpu-budget 16]
+
+A `--pool` (repeatable) makes the app one of layout pools behind the one admission queue (deployments/pools.py):
+each pool its own layout and replicas, its KV pool and roofline step time its layout's (a fitted --step-model is
+every pool's), and with --autoscale its own autoscaling (max_replicas = its replicas) within --gpu-budget.
 
 Progress goes to stderr, the result table to stdout, and with --out the summary.json (docs/simulate.md lists
 its keys) and the plots: timeline.png, and a sweep's sweep.png. Bad input stops the run before anything is
@@ -23,13 +29,11 @@ from cluster.planner import PlanRequest, plan_layouts
 from cluster.published_models import PUBLISHED, model_spec
 from deployments.config import AutoscalingArgs
 from engine.args import cli_type
-from engine.config import SchedulerConfig
+from simulator.build import build, parse_pool
 from simulator.gpus import GPUS, gpu_spec
 from simulator.plots import Sample, SweepPoint, write_concurrency_sweep, write_layout_sweep, write_timeline
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_fit import LinearStepModel
-from simulator.step_time import KV_DTYPES, WEIGHT_DTYPES, RooflineModel, StepTimeModel
+from simulator.run import ServeSettings, Simulation
+from simulator.step_time import KV_DTYPES, WEIGHT_DTYPES
 from simulator.synth import PRESETS, parse_preset_or_path
 from simulator.trace import TraceError, TraceRequest
 
@@ -53,6 +57,12 @@ def parse_layout(value: str) -> tuple[int, int]:
     if "tp" not in fields:
         raise ValueError(f"layout {value!r} names no tp: write it as tp=T,dcp=D (for example tp=8,dcp=8)")
     return fields["tp"], fields.get("dcp", 1)
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"must be a whole number >= 1, got {text}")
+    return int(text)
 
 
 def parse_sweep(value: str) -> tuple[str, list[int]]:
@@ -88,6 +98,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                      help="one replica's layout, tp=T,dcp=D (default tp=--gpus-per-node,dcp=1)")
     sim.add_argument("--replicas", type=int, default=None,
                      help="replicas (default: as many as the GPUs hold; with --autoscale, the most it may reach)")
+    sim.add_argument("--pool", type=cli_type(parse_pool), action="append", default=None, metavar="NAME:tp=T,dcp=D",
+                     help="a layout pool, repeated for each pool: NAME:tp=T,dcp=D[,replicas=N] (replicas default 1; "
+                          "with --autoscale, the most the pool may reach); one app of several layouts behind one "
+                          "admission queue, instead of --layout and --replicas")
     sim.add_argument("--concurrency", type=int, default=None,
                      help="closed loop: this many clients, each sending its next session when the last one ended "
                           "(default: open loop at the trace's timestamps)")
@@ -127,6 +141,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     scaling.add_argument("--downscale-delay-s", type=float, default=scaling_defaults.downscale_delay_s)
     scaling.add_argument("--replica-start-s", type=float, default=60.0,
                          help="from the decision to a new replica taking requests (default 60)")
+    scaling.add_argument("--gpu-budget", type=cli_type(_positive_int), default=None, metavar="GPUS",
+                         help="GPUs the app's replicas may hold together (AppArgs' gpu_budget): the pools' "
+                              "autoscaling shares it; at most the nodes' GPUs (default: none)")
     sim.add_argument("--sweep", type=cli_type(parse_sweep), default=None,
                      help="`layouts`: every valid tp x dcp of one node's GPUs (as many replicas as the GPUs hold); "
                           "`concurrency=64,128,256`: closed loop at each. Prints a row per point and marks the "
@@ -138,58 +155,26 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sim.set_defaults(func=_cmd_simulate)
 
 
-def build(args: argparse.Namespace) -> tuple[Simulation, dict[str, Any]]:
-    """The simulation the arguments describe, and the facts of its setup for the table (raises ValueError)."""
-    spec = model_spec(args.model)
-    tp, dcp = args.layout if args.layout is not None else (args.gpus_per_node, 1)
-    if tp > args.gpus_per_node:
-        raise ValueError(f"tp={tp} spans more than one node of {args.gpus_per_node} GPUs; a replica never spans "
-                         f"nodes: lower tp or raise --gpus-per-node")
-    gpu = gpu_spec(args.gpu)
-    roofline = RooflineModel(spec, gpu, tp, dcp, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
-    num_blocks = roofline.kv_blocks_per_replica(args.block_size, args.gpu_memory_utilization)
-    step_model: StepTimeModel = roofline
-    if args.step_model != "roofline":
-        path = Path(args.step_model)
-        if not path.is_file():
-            raise ValueError(f"--step-model {args.step_model!r} is neither 'roofline' nor a fitted model's JSON file")
-        step_model = LinearStepModel.from_json(path.read_text())
-    max_model_len = args.max_model_len or spec.max_position_embeddings
-    scheduler = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens, admission=args.admission)
-    shape = ReplicaShape(tp=tp, dcp=dcp, num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
-                         enable_prefix_caching=not args.no_prefix_caching)
-    gpus = args.nodes * args.gpus_per_node
-    fit = (args.gpus_per_node // tp) * args.nodes
-    if fit < 1:
-        raise ValueError(f"no replica of tp={tp} fits {args.nodes} node(s) of {args.gpus_per_node} GPUs")
-    replicas = args.replicas or fit
-    if replicas > fit:
-        raise ValueError(f"--replicas {replicas} of tp={tp} need {replicas * tp} GPUs; {args.nodes} node(s) of "
-                         f"{args.gpus_per_node} hold {fit} replicas")
-    autoscaling = None
-    if args.autoscale:
-        autoscaling = AutoscalingArgs(
-            min_replicas=args.min_replicas, max_replicas=replicas,
-            target_sequences_per_replica=args.target_sequences_per_replica,
-            upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
-    serve = ServeSettings(max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
-                          prefix_routing=not args.no_prefix_routing)
-    config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve, autoscaling=autoscaling,
-                              replica_start_s=args.replica_start_s, concurrency=args.concurrency,
-                              request_latency_s=args.request_latency_s,
-                              progress=None if args.quiet else sys.stderr)
-    facts = {"model": spec.describe_shape(), "gpu": gpu.name, "gpus": gpus, "layout": f"tp={tp} dcp={dcp}",
-             "replicas": replicas, "kv_tokens_per_replica": num_blocks * shape.tokens_per_block,
-             "step_model": step_model.describe()}
-    return Simulation(config, step_model), facts
+def _setup_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's rows of the setup: the layout and replicas, or a row per pool."""
+    rows = [("model", facts["model"]), ("GPU", f"{facts['gpu']} x {facts['gpus']}")]
+    if "pools" in facts:
+        for pool in facts["pools"]:
+            replicas = (f"{pool['min_replicas']}-{pool['replicas']} replicas, autoscaled" if "min_replicas" in pool
+                        else f"{pool['replicas']} replica{'' if pool['replicas'] == 1 else 's'}")
+            rows.append((f"pool {pool['name']}",
+                         f"{pool['layout']}, {replicas}, {pool['kv_tokens_per_replica']:,} KV tokens per replica"))
+    else:
+        rows += [("layout", facts["layout"]), ("replicas", str(facts["replicas"])),
+                 ("KV tokens per replica", f"{facts['kv_tokens_per_replica']:,}")]
+    if "gpu_budget" in facts:
+        rows.append(("GPU budget", str(facts["gpu_budget"])))
+    return [*rows, ("step model", facts["step_model"])]
 
 
 def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
     rows = [
-        ("model", facts["model"]), ("GPU", f"{facts['gpu']} x {facts['gpus']}"), ("layout", facts["layout"]),
-        ("replicas", str(facts["replicas"])), ("KV tokens per replica", f"{facts['kv_tokens_per_replica']:,}"),
-        ("step model", facts["step_model"]),
+        *_setup_rows(facts),
         ("requests (finished)", f"{summary['requests']} ({summary['finished']})"),
         ("simulated time", f"{summary['duration_s']:.1f} s"),
         ("output tok/s per GPU", f"{summary['output_tokens_per_s_per_gpu']:.1f}"),
@@ -206,6 +191,9 @@ def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
         ("preemptions", str(summary["preemptions"])),
         ("refused", ", ".join(f"{k} {v}" for k, v in summary["refused"].items()) or "none"),
     ]
+    if "pools" in facts:  # each grant's pool and the queue's reason for it (deployments/pools.py)
+        rows.append(("grants by pool/reason", ", ".join(f"{k} {v}" for k, v in summary["pool_grants"].items())
+                     or "none"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -213,6 +201,9 @@ def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
 def sweep_points(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
     """The runs of a sweep: (label, the arguments of that run)."""
     kind, values = args.sweep
+    if kind == "layouts" and args.pool:
+        raise ValueError("--sweep layouts runs one layout at a time, --pool several at once: drop one of them "
+                         "(dcpserve plan --trace --gpu-budget ranks layouts and two-pool splits together)")
     if kind == "concurrency":
         return [(f"concurrency {value}", argparse.Namespace(**{**vars(args), "concurrency": value}))
                 for value in values]

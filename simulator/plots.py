@@ -65,7 +65,7 @@ def _y_from_zero(axes: Axes, values: Sequence[float]) -> None:
 
 def write_timeline(path: Path, samples: Sequence[Sample], facts: Mapping[str, Any], label: str | None = None) -> None:
     """A run over simulated time: KV utilization, replicas up, sequences held and requests queued (a panel for each kind
-    of quantity). `facts` is the run's setup (simulator/cli.py `build`); `label` names a sweep's point."""
+    of quantity). `facts` is the run's setup (simulator/build.py `build`); `label` names a sweep's point."""
     from matplotlib.ticker import MaxNLocator
 
     times = [sample[0] for sample in samples]

@@ -1,19 +1,25 @@
 """`dcpserve plan --trace` (simulator/plan.py) and goodput (simulator/metrics.py): the capacity table unchanged, then
 the layouts ranked by simulated goodput; the goodput rule on hand-made requests (targets are inclusive, refused
-requests never meet them, a one-token request has no gap to miss); bad input stopped with the flag or line named."""
+requests never meet them, a one-token request has no gap to miss); bad input stopped with the flag or line named.
+With --gpu-budget (simulator/pool_split.py): the splits tried, the layouts and splits ranked together, each split's
+row its own pooled run, and the best split's serve config valid app args."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.planner import PlanRequest, format_plan, plan_layouts
 from cluster.published_models import model_spec
 from dcpserve.cli import build_parser, main
-from simulator.cli import DEFAULT_MAX_NUM_SEQS, build
+from deployments.config import parse_args
+from simulator.build import PoolOption, build
+from simulator.cli import DEFAULT_MAX_NUM_SEQS
 from simulator.gpus import H100
 from simulator.metrics import Goodput, RequestRecord, goodput, mean_itl_s, meets_slo, span_s
 from simulator.plan import (
@@ -24,6 +30,7 @@ from simulator.plan import (
     simulate_args,
     with_trace_defaults,
 )
+from simulator.pool_split import SHARES, Split, serve_config_snippet, split_candidates
 from simulator.synth import parse_preset_or_path
 
 
@@ -211,6 +218,10 @@ def test_requests_longer_than_the_context_are_named_and_miss_the_slo(
     (("--trace", "chat", "--gpu", "h100", "--requests", "0"), "argument --requests: must be > 0, got 0"),
     (("--trace", "chat"), "--trace needs --gpu"),
     (("--gpu-memory", "80GiB", "--gpu", "h100", "--seed", "1"), "--gpu, --seed given without --trace"),
+    (("--gpu-memory", "80GiB", "--gpu-budget", "4"), "--gpu-budget given without --trace"),
+    (("--trace", "chat", "--gpu", "h100", "--gpu-budget", "3"),
+     "--gpu-budget 3 is not a multiple of --gpus-per-node 2: plan for whole nodes, for example --gpu-budget 4"),
+    (("--trace", "chat", "--gpu", "h100", "--gpu-budget", "0"), "argument --gpu-budget: must be > 0, got 0"),
     ((), "the following arguments are required: --gpu-memory"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
@@ -235,3 +246,135 @@ def test_bad_input_stops_before_anything_is_printed_or_simulated(
         status, stdout, stderr = plan(capsys, *DSV2_ON_TWO_H100, *args)
         assert isinstance(status, str) and status.startswith("dcpserve plan: ") and fragment in status, status
         assert stdout == "" and "plan: tp=" not in stderr
+
+
+# ---- --gpu-budget: two-pool splits ------------------------------------------------------------------------------
+
+def replicas_of(splits: list[Split]) -> list[tuple[str, int, str, int]]:
+    return [(a.name, a.replicas, b.name, b.replicas) for a, b in (split.pools for split in splits)]
+
+
+def test_splits_take_about_a_quarter_a_half_and_three_quarters_in_whole_replicas() -> None:
+    assert SHARES == (0.25, 0.5, 0.75)
+    # tp=2 and tp=4 in 16 GPUs: exactly 4 + 12, 8 + 8 and 12 + 4 GPUs.
+    assert replicas_of(split_candidates([(2, 1), (4, 4)], 16)) == [
+        ("tp2-dcp1", 2, "tp4-dcp4", 3), ("tp2-dcp1", 4, "tp4-dcp4", 2), ("tp2-dcp1", 6, "tp4-dcp4", 1)]
+    # tp=2 and tp=8 in 16: a quarter for tp=2 leaves 12 GPUs, one tp=8 replica, and tp=2 takes the 4 left over, the
+    # split a half gives too (tried once); three quarters leave no room for a tp=8 replica.
+    assert replicas_of(split_candidates([(2, 1), (8, 8)], 16)) == [("tp2-dcp1", 4, "tp8-dcp8", 1)]
+    # Each pair once, in the layouts' order; a budget too small for one replica of each gives no split.
+    three = split_candidates([(1, 1), (2, 1), (2, 2)], 4)
+    assert [split.label for split in three] == ["tp=1 dcp=1 x2 + tp=2 dcp=1 x1", "tp=1 dcp=1 x2 + tp=2 dcp=2 x1",
+                                                 "tp=2 dcp=1 x1 + tp=2 dcp=2 x1"]
+    assert all(split.gpus == 4 for split in three)
+    assert split_candidates([(1, 1), (2, 2)], 2) == [] and split_candidates([(8, 8)], 64) == []
+
+
+def test_the_snippet_is_app_args_the_deploy_accepts() -> None:
+    pools = (PoolOption("tp8-dcp1", 8, 1, 1), PoolOption("tp8-dcp8", 8, 8, 2))
+    snippet = serve_config_snippet(pools, 24, 131072)
+    assert "max_model_len: 131072" in snippet.splitlines()[0]  # a comment: the app's own key, not repeated here
+    raw = yaml.safe_load(snippet)
+    assert raw == {"gpu_budget": 24, "pools": [
+        {"name": "tp8-dcp1", "tensor_parallel_size": 8, "decode_context_parallel_size": 1,
+         "autoscaling": {"min_replicas": 1, "max_replicas": 1}},
+        {"name": "tp8-dcp8", "tensor_parallel_size": 8, "decode_context_parallel_size": 8,
+         "autoscaling": {"min_replicas": 2, "max_replicas": 2}},
+    ]}
+    app = parse_args({"model": "/models/kimi-k2", "max_model_len": 131072, **raw})
+    assert [(pool.name, pool.min_gpus) for pool in app.pool_list()] == [("tp8-dcp1", 8), ("tp8-dcp8", 16)]
+    with pytest.raises(ValueError, match="gpu_budget=16 cannot hold the pools' minimum replicas"):
+        parse_args({"model": "/models/kimi-k2", **yaml.safe_load(serve_config_snippet(pools, 16, 131072))})
+
+
+def budget_rows(stdout: str) -> list[list[str]]:
+    """The --gpu-budget ranking's rows, split into cells at runs of two or more spaces."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:4] == ["rank", "layout", "replicas", "GPUs"])
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_plan_with_a_gpu_budget_ranks_layouts_and_splits_together_and_prints_the_best_split(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSeek-V2-Lite, a budget of two nodes of two H100s: the three layouts with as many replicas as 4 GPUs hold,
+    and the three splits of them, one ranking by goodput per GPU; the best split's row is its own pooled run, and
+    its serve config is app args the deploy accepts."""
+    trace_args = ("--trace", "chat", "--requests", "40", "--concurrency", "16", "--gpu", "h100",
+                  "--ttft-target-s", "0.5", "--itl-target-s", "0.004")
+    status, stdout, stderr = plan(capsys, *DSV2_ON_TWO_H100, *trace_args, "--gpu-budget", "4")
+    assert status == 0, stderr
+    status, table, _ = plan(capsys, *DSV2_ON_TWO_H100, "--gpu-memory", str(H100.memory_bytes))
+    assert stdout.startswith(table + "\n")  # the capacity table as without a budget
+    assert "on 4 x H100 SXM 80GB per layout or two-pool split" in stdout
+
+    rows = budget_rows(stdout)
+    assert [row[0] for row in rows] == ["1", "2", "3", "4", "5", "6"]
+    assert sorted((row[1], row[2], row[3]) for row in rows) == sorted([
+        ("tp=1 dcp=1", "4", "4"), ("tp=2 dcp=1", "2", "4"), ("tp=2 dcp=2", "2", "4"),
+        ("tp=1 dcp=1 + tp=2 dcp=1", "2 + 1", "4"), ("tp=1 dcp=1 + tp=2 dcp=2", "2 + 1", "4"),
+        ("tp=2 dcp=1 + tp=2 dcp=2", "1 + 1", "4")])
+    per_gpu = [float(row[5]) for row in rows]
+    assert per_gpu == sorted(per_gpu, reverse=True) and len(set(per_gpu)) > 1
+    splits = [row for row in rows if "+" in row[1]]
+    for row in rows:  # grants: each pool's share of a split's grants
+        assert row[13] == "-" if "+" not in row[1] else re.fullmatch(r"\d+% \+ \d+%", row[13]), row
+    marks = [row[14] if len(row) > 14 else "" for row in rows]
+    assert marks[0].startswith("best") and marks.count("best split") + marks.count("best, best split") == 1
+    best_split = splits[0]
+    assert marks[rows.index(best_split)] in ("best split", "best, best split")
+
+    assert "plan: 3 layouts and 3 two-pool splits of 4 GPUs to simulate" in stderr
+    for index in range(1, 7):
+        assert f"plan: [{index}/6] " in stderr
+    assert "plan: [6/6] tp=2 dcp=1 x1 + tp=2 dcp=2 x1\n" in stderr
+
+    # The best split's row against the same split run on its own, as a pooled simulate.
+    (first, first_replicas), (second, second_replicas) = (
+        (layout.split(), int(replicas)) for layout, replicas in zip(best_split[1].split(" + "),
+                                                                     best_split[2].split(" + "), strict=True))
+    pools = [PoolOption(f"tp{tp[3:]}-dcp{dcp[4:]}", int(tp[3:]), int(dcp[4:]), replicas)
+             for (tp, dcp), replicas in ((first, first_replicas), (second, second_replicas))]
+    args = with_trace_defaults(main_args(*DSV2_ON_TWO_H100, *trace_args, "--gpu-budget", "4"), H100.memory_bytes)
+    request = PlanRequest(gpus_per_node=2, gpu_memory_bytes=H100.memory_bytes, context_len=32768)
+    point = simulate_args(args, request, None, nodes=2, pools=pools)
+    point.quiet = True
+    simulation, facts = build(point)
+    assert [pool["name"] for pool in facts["pools"]] == [pool.name for pool in pools]
+    summary = simulation.run(parse_preset_or_path("chat", 40, 0))
+    records = simulation.recorder.records.values()
+    good = goodput(records, span_s(records), summary["gpu_seconds"], 0.5, 0.004)
+    assert (best_split[4], best_split[5], best_split[6]) == (
+        f"{good.requests_per_s:.3f}", f"{good.requests_per_s_per_gpu:.4f}", f"{good.fraction_met:.1%}")
+    grants = [sum(n for key, n in summary["pool_grants"].items() if key.startswith(f"{pool.name}/")) for pool in pools]
+    assert best_split[13] == " + ".join(f"{n / sum(grants):.0%}" for n in grants)
+
+    # Its serve config: the split's pools, the budget, app args the deploy accepts.
+    said = stdout[stdout.index("Best split: "):]
+    best_single = next(row for row in rows if "+" not in row[1])
+    assert said.startswith(f"Best split: {' + '.join(f'{p.layout} x{p.replicas}' for p in pools)} on 4 of "
+                           f"4 GPUs, {good.requests_per_s_per_gpu:.4f} goodput req/s per GPU, against "
+                           f"{best_single[5]} for the best layout alone ({best_single[1]} x{best_single[2]})")
+    raw = yaml.safe_load(said[said.index("To deploy it:") + len("To deploy it:"):])
+    assert raw == {"gpu_budget": 4, "pools": [
+        {"name": pool.name, "tensor_parallel_size": pool.tp, "decode_context_parallel_size": pool.dcp,
+         "autoscaling": {"min_replicas": pool.replicas, "max_replicas": pool.replicas}} for pool in pools]}
+    app = parse_args({"model": "/models/deepseek-v2-lite", "max_model_len": 32768, **raw})
+    assert sum(pool.min_gpus for pool in app.pool_list()) == 4
+
+
+def test_a_budget_with_one_layout_that_fits_has_no_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama-3.1-70B on two nodes of two H100s: tp=1 cannot hold the weights, so tp=2 (two replicas) is the only
+    layout, and there is no pair to split the budget between."""
+    status, stdout, stderr = plan(capsys, "--model", "llama-3.1-70b", "--gpus-per-node", "2", "--context", "16k",
+                                  "--trace", "chat", "--requests", "20", "--gpu", "h100", "--gpu-budget", "4")
+    assert status == 0, stderr
+    rows = budget_rows(stdout)
+    assert [row[:4] for row in rows[:1]] == [["1", "tp=2 dcp=1", "2", "4"]]
+    assert rows[1][:2] == ["-", "tp=1 dcp=1"] and rows[1][2].startswith("skipped: weights need 131.42 GiB")
+    assert stdout.rstrip().endswith("No split ran: fewer than two layouts fit the weights.")
+    assert "plan: 1 layout and 0 two-pool splits of 4 GPUs to simulate" in stderr
