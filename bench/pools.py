@@ -1,0 +1,282 @@
+"""Layout pools through the deployed app: one pooled app against two homogeneous ones on the same 4 logical GPUs.
+
+A Ray head of this bench's own with 4 logical GPUs (bench/compare.py), the tiny model in float32, and three apps
+deployed one after another with `serve deploy`, each sent the same mixed burst through the `openai` client:
+
+- pooled: one replica of tp=2 dcp=1 (pool "short") and one of tp=2 dcp=2 (pool "long"), gpu_budget 4;
+- 2 x tp=2 dcp=1;
+- 2 x tp=2 dcp=2.
+
+Every rank has the same KV bytes, so a dcp=2 replica holds twice the tokens of a dcp=1 one. The burst: 70% requests
+of ~500 prompt tokens and 30% of ~6,000, in a shuffled order, all sent at once; sampled at temperature 1 with a
+seed per request, so outputs end on EOS at lengths nobody knows (max_tokens caps them). Goodput is the requests
+that finished with TTFT <= --ttft-target-s and their own mean inter-token latency <= --itl-target-s, per second of
+the burst's makespan.
+
+    python bench/pools.py                  # the three apps (about 10 minutes on 2 cores)
+    python bench/pools.py --write-docs     # also writes its section of docs/benchmarks.md and the plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from bench import compare
+from bench.docs_section import DocsSection
+from cluster.tiny_model import write_tiny_model
+from engine.config import ModelConfig
+from simulator.metrics import percentile
+
+SCRIPT = "bench/pools.py"
+PLOT = Path("docs/img/pools.png")
+COLORS = ("tab:green", "tab:gray", "tab:blue")
+BLOCK_SIZE = 16
+PAGES_PER_RANK = 768  # 12,288 tokens per tp=2 dcp=1 replica, 24,576 per tp=2 dcp=2 one
+MAX_MODEL_LEN = 8192
+SHORT_TOKENS, LONG_TOKENS = 500, 6000
+
+
+@dataclass(frozen=True)
+class Setup:
+    label: str
+    pools: list[dict[str, Any]] | None  # None: one layout of `dcp` with 2 replicas
+    dcp: int = 1
+
+
+SETUPS = (
+    Setup("pooled: tp2 dcp1 + tp2 dcp2", [
+        {"name": "short", "tensor_parallel_size": 2, "autoscaling": {"min_replicas": 1, "max_replicas": 1}},
+        {"name": "long", "tensor_parallel_size": 2, "decode_context_parallel_size": 2,
+         "autoscaling": {"min_replicas": 1, "max_replicas": 1}}]),
+    Setup("2 x tp2 dcp1", None, 1),
+    Setup("2 x tp2 dcp2", None, 2),
+)
+
+
+@dataclass
+class Request:
+    kind: str  # "short" or "long"
+    sent: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Result:
+    setup: Setup
+    requests: list[Request] = field(default_factory=list)
+    makespan_s: float = 0.0
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    pool_grants: dict[str, int] = field(default_factory=dict)
+
+    def met(self, ttft_s: float, itl_s: float) -> list[Request]:
+        return [r for r in self.requests if r.error is None and r.first_token is not None
+                and r.first_token - r.sent <= ttft_s and mean_itl(r) <= itl_s]
+
+
+def mean_itl(request: Request) -> float:
+    if request.first_token is None or request.last_token is None or request.tokens < 2:
+        return 0.0
+    return (request.last_token - request.first_token) / (request.tokens - 1)
+
+
+def burst(count: int, seed: int) -> list[tuple[str, list[int]]]:
+    """(kind, prompt) of the burst, shuffled: 70% short, 30% long, lengths +-10% around their kind's."""
+    rng = random.Random(seed)
+    longs = round(count * 0.3)
+    kinds = ["long"] * longs + ["short"] * (count - longs)
+    rng.shuffle(kinds)
+    return [(kind, [rng.randrange(20, 250) for _ in range(
+        round((LONG_TOKENS if kind == "long" else SHORT_TOKENS) * rng.uniform(0.9, 1.1)))]) for kind in kinds]
+
+
+def app_config(setup: Setup, budget_bytes: int, max_queued: int) -> dict[str, Any]:
+    config = compare.app_config(2, setup.dcp, BLOCK_SIZE, budget_bytes, MAX_MODEL_LEN, "usage", max_queued)
+    args = config["applications"][0]["args"]
+    args["max_num_seqs"] = 16
+    if setup.pools is None:
+        args["autoscaling"] = {"min_replicas": 2, "max_replicas": 2}
+    else:
+        args["pools"] = setup.pools
+        args["gpu_budget"] = compare.NUM_GPUS
+    return config
+
+
+async def send(base_url: str, prompts: list[tuple[str, list[int]]], max_tokens: int, result: Result,
+               say: Any) -> None:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900)
+    start = time.perf_counter()
+    done = asyncio.Event()
+
+    async def one(index: int, kind: str, prompt: list[int]) -> Request:
+        record = Request(kind, sent=time.perf_counter() - start)
+        try:
+            stream = await client.completions.create(
+                model=compare.MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=index,
+                stream=True, stream_options={"include_usage": True})
+            async with stream:
+                async for chunk in stream:
+                    now = time.perf_counter() - start
+                    if chunk.choices:
+                        record.first_token = record.first_token if record.first_token is not None else now
+                        record.last_token = now
+                    if chunk.usage is not None:
+                        record.tokens = chunk.usage.completion_tokens
+        except Exception as err:  # noqa: BLE001 - counted and reported
+            record.error = repr(err)
+        return record
+
+    async def watch() -> None:
+        last_said = 0.0
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+            while not done.is_set():
+                health = (await http.get("/health")).json()
+                now = time.perf_counter() - start
+                result.timeline.append((now, health.get("num_grants", 0)))
+                if now - last_said >= 15:
+                    say(f"{result.setup.label}: {now:.0f} s, {health.get('num_grants', '?')} granted, "
+                        f"{health.get('queued', '?')} queued")
+                    last_said = now
+                await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        result.requests = list(await asyncio.gather(*(one(i, k, p) for i, (k, p) in enumerate(prompts))))
+        result.makespan_s = time.perf_counter() - start
+    finally:
+        done.set()
+        await watcher
+        await client.close()
+
+
+def measure(head: compare.ServeHead, model_dir: Path, setup: Setup, budget_bytes: int,
+            prompts: list[tuple[str, list[int]]], max_tokens: int, say: Any) -> Result:
+    label = setup.label.replace(" ", "_").replace(":", "").replace("+", "and")
+    say(f"{setup.label}: deploying")
+    head.deploy(model_dir, app_config(setup, budget_bytes, len(prompts)), label)
+    result = Result(setup)
+    asyncio.run(send(head.base_url, prompts, max_tokens, result, say))
+    if setup.pools is not None:
+        stats = head.serve_stats("KvAdmission", "stats", 1)[0]
+        result.pool_grants = stats.get("pool_grants", {})
+    head.shutdown_serve()
+    return result
+
+
+def describe(result: Result, ttft_s: float, itl_s: float) -> list[str]:
+    done = [r for r in result.requests if r.error is None and r.first_token is not None]
+    ttfts = sorted(r.first_token - r.sent for r in done if r.first_token is not None)
+    itls = sorted(mean_itl(r) for r in done)
+    met = result.met(ttft_s, itl_s)
+    by_kind = {kind: (sum(r.kind == kind for r in met), sum(r.kind == kind for r in result.requests))
+               for kind in ("short", "long")}
+    return [result.setup.label, f"{len(met) / result.makespan_s:.3f}", f"{len(met)}/{len(result.requests)}",
+            f"{by_kind['short'][0]}/{by_kind['short'][1]}", f"{by_kind['long'][0]}/{by_kind['long'][1]}",
+            f"{percentile(ttfts, 50):.1f} / {percentile(ttfts, 90):.1f} s",
+            f"{percentile(itls, 50) * 1e3:.0f} / {percentile(itls, 90) * 1e3:.0f} ms",
+            f"{sum(r.tokens for r in done) / result.makespan_s:.0f}", f"{result.makespan_s:.0f} s",
+            str(len(result.requests) - len(done)),
+            ", ".join(f"{k} {v}" for k, v in sorted(result.pool_grants.items())) or "-"]
+
+
+def write_plot(path: Path, results: list[Result], ttft_s: float, itl_s: float) -> None:
+    """Left: each app's granted sequences over the burst; right: each app's goodput, split by kind of request."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (timeline, bars) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for result, color in zip(results, COLORS, strict=False):
+        timeline.step([t for t, _ in result.timeline], [n for _, n in result.timeline], where="post", color=color,
+                      label=result.setup.label)
+    timeline.set_xlabel("seconds since the burst")
+    timeline.set_ylabel("granted sequences")
+    timeline.legend(loc="upper right")
+    labels = [r.setup.label.split(":")[0] for r in results]
+    bottoms = [0.0] * len(results)
+    for kind, hatch in (("short", ""), ("long", "//")):
+        values = [sum(q.kind == kind for q in r.met(ttft_s, itl_s)) / r.makespan_s for r in results]
+        bars.bar(labels, values, bottom=bottoms, color=COLORS[:len(results)], hatch=hatch, edgecolor="black",
+                 label=f"{kind} requests")
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    bars.set_ylabel(f"goodput (req/s, TTFT <= {ttft_s:g} s, ITL <= {itl_s * 1e3:g} ms)")
+    bars.legend(loc="upper right", fontsize=8)
+    fig.suptitle("layout pools: one burst, three apps on the same 4 logical GPUs (bench/pools.py)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=40, help="requests in the burst (default 40)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="each request's max_tokens (default 96)")
+    parser.add_argument("--ttft-target-s", type=float, default=30.0, help="TTFT bound of goodput (default 30 s)")
+    parser.add_argument("--itl-target-s", type=float, default=0.5, help="mean ITL bound of goodput (default 0.5 s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deploy-timeout", type=float, default=600.0)
+    parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
+    args = parser.parse_args()
+    docs = DocsSection(SCRIPT)
+    if args.write_docs:
+        docs.check()
+
+    def say(text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    prompts = burst(args.requests, args.seed)
+    with compare.state_dir("dcppools-", say) as state:
+        model_dir = write_tiny_model(state / "tiny-model")
+        model = ModelConfig.from_pretrained(model_dir)
+        budget_bytes = compare.kv_budget_bytes(model, 2, BLOCK_SIZE, PAGES_PER_RANK)
+        with compare.serve_head(state, args.deploy_timeout) as head:
+            results = [measure(head, model_dir, setup, budget_bytes, prompts, args.max_tokens, say)
+                       for setup in SETUPS]
+    header = ["app", "goodput req/s", "met", "short met", "long met", "TTFT p50 / p90", "ITL p50 / p90",
+              "output tok/s", "makespan", "failed", "grants by pool"]
+    rows = [describe(result, args.ttft_target_s, args.itl_target_s) for result in results]
+    rates = [float(row[1]) for row in rows]
+    best_single = max(rates[1:])
+    lines = [f"## Layout pools through the deployed app (`{SCRIPT}`)", "",
+             f"`python {SCRIPT} {' '.join(sys.argv[1:])}`; {compare.environment_line()}", "",
+             f"The tiny model (float32), {args.requests} requests sent at once: 70% of ~{SHORT_TOKENS} prompt tokens, "
+             f"30% of ~{LONG_TOKENS}, temperature 1 with a seed each, max_tokens {args.max_tokens}; "
+             f"{PAGES_PER_RANK * BLOCK_SIZE:,} tokens of KV per tp=2 dcp=1 replica (twice that at dcp=2), max_num_seqs "
+             f"16. Goodput: requests with TTFT <= {args.ttft_target_s:g} s and mean ITL <= "
+             f"{args.itl_target_s * 1e3:g} ms per second of the makespan.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", f"Pooled against the better homogeneous app: {rates[0] / best_single:.2f}x the goodput."
+              if best_single else "", ""]
+    section = "\n".join(lines)
+    print(section)
+    if args.write_docs:
+        docs.write(section + f"\n![layout pools]({PLOT.relative_to('docs')})\n")
+        write_plot(compare.REPO_ROOT / PLOT, results, args.ttft_target_s, args.itl_target_s)
+    ttft_by = {r.setup.label: statistics.median([q.first_token - q.sent for q in r.requests
+                                                 if q.first_token is not None] or [0.0]) for r in results}
+    say(f"median TTFT by app: {ttft_by}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
