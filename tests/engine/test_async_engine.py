@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,12 +134,13 @@ def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tin
     async def main() -> None:
         engine = AsyncEngine(EngineArgs(str(tiny)).create_engine_config())
         step = engine.engine.step
-        steps = 0
+        submitted = threading.Event()
 
         def failing_step():
-            nonlocal steps
-            steps += 1
-            if steps == 5:
+            # The core's first step after all four requests are in raises, however the core's thread and this
+            # loop interleave. Until then each step waits up to a second for them, so that no request can finish
+            # (400 steps) before the last one is submitted, on however loaded a machine.
+            if submitted.wait(timeout=1.0):
                 raise RuntimeError("a rank went away")
             return step()
 
@@ -146,6 +148,7 @@ def test_a_core_that_dies_fails_every_request_in_flight_and_the_health_check(tin
         params = SamplingParams(temperature=1.0, seed=4, max_tokens=400, ignore_eos=True)
         try:
             streams = [await engine.submit(params, prompt=f"prompt {i}") for i in range(4)]
+            submitted.set()
 
             async def drain(stream) -> BaseException | None:
                 try:
