@@ -270,10 +270,12 @@ def serve_head(state: Path, deploy_timeout_s: float) -> Iterator[ServeHead]:
 # ---- the burst ---------------------------------------------------------------------------------------------------
 
 async def run_burst(base_url: str, prompts: list[list[int]], max_tokens: int, result: BurstResult,
-                    stops: list[str] | None = None, progress: Callable[[str], None] | None = None) -> None:
-    """Sends every prompt at once (greedy, ignore_eos, streamed; request i cut at `stops[i]` if given) and fills
-    `result`'s records, makespan and the /health timeline of granted sequences. A request that fails is recorded
-    with its error. `progress`, if given, hears how the burst goes every PROGRESS_PERIOD_S."""
+                    stops: list[str] | None = None, progress: Callable[[str], None] | None = None,
+                    seeds: list[int] | None = None) -> None:
+    """Sends every prompt at once (greedy, ignore_eos, streamed; request i cut at `stops[i]` if given; with `seeds`,
+    request i sampled at temperature 1 with seeds[i] and ended by EOS or max_tokens) and fills `result`'s records,
+    makespan and the /health timeline of granted sequences. A request that fails is recorded with its error.
+    `progress`, if given, hears how the burst goes every PROGRESS_PERIOD_S."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900)
@@ -281,15 +283,16 @@ async def run_burst(base_url: str, prompts: list[list[int]], max_tokens: int, re
     done = asyncio.Event()
     finished = 0
 
-    async def one(prompt: list[int], stop: str | None) -> RequestRecord:
+    async def one(prompt: list[int], stop: str | None, seed: int | None) -> RequestRecord:
         nonlocal finished
         record = RequestRecord(sent=time.perf_counter() - start)
         parts = []
+        sampling: dict[str, Any] = ({"temperature": 0, "extra_body": {"ignore_eos": True}} if seed is None
+                                    else {"temperature": 1.0, "seed": seed})
         try:
             stream = await client.completions.create(
-                model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                stop=[stop] if stop is not None else None, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+                model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, stop=[stop] if stop is not None else None,
+                stream=True, stream_options={"include_usage": True}, **sampling,
             )
             async with stream:
                 async for chunk in stream:
@@ -325,8 +328,10 @@ async def run_burst(base_url: str, prompts: list[list[int]], max_tokens: int, re
 
     watcher = asyncio.create_task(watch())
     per_request: list[str | None] = list(stops) if stops is not None else [None] * len(prompts)
+    per_seed: list[int | None] = list(seeds) if seeds is not None else [None] * len(prompts)
     try:
-        result.records = list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, per_request, strict=True))))
+        result.records = list(await asyncio.gather(*(one(p, s, seed) for p, s, seed
+                                                     in zip(prompts, per_request, per_seed, strict=True))))
         result.makespan_s = time.perf_counter() - start
     finally:
         done.set()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
 
 from bench import compare
 from bench.docs_section import DocsSection
@@ -67,32 +65,23 @@ SETUPS = (
 
 
 @dataclass
-class Request:
-    kind: str  # "short" or "long"
-    sent: float = 0.0
-    first_token: float | None = None
-    last_token: float | None = None
-    tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
 class Result:
     setup: Setup
-    requests: list[Request] = field(default_factory=list)
-    makespan_s: float = 0.0
-    timeline: list[tuple[float, int]] = field(default_factory=list)
+    kinds: list[str]  # each request's kind, "short" or "long", in the burst's order
+    burst: compare.BurstResult
     pool_grants: dict[str, int] = field(default_factory=dict)
 
-    def met(self, ttft_s: float, itl_s: float) -> list[Request]:
-        return [r for r in self.requests if r.error is None and r.first_token is not None
-                and r.first_token - r.sent <= ttft_s and mean_itl(r) <= itl_s]
+    def met(self, ttft_s: float, itl_s: float) -> list[tuple[str, compare.RequestRecord]]:
+        """(kind, record) of the requests that finished within both bounds."""
+        return [(kind, r) for kind, r in zip(self.kinds, self.burst.records, strict=True)
+                if r.error is None and r.first_token is not None and r.first_token - r.sent <= ttft_s
+                and mean_itl(r) <= itl_s]
 
 
-def mean_itl(request: Request) -> float:
-    if request.first_token is None or request.last_token is None or request.tokens < 2:
+def mean_itl(record: compare.RequestRecord) -> float:
+    if record.first_token is None or record.last_token is None or record.completion_tokens < 2:
         return 0.0
-    return (request.last_token - request.first_token) / (request.tokens - 1)
+    return (record.last_token - record.first_token) / (record.completion_tokens - 1)
 
 
 def burst(count: int, seed: int) -> list[tuple[str, list[int]]]:
@@ -117,62 +106,14 @@ def app_config(setup: Setup, budget_bytes: int, max_queued: int) -> dict[str, An
     return config
 
 
-async def send(base_url: str, prompts: list[tuple[str, list[int]]], max_tokens: int, result: Result,
-               say: Any) -> None:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900)
-    start = time.perf_counter()
-    done = asyncio.Event()
-
-    async def one(index: int, kind: str, prompt: list[int]) -> Request:
-        record = Request(kind, sent=time.perf_counter() - start)
-        try:
-            stream = await client.completions.create(
-                model=compare.MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=index,
-                stream=True, stream_options={"include_usage": True})
-            async with stream:
-                async for chunk in stream:
-                    now = time.perf_counter() - start
-                    if chunk.choices:
-                        record.first_token = record.first_token if record.first_token is not None else now
-                        record.last_token = now
-                    if chunk.usage is not None:
-                        record.tokens = chunk.usage.completion_tokens
-        except Exception as err:  # noqa: BLE001 - counted and reported
-            record.error = repr(err)
-        return record
-
-    async def watch() -> None:
-        last_said = 0.0
-        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
-            while not done.is_set():
-                health = (await http.get("/health")).json()
-                now = time.perf_counter() - start
-                result.timeline.append((now, health.get("num_grants", 0)))
-                if now - last_said >= 15:
-                    say(f"{result.setup.label}: {now:.0f} s, {health.get('num_grants', '?')} granted, "
-                        f"{health.get('queued', '?')} queued")
-                    last_said = now
-                await asyncio.sleep(0.2)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        result.requests = list(await asyncio.gather(*(one(i, k, p) for i, (k, p) in enumerate(prompts))))
-        result.makespan_s = time.perf_counter() - start
-    finally:
-        done.set()
-        await watcher
-        await client.close()
-
-
 def measure(head: compare.ServeHead, model_dir: Path, setup: Setup, budget_bytes: int,
             prompts: list[tuple[str, list[int]]], max_tokens: int, say: Any) -> Result:
     label = setup.label.replace(" ", "_").replace(":", "").replace("+", "and")
     say(f"{setup.label}: deploying")
-    head.deploy(model_dir, app_config(setup, budget_bytes, len(prompts)), label)
-    result = Result(setup)
-    asyncio.run(send(head.base_url, prompts, max_tokens, result, say))
+    deploy_s = head.deploy(model_dir, app_config(setup, budget_bytes, len(prompts)), label)
+    result = Result(setup, [kind for kind, _ in prompts], compare.BurstResult(setup.label, 0, deploy_s))
+    asyncio.run(compare.run_burst(head.base_url, [prompt for _, prompt in prompts], max_tokens, result.burst,
+                                  progress=say, seeds=list(range(len(prompts)))))
     if setup.pools is not None:
         stats = head.serve_stats("KvAdmission", "stats", 1)[0]
         result.pool_grants = stats.get("pool_grants", {})
@@ -181,18 +122,16 @@ def measure(head: compare.ServeHead, model_dir: Path, setup: Setup, budget_bytes
 
 
 def describe(result: Result, ttft_s: float, itl_s: float) -> list[str]:
-    done = [r for r in result.requests if r.error is None and r.first_token is not None]
+    burst = result.burst
+    done = [r for r in burst.records if r.error is None and r.first_token is not None]
     ttfts = sorted(r.first_token - r.sent for r in done if r.first_token is not None)
     itls = sorted(mean_itl(r) for r in done)
     met = result.met(ttft_s, itl_s)
-    by_kind = {kind: (sum(r.kind == kind for r in met), sum(r.kind == kind for r in result.requests))
-               for kind in ("short", "long")}
-    return [result.setup.label, f"{len(met) / result.makespan_s:.3f}", f"{len(met)}/{len(result.requests)}",
-            f"{by_kind['short'][0]}/{by_kind['short'][1]}", f"{by_kind['long'][0]}/{by_kind['long'][1]}",
-            f"{percentile(ttfts, 50):.1f} / {percentile(ttfts, 90):.1f} s",
+    counts = {kind: f"{sum(k == kind for k, _ in met)}/{result.kinds.count(kind)}" for kind in ("short", "long")}
+    return [result.setup.label, f"{len(met) / burst.makespan_s:.3f}", f"{len(met)}/{len(burst.records)}",
+            counts["short"], counts["long"], f"{percentile(ttfts, 50):.1f} / {percentile(ttfts, 90):.1f} s",
             f"{percentile(itls, 50) * 1e3:.0f} / {percentile(itls, 90) * 1e3:.0f} ms",
-            f"{sum(r.tokens for r in done) / result.makespan_s:.0f}", f"{result.makespan_s:.0f} s",
-            str(len(result.requests) - len(done)),
+            f"{burst.output_tokens_per_s:.0f}", f"{burst.makespan_s:.0f} s", str(burst.errors),
             ", ".join(f"{k} {v}" for k, v in sorted(result.pool_grants.items())) or "-"]
 
 
@@ -205,7 +144,8 @@ def write_plot(path: Path, results: list[Result], ttft_s: float, itl_s: float) -
 
     fig, (timeline, bars) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     for result, color in zip(results, COLORS, strict=False):
-        timeline.step([t for t, _ in result.timeline], [n for _, n in result.timeline], where="post", color=color,
+        timeline.step([t for t, _ in result.burst.timeline], [n for _, n in result.burst.timeline], where="post",
+                      color=color,
                       label=result.setup.label)
     timeline.set_xlabel("seconds since the burst")
     timeline.set_ylabel("granted sequences")
@@ -213,7 +153,7 @@ def write_plot(path: Path, results: list[Result], ttft_s: float, itl_s: float) -
     labels = [r.setup.label.split(":")[0] for r in results]
     bottoms = [0.0] * len(results)
     for kind, hatch in (("short", ""), ("long", "//")):
-        values = [sum(q.kind == kind for q in r.met(ttft_s, itl_s)) / r.makespan_s for r in results]
+        values = [sum(k == kind for k, _ in r.met(ttft_s, itl_s)) / r.burst.makespan_s for r in results]
         bars.bar(labels, values, bottom=bottoms, color=COLORS[:len(results)], hatch=hatch, edgecolor="black",
                  label=f"{kind} requests")
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
@@ -272,9 +212,6 @@ def main() -> int:
     if args.write_docs:
         docs.write(section + f"\n![layout pools]({PLOT.relative_to('docs')})\n")
         write_plot(compare.REPO_ROOT / PLOT, results, args.ttft_target_s, args.itl_target_s)
-    ttft_by = {r.setup.label: statistics.median([q.first_token - q.sent for q in r.requests
-                                                 if q.first_token is not None] or [0.0]) for r in results}
-    say(f"median TTFT by app: {ttft_by}")
     return 0
 
 
