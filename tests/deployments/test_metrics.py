@@ -249,11 +249,11 @@ def test_admission_series_carry_no_replica_pool(recorded: Recorded) -> None:
     """The admission queue's metrics are the whole app's: no pool of a replica (pool grants name theirs)."""
     metrics = AdmissionMetrics()
     metrics.on_event("admitted", 0.5)
-    metrics.on_pool("long", "fastest")
+    metrics.on_pool("long", "cheapest")
     metrics.update(1, 4)
     assert recorded.counter("dcpserve_admission_requests", outcome="admitted") == 1
     assert recorded.values["dcpserve_admission_queue_wait_seconds"] == [(0.5, {})]
-    assert recorded.values["dcpserve_admission_pool_grants"] == [(1.0, {"pool": "long", "reason": "fastest"})]
+    assert recorded.values["dcpserve_admission_pool_grants"] == [(1.0, {"pool": "long", "reason": "cheapest"})]
 
 
 class _StubEngine:
