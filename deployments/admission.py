@@ -359,6 +359,10 @@ class AdmissionQueue:
     def num_queued_for(self, pool: str) -> int:
         """Waiting requests that pool could hold: what its replicas pass on to its autoscaling policy."""
         replicas = self.replicas.values()
+        if all(replica.pool == pool for replica in replicas):
+            # One pool: every waiter is its own (acquire refused those no replica could ever hold), counted without
+            # each waiter's need against every replica at each report.
+            return sum(1 for w in self._waiters if not w.future.done())
         return sum(1 for w in self._waiters if not w.future.done() and pool in pools_of(w.need, replicas))
 
     @property
@@ -423,10 +427,13 @@ class AdmissionQueue:
 
     def _closed_pools(self) -> set[str]:
         """The pools a waiting request can use: closed to the requests behind it (strict FIFO per pool)."""
+        pools = {replica.pool for replica in self.replicas.values()}
         closed: set[str] = set()
         for waiter in self._waiters:
             if not waiter.future.done():
                 closed |= pools_of(waiter.need, self.replicas.values())
+                if closed >= pools:  # one pool: the first waiter closes it, as the one FIFO always did
+                    break
         return closed
 
     def _fulfill(self) -> None:
