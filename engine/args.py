@@ -23,6 +23,7 @@ from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, Parall
 from engine.core.prefix_cache import prefix_hash_seed
 
 BACKENDS = ("native", "vllm")
+CHUNKED_STEP_TOKENS = 2048  # max_num_batched_tokens by default with chunked prefill
 
 
 class _AddsArguments(Protocol):
@@ -179,9 +180,7 @@ class EngineArgs:
                 f"leaves no request a full block before its last token: lower block_size, or set "
                 f"enable_prefix_caching=false"
             )
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
+        max_num_batched_tokens = self.step_token_budget() or max_model_len
         return EngineConfig(
             model=str(model_path),
             model_config=model_config,
@@ -207,6 +206,13 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             step_trace_path=self.step_trace_path,
         )
+
+    def step_token_budget(self) -> int:
+        """The tokens one step takes (max_num_batched_tokens as the engine resolves it), or 0 where that is the
+        max_model_len the model's config decides (no chunked prefill and none set)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CHUNKED_STEP_TOKENS if self.enable_chunked_prefill else self.max_model_len or 0
 
     def prefix_hash_seed(self) -> bytes:
         """The seed of this deployment's prefix block hashes (engine.core.prefix_cache.prefix_hash_seed): the model and

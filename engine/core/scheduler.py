@@ -273,7 +273,15 @@ class Scheduler:
             committed_blocks=sum(per_request.values()),
             headroom_blocks=self.headroom_blocks(num_sequences=len(per_request)),
             per_request=per_request,
+            prefill_tokens=sum(self._prefill_left(r) for r in self.requests.values()),
         )
+
+    def _prefill_left(self, request: Request) -> int:
+        """Prompt tokens the request has still to compute: a waiting one's cached prefix is not computed again."""
+        left = request.num_prompt_tokens - request.num_computed_tokens
+        if left > 0 and request.num_computed_tokens == 0:
+            left -= len(self.block_manager.find_cached(request)) * self.block_manager.tokens_per_block
+        return max(left, 0)
 
     def committed_blocks(self, request: Request) -> int:
         """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"

@@ -242,3 +242,21 @@ def test_usage_never_fits_counts_the_prompt_and_a_request_ends_at_the_pool() -> 
     full = make(num_blocks=4, block_size=2, admission="full")
     with pytest.raises(RequestRejected, match=r"prompt \(3 tokens\) \+ max_tokens \(100\) = 103 tokens needs 52"):
         full.add_request(req("long", prompt=3, max_tokens=100))
+
+
+def test_the_ledger_counts_the_prompt_tokens_still_to_compute() -> None:
+    """KvLedger.prefill_tokens: what a new request would queue behind. A prefill chunk takes its tokens off; a waiting
+    request whose prefix is cached counts only the rest."""
+    scheduler = Scheduler(SchedulerConfig(max_model_len=4096, max_num_batched_tokens=8, admission="full"),
+                          BlockManager(32, 4, 1, enable_prefix_caching=True), frozenset({EOS}))
+    scheduler.add_request(req("a", prompt=20, max_tokens=2))
+    scheduler.add_request(Request("b", list(range(100, 106)), SamplingParams(max_tokens=2)))  # shares nothing with a
+    assert scheduler.kv_ledger().prefill_tokens == 26
+    run_step(scheduler)  # a: 8 of 20
+    assert scheduler.kv_ledger().prefill_tokens == 18
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+    assert scheduler.kv_ledger().prefill_tokens == 0
+    # a's 20 prompt tokens are cached now, five full blocks of 4: c, which starts with them, computes only 2
+    scheduler.add_request(req("c", prompt=22, max_tokens=2))
+    assert scheduler.kv_ledger().prefill_tokens == 2

@@ -294,6 +294,7 @@ class VllmEngine:
             committed_blocks=sum(per_request.values()),
             headroom_blocks=headroom_blocks(self.admission, self.args.kv_headroom, self.num_blocks, len(per_request)),
             per_request=per_request,
+            prefill_tokens=sum(held.num_prompt_tokens for held in self._held.values() if not held.num_output_tokens),
         )
 
     def stats(self) -> EngineStats:
