@@ -43,7 +43,7 @@ from ray import serve
 from deployments.metrics import AdmissionMetrics
 from deployments.pools import DEFAULT_POOL, Need, PoolChoice, choose, never_fits, pools_of, smallest_blocks
 from deployments.prefix_routing import PrefixAsk
-from deployments.replica_choice import ReplicaKv, why_not_grantable
+from deployments.replica_choice import ReplicaKv, prompt_blocks, why_not_grantable
 from engine.core.prefix_cache import PrefixReport
 
 
@@ -222,6 +222,7 @@ class AdmissionQueue:
         replica = self.replicas.get(replica_id) if replica_id is not None else None
         if replica is not None:
             replica.grants.pop(ticket, None)
+            replica.grant_prefill.pop(ticket, None)
             if finished:
                 replica.prefix.retire(ticket)
             else:
@@ -293,10 +294,13 @@ class AdmissionQueue:
         step_s: float = 0.0,
         gpus: int = 1,
         max_seqs: int = 0,
+        prefill_tokens: int = 0,
+        step_tokens: int = 0,
     ) -> None:
         """A replica's truth: its capacity, the blocks its ledger counts per ticket, its health, whether Serve routes
-        to it (and how many controller probes it has seen), its admission headroom, the changes of its prefix cache.
-        Reconciles grants with it."""
+        to it (and how many controller probes it has seen), its admission headroom, the changes of its prefix cache,
+        its pool and recent step (its GPUs and max_num_seqs), and the prompt tokens it has still to compute (with the
+        tokens one of its steps takes). Reconciles grants with it."""
         now = self._clock()
         replica = self.replicas.get(replica_id)
         if replica is None:
@@ -310,6 +314,8 @@ class AdmissionQueue:
         replica.step_s = step_s
         replica.gpus = gpus
         replica.max_seqs = max_seqs
+        replica.prefill_tokens = prefill_tokens
+        replica.step_tokens = step_tokens
         replica.healthy = healthy
         replica.routable = routable
         replica.probes = probes
@@ -387,7 +393,8 @@ class AdmissionQueue:
                 r.replica_id: {"pool": r.pool, "capacity": r.capacity, "granted": r.granted, "external": r.external,
                                "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
                                "num_grants": len(r.grants), "num_granted": r.num_granted,
-                               "cached_prefix_blocks": len(r.prefix.index.blocks)}
+                               "cached_prefix_blocks": len(r.prefix.index.blocks),
+                               "prefill_ahead_blocks": r.prefill_ahead}
                 for r in self.replicas.values()
             },
         }
@@ -409,6 +416,7 @@ class AdmissionQueue:
     def _grant(self, ticket: str, choice: PoolChoice) -> str:
         replica, need, hit_blocks, ask = choice.replica, choice.need, choice.hit_blocks, choice.ask
         replica.grants[ticket] = (need, self._clock())
+        replica.grant_prefill[ticket] = max(prompt_blocks(need, ask) - hit_blocks, 0)
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool)
@@ -505,11 +513,11 @@ class KvAdmission:
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
                healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
                prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0, gpus: int = 1,
-               max_seqs: int = 0) -> dict[str, Any]:
+               max_seqs: int = 0, prefill_tokens: int = 0, step_tokens: int = 0) -> dict[str, Any]:
         """Returns the queue length, which replicas pass on to the autoscaler, and where the queue's copy of the
         replica's prefix cache stands (the replica's next report starts from there)."""
         self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix,
-                          pool, step_s, gpus, max_seqs)
+                          pool, step_s, gpus, max_seqs, prefill_tokens, step_tokens)
         epoch, version = self.queue.prefix_position(replica_id)
         return {"num_queued": self.queue.num_queued_for(pool), "queued_blocks": self.queue.queued_blocks,
                 "prefix_epoch": epoch, "prefix_version": version}

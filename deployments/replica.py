@@ -145,7 +145,9 @@ class EngineReplica:
         self.pool = next(p for p in self.args.pool_list() if p.name == pool)  # its layout pool (deployments/pools.py)
         self.metrics: ReplicaMetrics | None = None
         self.step_s = 0.0  # recent mean engine step (an exponential average), the ITL its batch gets
-        self.max_num_seqs = self.args.pool_engine_args(self.pool).max_num_seqs  # reported with step_s: its batch
+        pool_args = self.args.pool_engine_args(self.pool)
+        self.max_num_seqs = pool_args.max_num_seqs  # reported with step_s: its batch
+        self.step_tokens = pool_args.step_token_budget()  # and the prefill a step takes
         # Starting the engine blocks (rank actors or vLLM's workers, weights, KV sizing): keep it off the event loop.
         self.engine: EngineClient = await asyncio.to_thread(start_engine, self.args.pool_engine_args(self.pool),
                                                             self._on_step)
@@ -371,6 +373,7 @@ class EngineReplica:
                 self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                 self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
                 self.pool.name, self.step_s, self.pool.tensor_parallel_size, self.max_num_seqs,
+                ledger.prefill_tokens, self.step_tokens,
             )
             self.admission_queued = int(reply.get("num_queued", 0))
             self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))

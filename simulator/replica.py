@@ -164,5 +164,6 @@ class SimReplica:
         prefix = None if reporter is None else reporter.report(*self._prefix_position)
         self.queue.report(self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                           True, not self.draining, self.probes, ledger.headroom_blocks, prefix, self.pool, self.step_s,
-                          self.shape.tp, self.shape.scheduler.max_num_seqs)
+                          self.shape.tp, self.shape.scheduler.max_num_seqs, ledger.prefill_tokens,
+                          self.shape.scheduler.max_num_batched_tokens)
         self._prefix_position = self.queue.prefix_position(self.replica_id)
