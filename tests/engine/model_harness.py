@@ -170,13 +170,26 @@ class PagedRunner:
             self.step(work)
 
 
+MIN_PAGES = 64  # pages per rank at least: a short scenario's pages still come from a roomy, shuffled free list
+SPARE_PAGES = 16  # pages no sequence needs, so the shuffled free list scatters even a long scenario's pages
+
+
+def pages_needed(scenario: Scenario, block_size: int, dcp: int) -> int:
+    """Pages per rank for the scenario: its sequences' logical blocks of block_size * dcp tokens (one page each on
+    every rank of the DCP group) and SPARE_PAGES, at least MIN_PAGES."""
+    tokens_per_block = block_size * dcp
+    blocks = sum(-(-(len(p) + scenario.max_new_tokens) // tokens_per_block) for p in scenario.prompts)
+    return max(blocks + SPARE_PAGES, MIN_PAGES)
+
+
 def run_rank(
     rank: int, tp: int, dcp: int, interleave: int, port: int, jobs: list[Job], out_dir: str, block_size: int
 ) -> None:
     """Body of one spawned rank: joins the gloo group, runs every job, saves tokens and logits per job."""
     torch.set_num_threads(1)
     first = ModelConfig.from_pretrained(jobs[0].model_dir)
-    base = init_parallel_state(tp, rank, dcp, first.num_key_value_heads, f"tcp://127.0.0.1:{port}", "gloo", 120.0)
+    # 300 s: a rank of a 32k-token scenario waits that long for its peers' prefill chunks (test_long_context.py)
+    base = init_parallel_state(tp, rank, dcp, first.num_key_value_heads, f"tcp://127.0.0.1:{port}", "gloo", 300.0)
     try:
         for job in jobs:
             config = ModelConfig.from_pretrained(job.model_dir)
@@ -202,7 +215,8 @@ def run_job(
     # The kernels that ran, so a test can check it covered the path it names.
     results: dict[str, list] = {"tokens": [], "logits": [], "kernels": sorted({m.kernels for m in attention})}
     for scenario in job.scenarios:
-        runner = PagedRunner(model, parallel, block_size, num_blocks=64, interleave=interleave)
+        pages = pages_needed(scenario, block_size, parallel.dcp_size)
+        runner = PagedRunner(model, parallel, block_size, num_blocks=pages, interleave=interleave)
         for seq in runner.generate(scenario):
             results["tokens"].append(seq.generated)
             results["logits"].append(torch.stack(seq.logits))
