@@ -81,7 +81,7 @@ class ReplicaKv:
     @property
     def prefill_ahead(self) -> int:
         """Blocks of prompt it has still to compute before a request granted now starts: what its last report
-        counted, and the grants since that the report does not name (each its need less the cached run it hits)."""
+        counted, and the grants since that the report does not name (each its prompt less the cached run it hits)."""
         reported = -(-self.prefill_tokens // max(self.tokens_per_block, 1))
         return reported + sum(blocks for ticket, blocks in self.grant_prefill.items() if ticket not in self.held)
 

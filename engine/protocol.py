@@ -96,9 +96,8 @@ class KvLedger:
     committed_blocks: int  # what the admission policy counts for every unfinished request (sum of per_request)
     headroom_blocks: int  # "usage": growth room admission keeps free for the sequences it holds
     per_request: dict[str, int]  # unfinished request id -> its committed blocks
-    # Prompt tokens of the unfinished requests not computed yet: the prefill a new request would queue behind
-    # (a waiting request's cached prefix is counted until it starts; the vLLM backend counts the whole prompt of a
-    # request with no output yet).
+    # Prompt tokens of the unfinished requests not computed yet: the prefill a new request would queue behind (less
+    # a waiting request's cached prefix; the vLLM backend counts the whole prompt of a request with no output yet).
     prefill_tokens: int = 0
 
     @property
