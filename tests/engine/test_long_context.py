@@ -243,7 +243,6 @@ def test_single_rank_triton_kernels_long_context_match_transformers(
     check_long_against_hf(job, results)
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp,dcp,interleave", list(MULTI_RANK_LAYOUTS))
 def test_multi_rank_long_context_matches_transformers(
     tp: int, dcp: int, interleave: int, checkpoints: dict[str, Path], tmp_path: Path
