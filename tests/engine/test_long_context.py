@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,15 +60,27 @@ from engine.worker.parallel import ParallelState
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 from tests.engine.test_model_vs_hf import COMMON, LOGITS_ATOL
 
-PROMPT_TOKENS = 32_768
-PREFILL_CHUNK = 4_096  # 8 chunks: the last one's context is 28,672 tokens
 MAX_NEW_TOKENS = 8  # logits at the last prompt position, then 7 decode steps
 BLOCK_SIZE = 16  # the engine's default page size
 FAR_CONTEXT_MIN_EFFECT = 0.1  # 1000 x LOGITS_ATOL (check_long_against_hf)
-MAX_POSITIONS = 40_960  # > PROMPT_TOKENS + MAX_NEW_TOKENS: the checkpoints' max_position_embeddings
-# RoPE scaled 4x for this context, as long-context checkpoints are: from an original context of a quarter of it, which
-# the prompt runs well past.
-ORIGINAL_POSITIONS = 10_240
+
+
+@dataclass(frozen=True)
+class LongCase:
+    """A prompt length, its prefill chunk, and the checkpoints' positions: max_position_embeddings, with RoPE scaled
+    4x from a quarter of it (as long-context checkpoints are), which the prompt runs well past."""
+
+    prompt_tokens: int
+    prefill_chunk: int
+    max_positions: int
+
+    @property
+    def original_positions(self) -> int:
+        return self.max_positions // 4
+
+
+# The suite's case: 8 chunks, the last one's context 28,672 tokens. bench/long_context.py runs longer ones.
+CASE = LongCase(prompt_tokens=32_768, prefill_chunk=4_096, max_positions=40_960)
 
 LLAMA_GQA = "llama_gqa_long"
 LLAMA_MQA = "llama_mqa_long"
@@ -86,24 +99,27 @@ MULTI_RANK_LAYOUTS: dict[tuple[int, int, int], list[str]] = {
     (4, 2, 2): [LLAMA_GQA],
     (4, 4, 1): [LLAMA_MQA, MLA],
 }
-LLAMA3_ROPE: dict[str, Any] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_POSITIONS}
-MLA_SPEC = TinyMlaSpec(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=24,
-    qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
-    n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, max_position_embeddings=MAX_POSITIONS,
-    initializer_range=0.15, q_lora_rank=None, yarn_factor=4.0, yarn_original_max_position_embeddings=ORIGINAL_POSITIONS,
-    yarn_mscale=0.9, yarn_mscale_all_dim=0.7,
-)
 
 
-def make_llama_checkpoint(name: str, directory: Path) -> Path:
+def mla_spec(case: LongCase) -> TinyMlaSpec:
+    return TinyMlaSpec(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=24,
+        qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
+        max_position_embeddings=case.max_positions, initializer_range=0.15, q_lora_rank=None, yarn_factor=4.0,
+        yarn_original_max_position_embeddings=case.original_positions, yarn_mscale=0.9, yarn_mscale_all_dim=0.7,
+    )
+
+
+def make_llama_checkpoint(name: str, directory: Path, case: LongCase) -> Path:
     """A random tiny LlamaForCausalLM (test_model_vs_hf's shape and init, norms and biases random too) whose
-    positions reach MAX_POSITIONS."""
+    positions reach the case's max_positions."""
     import transformers
 
-    config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": MAX_POSITIONS}, **LLAMA[name],
-                                      tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": case.original_positions}
+    config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": case.max_positions}, **LLAMA[name],
+                                      tie_word_embeddings=False, rope_parameters=rope)
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -126,22 +142,27 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("long_context_checkpoints")
-    paths = {name: make_llama_checkpoint(name, root) for name in LLAMA}
-    paths[MLA] = write_tiny_mla_model(root / MLA, seed=7, spec=MLA_SPEC)
+def write_checkpoints(root: Path, case: LongCase) -> dict[str, Path]:
+    """Every model of this module, with positions for the case, under root."""
+    paths = {name: make_llama_checkpoint(name, root, case) for name in LLAMA}
+    paths[MLA] = write_tiny_mla_model(root / MLA, seed=7, spec=mla_spec(case))
     return paths
 
 
-def long_prompt(vocab_size: int) -> tuple[int, ...]:
-    generator = torch.Generator().manual_seed(PROMPT_TOKENS)
-    return tuple(torch.randint(0, vocab_size, (PROMPT_TOKENS,), generator=generator).tolist())
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_checkpoints(tmp_path_factory.mktemp("long_context_checkpoints"), CASE)
 
 
-def scenario(model_dir: Path) -> Scenario:
+def long_prompt(vocab_size: int, tokens: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(tokens)
+    return tuple(torch.randint(0, vocab_size, (tokens,), generator=generator).tolist())
+
+
+def scenario(model_dir: Path, case: LongCase = CASE) -> Scenario:
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
-    return Scenario((long_prompt(vocab_size),), prefill_chunk=PREFILL_CHUNK, max_new_tokens=MAX_NEW_TOKENS)
+    return Scenario((long_prompt(vocab_size, case.prompt_tokens),), prefill_chunk=case.prefill_chunk,
+                    max_new_tokens=MAX_NEW_TOKENS)
 
 
 def _sdpa_values_padded(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -177,10 +198,11 @@ def hf_logits(model_dir: str, tokens: tuple[int, ...], keep: int, first_position
         return model(torch.tensor([tokens]), position_ids=positions, logits_to_keep=keep).logits[0].float()
 
 
-def check_long_against_hf(job: Job, results: dict[str, list]) -> None:
+def check_long_against_hf(job: Job, results: dict[str, list]) -> float:
     """Our greedy tokens are transformers' and our logits within LOGITS_ATOL of its, at the last prompt position and
-    every decode step. The reference is one full forward over the prompt and our tokens but the last (teacher
-    forcing): while our tokens are its argmax, its greedy tokens are ours, so it checks both at once."""
+    every decode step; returns the largest logit difference. The reference is one full forward over the prompt and
+    our tokens but the last (teacher forcing): while our tokens are its argmax, its greedy tokens are ours, so it
+    checks both at once."""
     (prompt,) = job.scenarios[0].prompts
     ours_tokens, ours_logits = results["tokens"][0], results["logits"][0]
     assert len(ours_tokens) == MAX_NEW_TOKENS and ours_logits.shape[0] == MAX_NEW_TOKENS
@@ -188,7 +210,8 @@ def check_long_against_hf(job: Job, results: dict[str, list]) -> None:
     ref_logits = hf_logits(job.model_dir, tokens, MAX_NEW_TOKENS)
     # The test has teeth only if the far context matters: the same last tokens without all but the last chunk's
     # context (at their own positions) must give other logits, by far more than the tolerance.
-    window = PREFILL_CHUNK + MAX_NEW_TOKENS - 1
+    chunk = job.scenarios[0].prefill_chunk
+    window = chunk + MAX_NEW_TOKENS - 1
     near_only = hf_logits(job.model_dir, tokens[-window:], MAX_NEW_TOKENS, len(tokens) - window)
     far_effect = float((ref_logits - near_only).abs().amax())
     assert far_effect >= FAR_CONTEXT_MIN_EFFECT, (
@@ -200,7 +223,7 @@ def check_long_against_hf(job: Job, results: dict[str, list]) -> None:
     # Up to the first divergence (after it our prefix is no longer transformers' greedy one).
     steps = min(same + 1, MAX_NEW_TOKENS)
     error = (ours_logits[:steps] - ref_logits[:steps]).abs().amax(dim=-1)
-    where = f"{job.name}, a {PROMPT_TOKENS}-token prompt in chunks of {PREFILL_CHUNK}"
+    where = f"{job.name}, a {len(prompt)}-token prompt in chunks of {chunk}"
     assert float(error.max()) <= LOGITS_ATOL, f"{where}: logits differ from transformers' by {error.tolist()} per step"
     if same < MAX_NEW_TOKENS:
         top2 = ref_logits[same].topk(2)
@@ -208,6 +231,7 @@ def check_long_against_hf(job: Job, results: dict[str, list]) -> None:
             f"{where}: greedy tokens diverge at step {same} ({ours_tokens[same]} vs transformers' {ref_tokens[same]}; "
             f"transformers' top-2 logit gap there is {float(top2.values[0] - top2.values[1]):.2e})"
         )
+    return float(error.max())
 
 
 def _free_port() -> int:
