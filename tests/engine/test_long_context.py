@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,12 @@ from cluster.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from engine.config import ModelConfig, ParallelConfig
 from engine.worker.parallel import ParallelState
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
-from tests.engine.test_model_vs_hf import COMMON, LOGITS_ATOL
+from tests.engine.test_model_vs_hf import (
+    COMMON,
+    LOGITS_ATOL,
+    one_torch_thread,  # noqa: F401 - its autouse fixture, here too
+    randomize_norms_and_biases,
+)
 
 MAX_NEW_TOKENS = 8  # logits at the last prompt position, then 7 decode steps
 BLOCK_SIZE = 16  # the engine's default page size
@@ -122,24 +126,12 @@ def make_llama_checkpoint(name: str, directory: Path, case: LongCase) -> Path:
                                       tie_word_embeddings=False, rope_parameters=rope)
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif param_name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
+    randomize_norms_and_biases(model)
     path = directory / name
     model.save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """As in test_model_vs_hf: intra-op threads only add contention on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_checkpoints(root: Path, case: LongCase) -> dict[str, Path]:

@@ -13,7 +13,6 @@ in chunks that cut blocks, then decodes 24 tokens.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,14 @@ from engine.models import DeepseekV2ForCausalLM
 from engine.worker.loader import load_model
 from engine.worker.parallel import ParallelState
 from tests.engine.model_harness import Job, Scenario, run_job, run_rank
-from tests.engine.test_model_vs_hf import BLOCK_SIZE, VOCAB, check_against_hf, prompt
+from tests.engine.test_model_vs_hf import (
+    BLOCK_SIZE,
+    VOCAB,
+    check_against_hf,
+    one_torch_thread,  # noqa: F401 - its autouse fixture, here too
+    prompt,
+    randomize_norms_and_biases,
+)
 
 MAX_NEW_TOKENS = 24
 # The shape every model shares: 4 heads (tp 4 leaves one per rank), a latent of 24 + 6 (no power of two), a dense
@@ -82,23 +88,12 @@ def make_v3_checkpoint(directory: Path) -> Path:
     config = transformers.DeepseekV3Config(**V3_CONFIG)
     torch.manual_seed(3)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for param_name, param in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in param_name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif param_name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
+    randomize_norms_and_biases(model, buffers=True)
     path = directory / V3_NAME
     model.save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

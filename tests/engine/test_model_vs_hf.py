@@ -68,6 +68,18 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], list[tuple[int, int
 MULTI_RANK_LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 4, 1)]
 
 
+def randomize_norms_and_biases(model: torch.nn.Module, buffers: bool = False) -> None:
+    """Norm weights 1 + 0.2 N(0, 1) and biases 0.2 N(0, 1) (default init leaves them 1 and 0, which would hide a
+    wrong norm or a missing bias); with buffers, the named buffers too (a router's correction bias)."""
+    named = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
+    with torch.no_grad():
+        for name, tensor in named:
+            if "norm" in name:
+                tensor.copy_(1.0 + 0.2 * torch.randn_like(tensor))
+            elif name.endswith("bias"):
+                tensor.copy_(0.2 * torch.randn_like(tensor))
+
+
 def make_checkpoint(name: str, directory: Path) -> Path:
     """A random tiny transformers model saved with safetensors; norms and biases are random too."""
     import transformers
@@ -76,12 +88,7 @@ def make_checkpoint(name: str, directory: Path) -> Path:
     config = getattr(transformers, f"{family}Config")(**COMMON, **overrides)
     torch.manual_seed(sum(map(ord, name)))
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif param_name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
+    randomize_norms_and_biases(model)
     path = directory / name
     model.save_pretrained(path, **save_kwargs)
     return path
