@@ -50,7 +50,14 @@ class EngineArgs:
         "TP ranks (= GPUs) per replica; more than 1 runs a Ray worker group"
     )})
     decode_context_parallel_size: int = field(default=1, metadata={"help": (
-        "DCP group size: the KV cache is sharded along the sequence over this many TP ranks; divides tp, adds no GPUs"
+        "DCP group size: the KV cache is sharded along the sequence over this many ranks; adds no GPUs. At pcp = 1 "
+        "it divides tp; at pcp > 1 it is 1 or a multiple of pcp (pcp: each PCP group's ranks of one KV head; "
+        "tp * pcp when the model has one KV head)"
+    )})
+    prefill_context_parallel_size: int = field(default=1, metadata={"help": (
+        "PCP groups per replica (vLLM's name): each is tp ranks, so a replica has tp * pcp GPUs on one node; every "
+        "prefill chunk's tokens split across the groups (one early and one late part each), cutting a long "
+        "prompt's time to first token; the groups run decodes together"
     )})
     dtype: str = field(default="auto", metadata={"help": (
         "weights and KV cache dtype: auto (the checkpoint's on CUDA, float32 on CPU) | float32 | float16 | bfloat16"
@@ -113,7 +120,8 @@ class EngineArgs:
             raise ValueError(f"model must be a model directory path, got {self.model!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be 'native' or 'vllm', got {self.backend!r}")
-        for name in ("tensor_parallel_size", "decode_context_parallel_size", "block_size", "max_num_seqs"):
+        for name in ("tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
+                     "block_size", "max_num_seqs"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
@@ -162,7 +170,8 @@ class EngineArgs:
                 f"(config.json + *.safetensors); `dcpserve tiny-model DIR` writes a small one"
             )
         model_config = ModelConfig.from_pretrained(model_path)
-        parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size,
+                                  self.prefill_context_parallel_size)
         parallel.validate(model_config)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         limit = model_config.max_position_embeddings
@@ -269,6 +278,7 @@ CLI_NAMES: dict[str, str] = {"seed": "--engine-seed"}
 CLI_ALIASES: dict[str, tuple[str, ...]] = {
     "tensor_parallel_size": ("--tp",),
     "decode_context_parallel_size": ("--dcp",),
+    "prefill_context_parallel_size": ("--pcp",),
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
 }
 CLI_CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("auto", *sorted(DTYPES))}

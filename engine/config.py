@@ -188,10 +188,12 @@ class HeadCounts(Protocol):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor-parallel size and decode-context-parallel size of one replica (DCP reuses the TP ranks)."""
+    """Tensor-parallel, decode-context-parallel and prefill-context-parallel sizes of one replica: pcp groups of tp
+    ranks (tp * pcp in all); DCP reuses those ranks (docs/dcp.md)."""
 
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
 
     @property
     def tp(self) -> int:
@@ -201,14 +203,25 @@ class ParallelConfig:
     def dcp(self) -> int:
         return self.decode_context_parallel_size
 
+    @property
+    def pcp(self) -> int:
+        return self.prefill_context_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (devices) of one replica."""
+        return self.tp * self.pcp
+
     def validate(self, model: HeadCounts) -> None:
         """Layout rules of docs/dcp.md, with errors that name the values and the fix."""
-        tp, dcp = self.tp, self.dcp
+        tp, dcp, pcp = self.tp, self.dcp, self.pcp
         heads, kv = model.num_attention_heads, model.num_key_value_heads
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(dcp, int) or dcp < 1:
             raise ValueError(f"decode_context_parallel_size must be a positive integer, got {dcp!r}")
+        if not isinstance(pcp, int) or pcp < 1:
+            raise ValueError(f"prefill_context_parallel_size must be a positive integer, got {pcp!r}")
         if heads % tp != 0:
             raise ValueError(f"tp={tp} must divide the model's {heads} attention heads; choose tp among its divisors")
         if tp < kv and kv % tp != 0:
@@ -217,21 +230,39 @@ class ParallelConfig:
             raise ValueError(f"tp={tp} must be a multiple of the model's {kv} KV heads when it exceeds them")
         if dcp == 1:
             return
+        if pcp > 1:
+            if dcp % pcp != 0:
+                valid = sorted({1, pcp, pcp * max(1, tp // kv)})
+                raise ValueError(
+                    f"dcp={dcp} with pcp={pcp} must be 1 or a multiple of pcp: a DCP group spans every PCP group "
+                    f"(its KV shards are each PCP group's ranks of one KV head). Valid here: dcp in {valid}"
+                )
+            within = dcp // pcp  # consecutive TP ranks of each PCP group in the DCP group
+            if within > 1:
+                self._check_dcp_within_tp(within, tp, heads, kv, f"dcp={dcp} with pcp={pcp} puts dcp / pcp = "
+                                          f"{within} TP ranks of each PCP group in a DCP group, so ")
+            return
+        self._check_dcp_within_tp(dcp, tp, heads, kv, "")
+
+    @staticmethod
+    def _check_dcp_within_tp(dcp: int, tp: int, heads: int, kv: int, context: str) -> None:
+        """The rules for a run of `dcp` consecutive TP ranks sharing one KV head."""
+        what = f"{context}dcp={dcp}" if not context else f"{context}{dcp}"
         if tp % dcp != 0:
-            raise ValueError(f"dcp={dcp} must divide tp={tp}: DCP groups are runs of dcp consecutive TP ranks")
+            raise ValueError(f"{what} must divide tp={tp}: DCP groups are runs of consecutive TP ranks")
         if tp <= kv:
             raise ValueError(
-                f"dcp={dcp} needs tp > kv_heads: model has {kv} KV heads, tp={tp}. With tp <= kv_heads no KV "
+                f"{what} needs tp > kv_heads: model has {kv} KV heads, tp={tp}. With tp <= kv_heads no KV "
                 f"head is duplicated, so there is nothing to shard: use dcp=1 or raise tp above {kv}"
             )
         if dcp > tp // kv:
             raise ValueError(
-                f"dcp={dcp} must be <= tp // kv_heads = {tp} // {kv} = {tp // kv}: only ranks holding copies of "
+                f"{what} must be <= tp // kv_heads = {tp} // {kv} = {tp // kv}: only ranks holding copies of "
                 f"the same KV head can shard it; use dcp <= {tp // kv}"
             )
         if (heads // kv) % dcp != 0:
             raise ValueError(
-                f"dcp={dcp} must divide the {heads // kv} query heads per KV head ({heads} heads / {kv} KV heads)"
+                f"{what} must divide the {heads // kv} query heads per KV head ({heads} heads / {kv} KV heads)"
             )
 
 

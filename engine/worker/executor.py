@@ -1,4 +1,4 @@
-"""Where a replica's model runs: in this process (tp = 1) or on a Ray worker group (tp > 1)."""
+"""Where a replica's model runs: in this process (one rank: tp = pcp = 1) or on a Ray worker group (tp * pcp > 1)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class InProcessExecutor:
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """The in-process runner for tp = 1; the Ray worker group (imported only then) for tp > 1."""
-    if config.parallel.tp == 1:
+    """The in-process runner for one rank; the Ray worker group (imported only then) for tp * pcp > 1."""
+    if config.parallel.world_size == 1:
         return InProcessExecutor(config)
     from engine.worker.ray_executor import RayWorkerGroup
 

@@ -1,8 +1,11 @@
-"""This rank's place in its replica: TP rank, DCP rank, process groups, and the collectives layers use.
+"""This rank's place in its replica: TP rank, PCP rank, DCP rank, process groups, and the collectives layers use.
 
-tp = 1 needs no torch.distributed at all (ParallelState.single()). With tp > 1 every rank of the worker group
-calls init_parallel_state(); the TP group is the whole world of the worker group and DCP groups are runs of
-dcp consecutive TP ranks (docs/dcp.md).
+A replica is pcp groups of tp ranks: world rank r is TP rank r % tp of PCP group r // tp. tp = pcp = 1 needs no
+torch.distributed at all (ParallelState.single()). Otherwise every rank of the worker group calls
+init_parallel_state(). The TP group is the rank's own PCP group (the whole world at pcp = 1). A DCP group of
+dcp = a * pcp ranks (a = dcp at pcp = 1) is, in every PCP group, the run of a consecutive TP ranks holding copies
+of the same KV heads: DCP rank q * a + t % a for TP rank t of PCP group q. The PCP peers of a rank are the ranks
+with its TP rank in every PCP group: they hold the same KV heads and trade a prefill's K/V (docs/dcp.md).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.distributed as dist
 
 @dataclass
 class ParallelState:
-    """TP and DCP coordinates of one rank, with its process groups (None when the size is 1)."""
+    """TP, PCP and DCP coordinates of one rank, with its process groups (None when the size is 1)."""
 
     tp_size: int
     tp_rank: int
@@ -27,15 +30,38 @@ class ParallelState:
     num_kv_heads: int  # the model's KV heads (for which ones this rank holds)
     tp_group: dist.ProcessGroup | None = None
     dcp_group: dist.ProcessGroup | None = None
+    pcp_size: int = 1
+    pcp_rank: int = 0
+    pcp_group: dist.ProcessGroup | None = None  # this TP rank in every PCP group (None at pcp = 1)
 
     @classmethod
     def single(cls, num_kv_heads: int) -> ParallelState:
         return cls(tp_size=1, tp_rank=0, dcp_size=1, dcp_rank=0, num_kv_heads=num_kv_heads)
 
     @property
+    def world_rank(self) -> int:
+        return self.pcp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pcp_size * self.tp_size
+
+    @property
+    def dcp_heads(self) -> int:
+        """a: the consecutive TP ranks of one PCP group inside this rank's DCP group (they hold one KV head
+        between them and split its query heads); dcp / pcp at pcp > 1 with DCP, dcp at pcp = 1."""
+        return self.dcp_size // self.pcp_size if self.pcp_size > 1 and self.dcp_size > 1 else self.dcp_size
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank's TP group runs the LM head: PCP group 0's (every group runs the step's decodes and the
+        last token of every prefill chunk is PCP group 0's: engine/worker/pcp.py)."""
+        return self.pcp_rank == 0
+
+    @property
     def is_driver(self) -> bool:
-        """Rank 0 samples and returns tokens."""
-        return self.tp_rank == 0
+        """World rank 0 samples and returns tokens."""
+        return self.tp_rank == 0 and self.pcp_rank == 0
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -72,7 +98,7 @@ class ParallelState:
         x = x.contiguous()
         assert self.tp_group is not None  # set whenever tp_size > 1
         driver = dist.get_global_rank(self.tp_group, 0)
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.is_driver else None
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(x, parts, dst=driver, group=self.tp_group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
@@ -145,14 +171,17 @@ def init_parallel_state(
     timeout_s: float = 300.0,
     rendezvous: Rendezvous | None = None,
     local_address: str | None = None,
+    pcp_size: int = 1,
 ) -> ParallelState:
     """Joins this worker group's process group (one per group: its own init_method address and port) and builds
-    the DCP subgroups. Every rank must call it with the same arguments except tp_rank, `rendezvous` (rank 0's
-    listening socket for the group's store, whose init_method every rank is given) and `local_address` (this
-    rank's node address: gloo's connections between ranks listen there rather than wherever the host name
-    resolves, unless GLOO_SOCKET_IFNAME is set)."""
-    if tp_size == 1:
+    the TP, DCP and PCP subgroups. `tp_rank` is the rank in the whole group (the world rank: the TP rank at
+    pcp = 1). Every rank must call it with the same arguments except tp_rank, `rendezvous` (rank 0's listening
+    socket for the group's store, whose init_method every rank is given) and `local_address` (this rank's node
+    address: gloo's connections between ranks listen there rather than wherever the host name resolves, unless
+    GLOO_SOCKET_IFNAME is set)."""
+    if tp_size == 1 and pcp_size == 1:
         return ParallelState.single(num_kv_heads)
+    world_size, rank = tp_size * pcp_size, tp_rank
     if backend == "gloo" and local_address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         interface = interface_with_address(local_address)
         if interface is not None:
@@ -161,29 +190,45 @@ def init_parallel_state(
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     host, port = parse_tcp_init_method(init_method)
     timeout = timedelta(seconds=timeout_s)
-    if rendezvous is not None and tp_rank != 0:
-        raise ValueError(f"only TP rank 0 hosts the rendezvous; rank {tp_rank} was given one")
-    store = dist.TCPStore(host, port, world_size=tp_size, is_master=tp_rank == 0, timeout=timeout,
+    if rendezvous is not None and rank != 0:
+        raise ValueError(f"only rank 0 hosts the rendezvous; rank {rank} was given one")
+    store = dist.TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
                           master_listen_fd=None if rendezvous is None else rendezvous.take_fd())
-    dist.init_process_group(backend=backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout)
-    dcp_group = None
+    dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
+    pcp_rank, local_tp_rank = divmod(rank, tp_size)
+    a = dcp_size // pcp_size if pcp_size > 1 and dcp_size > 1 else dcp_size
+    # new_group is collective: every rank creates every group, in the same order, and keeps its own.
+    tp_group: dist.ProcessGroup | None = dist.group.WORLD
+    pcp_group = dcp_group = None
+    if pcp_size > 1:
+        for q in range(pcp_size):
+            group = dist.new_group(list(range(q * tp_size, (q + 1) * tp_size)))
+            if q == pcp_rank:
+                tp_group = group
+        for t in range(tp_size):
+            group = dist.new_group(list(range(t, world_size, tp_size)))
+            if t == local_tp_rank:
+                pcp_group = group
     if dcp_size > 1:
-        # new_group is collective: every rank creates every DCP group, keeps its own.
-        for start in range(0, tp_size, dcp_size):
-            group = dist.new_group(list(range(start, start + dcp_size)))
-            if start <= tp_rank < start + dcp_size:
+        for start in range(0, tp_size, a):
+            # Sorted world ranks: group rank q * a + u is TP rank start + u of PCP group q, its DCP rank.
+            group = dist.new_group([q * tp_size + start + u for q in range(dcp_size // a) for u in range(a)])
+            if start <= local_tp_rank < start + a:
                 dcp_group = group
     return ParallelState(
         tp_size=tp_size,
-        tp_rank=tp_rank,
+        tp_rank=local_tp_rank,
         dcp_size=dcp_size,
-        dcp_rank=tp_rank % dcp_size,
+        dcp_rank=(pcp_rank * a + local_tp_rank % a) if dcp_size > 1 else 0,
         num_kv_heads=num_kv_heads,
-        tp_group=dist.group.WORLD,
+        tp_group=tp_group if tp_size > 1 else None,
         dcp_group=dcp_group,
+        pcp_size=pcp_size,
+        pcp_rank=pcp_rank,
+        pcp_group=pcp_group,
     )
 
 
 def destroy_parallel_state(state: ParallelState) -> None:
-    if state.tp_size > 1 and dist.is_initialized():
+    if state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

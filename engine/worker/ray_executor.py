@@ -1,7 +1,8 @@
-"""A replica's tensor-parallel worker group on Ray: one actor per TP rank, torch.distributed between them.
+"""A replica's worker group on Ray: one actor per rank (tp * pcp of them: pcp groups of tp), torch.distributed
+between them.
 
 Layout: with GPUs in the cluster, one bundle of {GPU: 1} per rank in a STRICT_PACK placement group (DCP adds no
-GPUs: it reuses the TP ranks); the group may be given (a Serve replica's own placement group, whose first
+GPUs: it reuses the ranks); the group may be given (a Serve replica's own placement group, whose first
 bundles belong to the replica) or created here. On a cluster without GPU resources the ranks run as CPU
 actors. Each group picks its own rendezvous address and port (rank 0's node address as Ray reports it, a port rank 0
 listens on from the moment it is chosen), so several groups share a host, and nothing listens beyond that address.
@@ -107,6 +108,7 @@ class RankWorker:
             tp_size=parallel.tp,
             tp_rank=self.rank,
             dcp_size=parallel.dcp,
+            pcp_size=parallel.pcp,
             num_kv_heads=self.config.model_config.num_key_value_heads,
             init_method=init_method,
             backend="nccl" if use_cuda else "gloo",
@@ -175,13 +177,13 @@ class RayWorkerGroup:
         self._closing = False
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-        tp = config.parallel.tp
+        tp = config.parallel.world_size  # every rank: tp of each of the pcp groups
         self.config = config
         self.last_exchange_seconds = 0.0
         use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         try:
             if placement_group is None and use_gpus:
-                placement_group = self._create_group(tp, startup_timeout_s)
+                placement_group = self._create_group(config.parallel.tp, config.parallel.pcp, startup_timeout_s)
                 self._owned_group = placement_group
             options: list[dict[str, Any]] = []
             for rank in range(tp):
@@ -218,20 +220,22 @@ class RayWorkerGroup:
         those bundles; anywhere else the group reserves its own GPUs (or runs CPU actors on a GPU-less cluster)."""
         if ray.is_initialized():
             group = get_current_placement_group()
-            if group is not None and len(group.bundle_specs) == config.parallel.tp + 1:
+            if group is not None and len(group.bundle_specs) == config.parallel.world_size + 1:
                 return cls(config, placement_group=group, first_bundle=1)
         return cls(config)
 
     @staticmethod
-    def _create_group(tp: int, timeout_s: float) -> PlacementGroup:
-        group = placement_group([{"GPU": 1}] * tp, strategy="STRICT_PACK")
+    def _create_group(tp: int, pcp: int, timeout_s: float) -> PlacementGroup:
+        world = tp * pcp
+        group = placement_group([{"GPU": 1}] * world, strategy="STRICT_PACK")
         if not group.wait(timeout_seconds=timeout_s):
             remove_placement_group(group)
             gpus = ray.cluster_resources().get("GPU", 0)
+            layout = f"tp={tp}" if pcp == 1 else f"tp={tp} x pcp={pcp}"
             raise RuntimeError(
-                f"tp={tp} needs {tp} GPUs on one node (STRICT_PACK bundles of {{GPU: 1}}) but none were free within "
-                f"{timeout_s:.0f}s; the cluster has {gpus:g} GPUs in all. On a CPU machine start Ray with "
-                f"--num-gpus {tp} (logical GPUs)"
+                f"{layout} needs {world} GPUs on one node (STRICT_PACK bundles of {{GPU: 1}}) but none were free "
+                f"within {timeout_s:.0f}s; the cluster has {gpus:g} GPUs in all. On a CPU machine start Ray with "
+                f"--num-gpus {world} (logical GPUs)"
             )
         return group
 
