@@ -15,7 +15,7 @@ from engine.kernels.cpu_attention import (
     plan_decode_cpu,
 )
 from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from engine.kernels.exchange import DcpAttentionExchange
+from engine.kernels.exchange import DcpAttentionExchange, PcpAttentionExchange
 from engine.kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from engine.kernels.store_kv import store_kv, store_kv_ref
@@ -24,6 +24,7 @@ __all__ = [
     "CpuDecodePlan",
     "HAS_TRITON",
     "DcpAttentionExchange",
+    "PcpAttentionExchange",
     "combine_lse",
     "combine_lse_ref",
     "dcp_local_seq_lens",

@@ -90,3 +90,67 @@ class DcpAttentionExchange:
             received = everything[:, self.rank]
         merged, merged_lse = combine_fn(received[..., :head_dim], received[..., head_dim])
         return merged.to(out.dtype), merged_lse
+
+
+class PcpAttentionExchange:
+    """The DCP exchange of a replica with prefill context parallelism (docs/dcp.md).
+
+    The DCP group is pcp_size PCP groups' runs of `a` consecutive TP ranks (group rank q * a + u: PCP rank q, u-th
+    TP rank of the run). Ranks of one run hold different query heads of one KV head; ranks of different PCP groups
+    hold the same heads but computed different prefill rows. Rows come in the gathered layout
+    (engine/worker/pcp.py): D decode rows (the same on every PCP rank), then each PCP rank's rows_max prefill rows.
+
+        q_group = gather_queries(q_own, D, R)   # [D + R_own, h] -> [D + pcp * R, a * h]: all rows, the run's heads
+        partial attention over the local shard   # [D + pcp * R, a * h]
+        out, lse = combine(out, lse, D, R)      # exact over the group: [D + R, h], this rank's rows and heads
+
+    combine sends each rank only its rows and heads (one all_to_all of fp32 partials) and merges with combine_lse.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, heads_ranks: int, pcp_size: int, pcp_rank: int,
+                 use_triton: bool | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call init_process_group before building the exchange")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        if self.world_size != heads_ranks * pcp_size:
+            raise ValueError(f"the DCP group has {self.world_size} ranks, not heads_ranks={heads_ranks} x "
+                             f"pcp_size={pcp_size}")
+        self.a, self.b, self.pcp_rank = heads_ranks, pcp_size, pcp_rank
+        self.use_triton = use_triton
+
+    def gather_queries(self, q: torch.Tensor, num_decodes: int, rows_max: int) -> torch.Tensor:
+        """q [D + own prefill rows, h, Dq] -> [D + pcp * rows_max, a * h, Dq] (padding rows zero)."""
+        rows, heads, head_dim = q.shape
+        width = num_decodes + rows_max
+        padded = q.new_zeros((width, heads, head_dim))
+        padded[:rows] = q
+        gathered = q.new_empty((self.world_size, width, heads, head_dim))
+        dist.all_gather(list(gathered.unbind(0)), padded, group=self.group)
+        by_rank = gathered.view(self.b, self.a, width, heads, head_dim)
+        decodes = by_rank[self.pcp_rank, :, :num_decodes].permute(1, 0, 2, 3)
+        prefills = by_rank[:, :, num_decodes:].permute(0, 2, 1, 3, 4)
+        return torch.cat([decodes.reshape(num_decodes, self.a * heads, head_dim),
+                          prefills.reshape(self.b * rows_max, self.a * heads, head_dim)])
+
+    def combine(self, out: torch.Tensor, lse: torch.Tensor, num_decodes: int,
+                rows_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial (out [D + pcp * R, a * h, Dv], lse) over this rank's shard -> exact (out [D + R, h, Dv], lse
+        [D + R, h]) over the group, for this rank's rows and heads. out keeps its dtype; lse is fp32."""
+        group_heads, value_dim = out.shape[1], out.shape[2]
+        heads = group_heads // self.a
+        width = num_decodes + rows_max
+        packed = torch.cat([out.float(), lse.float()[..., None]], dim=-1).view(-1, self.a, heads, value_dim + 1)
+        decodes = packed[:num_decodes].permute(1, 0, 2, 3)[None].expand(self.b, -1, -1, -1, -1)
+        prefills = packed[num_decodes:].view(self.b, rows_max, self.a, heads, value_dim + 1).permute(0, 2, 1, 3, 4)
+        send = torch.cat([decodes, prefills], dim=2).reshape(self.world_size, width, heads, value_dim + 1)
+        send = send.contiguous()
+        received = torch.empty_like(send)  # received[j]: rank j's partial for this rank's rows and heads
+        dist.all_to_all_single(received, send, group=self.group)
+        use_triton = self.use_triton
+        if use_triton is None:
+            use_triton = HAS_TRITON and (out.is_cuda or triton_interpreting())
+        combine_fn = combine_lse if use_triton else combine_lse_ref
+        merged, merged_lse = combine_fn(received[..., :value_dim], received[..., value_dim])
+        return merged.to(out.dtype), merged_lse

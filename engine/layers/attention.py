@@ -14,6 +14,14 @@ dcp > 1 (every rank of the group sees the same rows; each holds one shard of the
      partial by combine_lse.
 Every collective runs on every rank of the group whatever the mix of rows, with the same shapes.
 
+pcp > 1 (engine/worker/pcp.py: this rank's rows are every decode and its segments of each prefill chunk):
+  1. the PCP peers' prefill K/V gathered; this rank stores the slots it owns of the whole step;
+  2. dcp = 1: every rank holds whole sequences, so one local call per kind of row, each segment's context being
+     every token before it (cached context and the chunk's earlier parts, stored in 1);
+  3. dcp > 1: the DCP group's queries of every PCP rank's rows (PcpAttentionExchange) over the local shard of each
+     row's context, merged exactly back to each rank's own rows and heads, then each segment's own tokens
+     (causal), locally, merged by combine_lse.
+
 MLA (v_head_dim set): one key-only cache of [latent | rope key] per token; the queries come absorbed into the
 latent space ([q_nope W_UK | q_rope]), the values are the latent (the keys' first v_head_dim channels) and the
 output is [T, heads, v_head_dim] for the caller's up-projection. The latent is the one KV head, so the DCP path
@@ -31,6 +39,7 @@ import torch
 
 from engine.kernels import (
     DcpAttentionExchange,
+    PcpAttentionExchange,
     combine_lse,
     combine_lse_ref,
     paged_decode_attention,
@@ -46,6 +55,7 @@ from engine.kernels import (
 from engine.layers.module import EngineModule
 from engine.worker.attention_metadata import AttentionMetadata
 from engine.worker.parallel import ParallelState
+from engine.worker.pcp import gather_prefill_rows
 
 # Which attention kernels a layer runs: "triton" (CUDA, or Triton's CPU interpreter in tests), "cpu" (torch's fused
 # CPU attention, batched: the engine's choice off CUDA), "ref" (the exact torch references, for tests).
@@ -73,7 +83,7 @@ class Attention(EngineModule):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} per rank must be a multiple of num_kv_heads={num_kv_heads}")
-        if parallel.dcp_size > 1 and num_kv_heads != 1:
+        if parallel.dcp_heads > 1 and num_kv_heads != 1:
             raise ValueError(
                 f"dcp={parallel.dcp_size} needs exactly one KV head per rank (tp > kv_heads), got "
                 f"{num_kv_heads}: use dcp=1 or raise tp above the model's KV heads"
@@ -87,6 +97,7 @@ class Attention(EngineModule):
         self.dcp_size = parallel.dcp_size
         self.parallel = parallel
         self.exchange: DcpAttentionExchange | None = None
+        self.pcp_exchange: PcpAttentionExchange | None = None
         # Triton on CUDA; the fused CPU kernels elsewhere (Triton's interpreter and the references are for tests).
         self.select_kernels("triton" if torch.device(device).type == "cuda" else "cpu")
 
@@ -106,8 +117,12 @@ class Attention(EngineModule):
             "triton": triton_prefill, "cpu": paged_prefill_attention_cpu, "ref": paged_prefill_attention_ref}
         self.prefill = prefills[kernels]
         self.combine = combine_lse if use_triton else combine_lse_ref
-        if self.parallel.dcp_size > 1:
-            self.exchange = DcpAttentionExchange(self.parallel.dcp_group, use_triton=use_triton)
+        parallel = self.parallel
+        if parallel.pcp_size > 1 and parallel.dcp_size > 1:
+            self.pcp_exchange = PcpAttentionExchange(parallel.dcp_group, parallel.dcp_heads, parallel.pcp_size,
+                                                     parallel.pcp_rank, use_triton=use_triton)
+        elif parallel.dcp_size > 1:
+            self.exchange = DcpAttentionExchange(parallel.dcp_group, use_triton=use_triton)
 
     def forward(
         self,
@@ -132,6 +147,8 @@ class Attention(EngineModule):
         num_decodes = metadata.num_decode_tokens
         if not 0 <= num_decodes <= num_tokens:
             raise ValueError(f"num_decode_tokens={num_decodes} must be in [0, num_tokens={num_tokens}]")
+        if self.parallel.pcp_size > 1:
+            return self._forward_pcp(q, k, v, k_cache, v_cache, metadata)
         self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=metadata.all_slots_owned)
         if self.exchange is None:
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)
@@ -210,6 +227,65 @@ class Attention(EngineModule):
         with timer.measure() if timer is not None else nullcontext():
             out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
         if not has_prefill:
+            return out
+        new_out, new_lse = self.prefill(
+            q[num_decodes:], k[num_decodes:], v[num_decodes:] if v is not None else None, k_cache, v_cache,
+            metadata.prefill_block_table, metadata.prefill_query_start_loc,
+            torch.zeros_like(metadata.prefill_local_context_lens), self.scale, metadata.prefill_max_query_len,
+            v_head_dim=self.v_head_dim,
+        )
+        self.combine(
+            torch.stack([out[num_decodes:], new_out]),
+            torch.stack([lse[num_decodes:], new_lse]),
+            out=out[num_decodes:],
+        )
+        return out
+
+    def _forward_pcp(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """PCP: this rank's rows are every decode and its segments of the prefill chunks (module docstring)."""
+        parallel, pcp = self.parallel, metadata.pcp
+        num_decodes = metadata.num_decode_tokens
+        rows_max = pcp.rows_max if pcp is not None else 0
+        if rows_max:
+            k_all = gather_prefill_rows(k, num_decodes, rows_max, parallel.pcp_group, parallel.pcp_size)
+            v_all = (gather_prefill_rows(v, num_decodes, rows_max, parallel.pcp_group, parallel.pcp_size)
+                     if v is not None else None)
+            assert pcp is not None
+            self.store(k_all, v_all, k_cache, v_cache, pcp.gathered_slot_mapping, all_owned=False)
+        else:  # decodes only: every PCP group has the same rows
+            self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=False)
+        if self.pcp_exchange is None:  # dcp = 1: whole sequences here; each segment's context includes its chunk's
+            return self._forward_local(q, k, v, k_cache, v_cache, metadata)  # earlier parts, stored above
+        timer = metadata.exchange_timer
+        with timer.measure() if timer is not None else nullcontext():
+            q_group = self.pcp_exchange.gather_queries(q, num_decodes, rows_max)
+        rows, group_heads = q_group.shape[:2]
+        shard_out = q_group.new_empty((rows, group_heads, self.value_dim))
+        shard_lse = torch.empty((rows, group_heads), dtype=torch.float32, device=q.device)
+        if num_decodes:
+            self._decode(q_group[:num_decodes], k_cache, v_cache, metadata, out=shard_out[:num_decodes],
+                         lse_out=shard_lse[:num_decodes])
+        if rows_max:
+            assert pcp is not None
+            self.prefill(
+                q_group[num_decodes:], None, None, k_cache, v_cache, pcp.gathered_block_table,
+                pcp.gathered_query_start_loc, pcp.gathered_local_context_lens, self.scale,
+                pcp.gathered_max_query_len,
+                out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:], v_head_dim=self.v_head_dim,
+            )
+        with timer.measure() if timer is not None else nullcontext():
+            out, lse = self.pcp_exchange.combine(shard_out, shard_lse, num_decodes, rows_max)
+        num_rows = q.shape[0]
+        out, lse = out[:num_rows], lse[:num_rows]
+        if num_decodes == num_rows:
             return out
         new_out, new_lse = self.prefill(
             q[num_decodes:], k[num_decodes:], v[num_decodes:] if v is not None else None, k_cache, v_cache,

@@ -30,6 +30,7 @@ from engine.core.step import ScheduledRequest, SchedulerOutput
 from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping
 from engine.sampling_params import SamplingParams
 from engine.worker.attention_metadata import AttentionMetadata, no_prefill_tensors
+from engine.worker.pcp import PcpSplit
 from engine.worker.step_timer import ExchangeTimer
 
 
@@ -57,18 +58,23 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: list[int]  # rows of the hidden states to sample, in scheduled order
     sampling: list[tuple[ScheduledRequest, SamplingParams]]  # the sampled entries with their parameters
+    # pcp > 1 with prefill chunks: how the step's rows split across PCP ranks; the tensors above are this rank's rows
+    # (sample_rows too, on PCP rank 0, which samples; empty on the others).
+    pcp_split: PcpSplit | None = None
 
 
 class InputBatch:
     """The requests a rank is running and their block table rows on the device."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, dcp_size: int, dcp_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, pcp_size: int = 1, pcp_rank: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.dcp_size = dcp_size
         self.dcp_rank = dcp_rank
+        self.pcp_size = pcp_size
+        self.pcp_rank = pcp_rank
         self.device = device
         self.block_table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.requests: dict[str, CachedRequestState] = {}
@@ -182,8 +188,27 @@ class InputBatch:
         rows = torch.tensor([state.row for state in states], dtype=torch.int64)
         width = max((state.num_blocks for state in states), default=0)
         table = self.block_table.index_select(0, rows.to(self.device, non_blocking=True))[:, : max(width, 1)]
-        return build_step_inputs(scheduled, table, self.block_size, self.dcp_size, self.dcp_rank, self.device,
-                                 exchange_timer, sampling)
+        inputs = build_step_inputs(scheduled, table, self.block_size, self.dcp_size, self.dcp_rank, self.device,
+                                   exchange_timer, sampling)
+        return inputs if self.pcp_size == 1 else self._pcp_rows(inputs, scheduled)
+
+    def _pcp_rows(self, inputs: StepInputs, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        """The step's inputs cut to this PCP rank's rows: every decode and its segments of each prefill chunk
+        (engine/worker/pcp.py). The last token of every chunk is PCP rank 0's, so its rows include every sampled
+        one."""
+        num_decodes = inputs.metadata.num_decode_tokens
+        prefills = scheduled[num_decodes:]
+        metadata, split = inputs.metadata.for_pcp_rank(
+            [len(e.token_ids) for e in prefills], [e.start_position for e in prefills], self.pcp_size,
+            self.pcp_rank, self.dcp_size, self.dcp_rank)
+        own_rows = split.own_rows()
+        index = torch.tensor(own_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        sample_rows: list[int] = []
+        if self.pcp_rank == 0:
+            own_index = {row: i for i, row in enumerate(own_rows)}
+            sample_rows = [own_index[row] for row in inputs.sample_rows]
+        return StepInputs(inputs.input_ids[index], inputs.positions[index], metadata, sample_rows, inputs.sampling,
+                          split)
 
     def _decode_inputs(self, scheduled: Sequence[ScheduledRequest], states: list[CachedRequestState],
                        exchange_timer: ExchangeTimer | None,

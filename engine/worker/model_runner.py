@@ -26,6 +26,7 @@ from engine.worker.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs,
 from engine.worker.input_batch import InputBatch
 from engine.worker.loader import load_model
 from engine.worker.parallel import ParallelState
+from engine.worker.pcp import PcpSplit, unsplit_rows
 from engine.worker.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
 from engine.worker.step_timer import ExchangeTimer
 
@@ -50,6 +51,7 @@ class ModelRunner:
             max_num_seqs=config.scheduler.max_num_seqs,
             max_blocks_per_seq=blocks_needed(config.scheduler.max_model_len, self.block_size * parallel.dcp_size),
             block_size=self.block_size, dcp_size=parallel.dcp_size, dcp_rank=parallel.dcp_rank, device=device,
+            pcp_size=parallel.pcp_size, pcp_rank=parallel.pcp_rank,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -146,8 +148,8 @@ class ModelRunner:
             why_not = "enforce_eager is set"
         elif self.device.type != "cuda" and capture is None:
             why_not = f"the device is {self.device.type}"
-        elif self.parallel.tp_size > 1:
-            why_not = "tp > 1 (the TP / DCP collectives inside a graph are not validated yet)"
+        elif self.parallel.world_size > 1:
+            why_not = "tp * pcp > 1 (the TP / DCP / PCP collectives inside a graph are not validated yet)"
         elif any(isinstance(module, DeepseekMoE) for module in self.model.modules()):
             why_not = "the model has MoE layers (their expert loop reads the routing back to the host)"
         if why_not is not None:
@@ -216,7 +218,8 @@ class ModelRunner:
         self._exchange_timer = timer
         result = ModelRunnerOutput() if self.parallel.is_driver else None
         if inputs.sample_rows:
-            # Every rank takes part in the vocab-parallel gather; only the driver receives the logits and samples.
+            # Every rank of the TP group takes part in the vocab-parallel gather (with PCP, PCP group 0's: the other
+            # groups have no sample rows); only the driver receives the logits and samples.
             rows = (hidden if len(inputs.sample_rows) == hidden.shape[0]  # every row samples: a decode-only step
                     else hidden[torch.tensor(inputs.sample_rows, device=hidden.device)])
             logits = self.model.compute_logits(rows, driver_only=True)
@@ -234,16 +237,18 @@ class ModelRunner:
                 result.logprobs = {e.request_id: lp
                                    for (e, _), lp in zip(inputs.sampling, sampled.logprobs, strict=True)
                                    if lp is not None}
-        prompt_logprobs = self._prompt_logprobs(output, hidden)
+        prompt_logprobs = self._prompt_logprobs(output, hidden, inputs.pcp_split)
         if result is not None:
             result.prompt_logprobs = prompt_logprobs
         return result
 
-    def _prompt_logprobs(self, output: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[TokenLogprob]]:
+    def _prompt_logprobs(self, output: SchedulerOutput, hidden: torch.Tensor,
+                         split: PcpSplit | None) -> dict[str, list[TokenLogprob]]:
         """The prompt logprobs this step's chunks complete, for the requests that asked and have not yet sampled a
         token (a recompute after preemption does not repeat them). Every rank computes the full-vocabulary logits
         of those rows (a collective); the driver turns them into TokenLogprob lists. Rows go through the LM head in
-        slices of PROMPT_LOGPROBS_ROWS so a long chunk never holds more than that many vocabulary-wide rows."""
+        slices of PROMPT_LOGPROBS_ROWS so a long chunk never holds more than that many vocabulary-wide rows.
+        With PCP (`split`) the PCP groups first trade their rows' hidden states, and PCP group 0 runs the LM head."""
         rows: list[int] = []  # rows of `hidden`
         targets: list[int] = []  # the prompt token each row predicts
         num_top: list[int] = []  # the alternatives each row reports
@@ -266,6 +271,10 @@ class ModelRunner:
                 num_top.extend([num_top_k] * len(chunk_targets))
             offset += len(entry.token_ids)
         if not owners:
+            return {}
+        if split is not None:
+            hidden = unsplit_rows(hidden, split, self.parallel.pcp_group)
+        if not self.parallel.samples:
             return {}
         entries: list[TokenLogprob] = []
         for start in range(0, len(rows), PROMPT_LOGPROBS_ROWS):

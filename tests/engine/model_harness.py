@@ -23,6 +23,7 @@ from engine.models import CausalLM
 from engine.worker.attention_metadata import AttentionMetadata
 from engine.worker.loader import load_model
 from engine.worker.parallel import ParallelState, destroy_parallel_state, init_parallel_state
+from engine.worker.pcp import unsplit_rows
 from tests.engine.llm_parts import engine_of
 
 
@@ -138,7 +139,17 @@ class PagedRunner:
         metadata = self.build_metadata(ordered, len(decodes))
         input_ids = torch.tensor([t for s, n in ordered for t in s.tokens[s.num_computed : s.num_computed + n]])
         positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n) for s, n in ordered])
+        own_rows = None
+        parallel = self.parallel
+        if parallel.pcp_size > 1:  # this rank's rows of the step: every decode and its segments of each chunk
+            metadata, split = metadata.for_pcp_rank(
+                [n for _, n in prefills], [s.num_computed for s, _ in prefills], parallel.pcp_size,
+                parallel.pcp_rank, parallel.dcp_size, parallel.dcp_rank, self.interleave)
+            own_rows = split.own_rows()
+            input_ids, positions = input_ids[own_rows], positions[own_rows]
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, metadata)
+        if own_rows is not None:  # every PCP group ends up with every row's hidden state, as without PCP
+            hidden = unsplit_rows(hidden, split, parallel.pcp_group)
         sample_rows, sampled = [], []
         row = 0
         for seq, n in ordered:
@@ -183,13 +194,16 @@ def pages_needed(scenario: Scenario, block_size: int, dcp: int) -> int:
 
 
 def run_rank(
-    rank: int, tp: int, dcp: int, interleave: int, port: int, jobs: list[Job], out_dir: str, block_size: int
+    rank: int, tp: int, dcp: int, interleave: int, port: int, jobs: list[Job], out_dir: str, block_size: int,
+    pcp: int = 1,
 ) -> None:
-    """Body of one spawned rank: joins the gloo group, runs every job, saves tokens and logits per job."""
+    """Body of one spawned rank (of tp * pcp): joins the gloo group, runs every job, saves tokens and logits per
+    job."""
     torch.set_num_threads(1)
     first = ModelConfig.from_pretrained(jobs[0].model_dir)
     # 300 s: a rank of a 32k-token scenario waits that long for its peers' prefill chunks (test_long_context.py)
-    base = init_parallel_state(tp, rank, dcp, first.num_key_value_heads, f"tcp://127.0.0.1:{port}", "gloo", 300.0)
+    base = init_parallel_state(tp, rank, dcp, first.num_key_value_heads, f"tcp://127.0.0.1:{port}", "gloo", 300.0,
+                               pcp_size=pcp)
     try:
         for job in jobs:
             config = ModelConfig.from_pretrained(job.model_dir)
@@ -220,7 +234,7 @@ def run_job(
         for seq in runner.generate(scenario):
             results["tokens"].append(seq.generated)
             results["logits"].append(torch.stack(seq.logits))
-    torch.save(results, out_dir / job.result_file(parallel.tp_rank))
+    torch.save(results, out_dir / job.result_file(parallel.world_rank))
     return results
 
 

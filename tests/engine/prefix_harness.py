@@ -197,14 +197,16 @@ def readmissions_with_hits(steps: list[SchedulerOutput]) -> list[tuple[str, int]
     return found
 
 
-def check_preempted_request_hits_its_own_blocks(model: Path, block_size: int, tp: int = 1, dcp: int = 1) -> None:
+def check_preempted_request_hits_its_own_blocks(model: Path, block_size: int, tp: int = 1, dcp: int = 1,
+                                                pcp: int = 1) -> None:
     """The preemption workload under usage admission, cached against uncached: the preempted new request (req-1)
     comes back starting after its 2 prompt blocks, still cached, and every request gives the uncached engine's
     tokens. 512 bytes per token per rank (2 layers, 1 KV head of 32 on every rank, K and V, fp32)."""
     tpb = block_size * dcp
     prompts, params = preemption_workload(tpb)
-    args = dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=block_size,
-                kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * block_size * 512, admission="usage", kv_headroom=0.0)
+    args = dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+                block_size=block_size, kv_cache_memory_bytes=PREEMPTION_POOL_BLOCKS * block_size * 512,
+                admission="usage", kv_headroom=0.0)
     with LLM(model, enable_prefix_caching=False, **args) as llm:
         expected = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert engine_of(llm).stats().num_preemptions > 0
@@ -215,5 +217,5 @@ def check_preempted_request_hits_its_own_blocks(model: Path, block_size: int, tp
     assert stats.kv_blocks_total == PREEMPTION_POOL_BLOCKS and stats.num_preemptions > 0, stats
     assert readmissions_with_hits(steps) == [("req-1", 2 * tpb)]
     for output, want in zip(outputs, expected, strict=True):
-        assert_same_output(output, want, f"tp={tp} dcp={dcp}, prompt of {len(output.prompt_token_ids)}")
+        assert_same_output(output, want, f"tp={tp} dcp={dcp} pcp={pcp}, prompt of {len(output.prompt_token_ids)}")
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0

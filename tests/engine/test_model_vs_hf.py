@@ -189,8 +189,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _validate(name: str, checkpoint: Path, tp: int, dcp: int) -> None:
-    ParallelConfig(tp, dcp).validate(ModelConfig.from_pretrained(checkpoint))
+def _validate(name: str, checkpoint: Path, tp: int, dcp: int, pcp: int = 1) -> None:
+    ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoint))
+
+
+def _valid(checkpoint: Path, tp: int, dcp: int, pcp: int) -> bool:
+    try:
+        _validate("", checkpoint, tp, dcp, pcp)
+    except ValueError:
+        return False
+    return True
 
 
 def triton_scenario() -> Scenario:
@@ -274,6 +282,29 @@ def test_multi_rank_matches_transformers(
             assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
             for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{job.name}: rank {rank} logits differ")
+
+
+# (tp, dcp, pcp): prefill context parallelism, every model where the layout is valid for it.
+PCP_LAYOUTS = [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,dcp,pcp", PCP_LAYOUTS)
+def test_prefill_context_parallel_matches_transformers(
+    tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Each PCP group computes one early and one late part of every prefill chunk; every PCP group runs the
+    decodes. Tokens equal transformers', logits within LOGITS_ATOL, on every rank."""
+    names = [name for name in MODELS if _valid(checkpoints[name], tp, dcp, pcp)]
+    assert names, f"no model takes (tp, dcp, pcp) = {(tp, dcp, pcp)}"
+    jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
+    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), nprocs=tp * pcp,
+             join=True)
+    for job in jobs:
+        per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
+        for rank, result in enumerate(per_rank):
+            assert result["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
+            check_against_hf(job, result)
 
 
 # ---- loader errors ---------------------------------------------------------------------------------------

@@ -55,3 +55,26 @@ def test_cached_run_equals_uncached_run(tp: int, dcp: int, tiny: Path, ray_clust
 def test_preempted_request_hits_its_own_blocks_when_readmitted_at_tp2_dcp2(tiny: Path, ray_cluster) -> None:
     skip_without_gpus(ray_cluster, 2)
     check_preempted_request_hits_its_own_blocks(tiny, BLOCK_SIZE, tp=2, dcp=2)
+
+
+@pytest.mark.parametrize("tp,dcp,pcp", [(1, 2, 2), (2, 4, 2)])
+def test_prefill_context_parallel_cached_run_equals_one_rank(tp: int, dcp: int, pcp: int, tiny: Path,
+                                                              ray_cluster) -> None:
+    """PCP through the whole engine (scheduler, persistent batch, worker group of tp * pcp ranks): the prefix
+    scenario's cached run with its chunks split across PCP groups gives the tokens and logprobs of one rank with
+    no cache, whose pages hold the same block_size * dcp tokens."""
+    skip_without_gpus(ray_cluster, tp * pcp)
+    tpb = BLOCK_SIZE * dcp
+    steps = exactness_scenario(tpb)
+    with LLM(tiny, enable_prefix_caching=False, block_size=tpb) as llm:
+        reference = run_reference(llm, steps)
+    with LLM(tiny, tensor_parallel_size=tp, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+             block_size=BLOCK_SIZE, max_num_batched_tokens=tpb + 3) as llm:
+        assert engine_of(llm).block_manager.tokens_per_block == tpb
+        hit = run_cached_and_compare(llm, reference, f"tp={tp} dcp={dcp} pcp={pcp}")
+    assert hit > 0
+
+
+def test_preempted_request_hits_its_own_blocks_when_readmitted_at_pcp2_dcp2(tiny: Path, ray_cluster) -> None:
+    skip_without_gpus(ray_cluster, 2)
+    check_preempted_request_hits_its_own_blocks(tiny, BLOCK_SIZE, tp=1, dcp=2, pcp=2)
