@@ -9,7 +9,9 @@ reading a slot no token was written to turns the logits NaN; unused block-table 
 cache; shuffled pages; pages of 16 slots (the engine's default). Layouts: (tp, dcp) = (1, 1) in this process, and as
 gloo processes (2, 1), (2, 2), (4, 2) with interleave 2, (4, 4): test_model_vs_hf's and test_mla_vs_hf's
 MULTI_RANK_LAYOUTS, each model where the layout is valid for it (GQA with 2 KV heads takes dcp > 1 only at tp 4, so
-(2, 2) and (4, 4) run a Llama with one KV head). Models, with positions up to 40,960:
+(2, 2) and (4, 4) run a Llama with one KV head); and with prefill context parallelism, (tp, dcp, pcp) = (1, 1, 2),
+(1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2) (PCP_LAYOUTS: each chunk's 4,096 tokens split over the PCP groups, MLA
+among them at dcp = 1, pcp and tp * pcp). Models, with positions up to 40,960:
 - Llama GQA: 4 heads over 2 KV heads, q/k/v/o bias, llama3 RoPE scaling 4x from 10,240 (the prompt's positions run
   through the scaled, smoothed and unscaled frequency bands); and the same with one KV head (MQA) and no bias;
 - DeepSeek-V2 MLA: the project's generator (cluster/tiny_model.py), latent 24 + 6, YaRN 4x from 10,240 with
@@ -102,6 +104,16 @@ MULTI_RANK_LAYOUTS: dict[tuple[int, int, int], list[str]] = {
     (2, 2, 1): [LLAMA_MQA, MLA],
     (4, 2, 2): [LLAMA_GQA],
     (4, 4, 1): [LLAMA_MQA, MLA],
+}
+
+# (tp, dcp, pcp) -> the models run there: every PCP layout of test_model_vs_hf / test_mla_vs_hf, each on a model it is
+# valid for, MLA at pcp with dcp = 1, with dcp = pcp and with dcp = tp * pcp.
+PCP_LAYOUTS: dict[tuple[int, int, int], list[str]] = {
+    (1, 1, 2): [LLAMA_GQA, MLA],
+    (1, 2, 2): [LLAMA_MQA],
+    (2, 1, 2): [LLAMA_GQA],
+    (2, 2, 2): [MLA],
+    (2, 4, 2): [LLAMA_MQA, MLA],
 }
 
 
@@ -273,6 +285,27 @@ def test_multi_rank_long_context_matches_transformers(
              join=True)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp)]
+        check_long_against_hf(job, per_rank[0])
+        for rank, other in enumerate(per_rank[1:], start=1):
+            assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
+            for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{job.name}: rank {rank} logits differ")
+
+
+@pytest.mark.parametrize("tp,dcp,pcp", list(PCP_LAYOUTS))
+def test_prefill_context_parallel_long_context_matches_transformers(
+    tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """PCP at 32k: each chunk's parts are spread over the PCP groups, whose segments attend to up to 32k tokens of
+    context. Rank 0's tokens and logits against transformers'; every rank bit-identical to rank 0."""
+    names = PCP_LAYOUTS[tp, dcp, pcp]
+    for name in names:
+        ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
+    jobs = [Job(name, str(checkpoints[name]), (scenario(checkpoints[name]),)) for name in names]
+    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), nprocs=tp * pcp,
+             join=True)
+    for job in jobs:
+        per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
         check_long_against_hf(job, per_rank[0])
         for rank, other in enumerate(per_rank[1:], start=1):
             assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"

@@ -177,8 +177,9 @@ def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[st
 def test_prefill_context_parallel_matches_transformers(tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path],
                                                        tmp_path: Path) -> None:
     """PCP with MLA: each PCP group computes one early and one late part of every prefill chunk of the latent
-    cache; tokens equal transformers' and logits within bounds on every rank. The V2 models (the V3 one's
-    routing runs in its (4, 4) test)."""
+    cache; tokens equal transformers' and logits within bounds on every rank. Not bit for bit across PCP groups:
+    each runs the step's decodes beside other prefill rows, and the MoE (tokens grouped by expert) rounds by batch.
+    The V2 models (the V3 one's routing runs in its (4, 4) test)."""
     names = list(TINY_MLA)
     for name in names:
         ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
