@@ -31,11 +31,19 @@ from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
 from engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
 from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from engine.kernels.layout import check_dcp_args
+from engine.worker.pcp import rank_segments
 
 
-def layout_table(num_tokens: int, dcp_size: int, block_size: int, interleave: int) -> str:
-    """A text table of the DCP layout of one sequence whose logical block i is page i on every rank."""
+def layout_table(num_tokens: int, dcp_size: int, block_size: int, interleave: int, pcp_size: int = 1,
+                 chunk: int | None = None) -> str:
+    """A text table of the DCP layout of one sequence whose logical block i is page i on every rank. With
+    pcp_size > 1 also the PCP rank that computes each position's query when the sequence prefills in chunks of
+    `chunk` tokens (default: one chunk), and which PCP group each DCP rank is in."""
     check_dcp_args(dcp_size, 0, interleave, block_size)
+    if pcp_size < 1 or (pcp_size > 1 and dcp_size > 1 and dcp_size % pcp_size):
+        raise ValueError(f"dcp={dcp_size} with pcp={pcp_size}: dcp must be 1 or a multiple of pcp")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     tokens_per_block = block_size * dcp_size
     num_blocks = max(1, -(-num_tokens // tokens_per_block))
     table = torch.arange(num_blocks, dtype=torch.int32)[None, :]
@@ -45,22 +53,42 @@ def layout_table(num_tokens: int, dcp_size: int, block_size: int, interleave: in
     slots = torch.stack(
         [dcp_slot_mapping(table, seq_idx, positions, block_size, dcp_size, r, interleave) for r in range(dcp_size)]
     )
+    query_rank = [0] * num_tokens  # the PCP rank that computes each position's query
+    if pcp_size > 1:
+        step = chunk or max(1, num_tokens)
+        for start in range(0, num_tokens, step):
+            length = min(step, num_tokens - start)
+            for q in range(pcp_size):
+                for segment in rank_segments([length], pcp_size, q):
+                    for i in range(segment.start, segment.start + segment.length):
+                        query_rank[start + i] = q
+    header = f"{num_tokens} tokens, dcp={dcp_size}, block_size={block_size}, interleave={interleave}"
+    if pcp_size > 1:
+        header += f", pcp={pcp_size}, prefill chunks of {chunk or max(1, num_tokens)}"
     lines = [
-        f"{num_tokens} tokens, dcp={dcp_size}, block_size={block_size}, interleave={interleave}: "
-        f"logical blocks of {tokens_per_block} tokens; logical block i = page i on every rank",
+        f"{header}: logical blocks of {tokens_per_block} tokens; logical block i = page i on every rank",
         "",
-        "position  rank  page  offset  slot",
+        "position  rank  page  offset  slot" + ("  query on PCP rank" if pcp_size > 1 else ""),
     ]
     for p in range(num_tokens):
         rank = int(owners[p])
         slot = int(slots[rank, p])
-        lines.append(f"{p:>8}  {rank:>4}  {slot // block_size:>4}  {slot % block_size:>6}  {slot:>4}")
+        line = f"{p:>8}  {rank:>4}  {slot // block_size:>4}  {slot % block_size:>6}  {slot:>4}"
+        lines.append(line + (f"  {query_rank[p]:>18}" if pcp_size > 1 else ""))
     lines.append("")
     lens = torch.tensor([num_tokens])
+    within = dcp_size // pcp_size if pcp_size > 1 and dcp_size > 1 else dcp_size
     for r in range(dcp_size):
         local = int(dcp_local_seq_lens(lens, dcp_size, r, interleave)[0])
         held = [p for p in range(num_tokens) if int(owners[p]) == r]
-        lines.append(f"rank {r}: local_seq_len {local}, positions {held}")
+        where = f" (PCP group {r // within}, TP rank {r % within} of its run)" if pcp_size > 1 and dcp_size > 1 else ""
+        lines.append(f"rank {r}{where}: local_seq_len {local}, positions {held}")
+    if pcp_size > 1:
+        for q in range(pcp_size):
+            computed = [p for p in range(num_tokens) if query_rank[p] == q]
+            lines.append(f"PCP rank {q} computes the queries (and K/V) of positions {computed}")
+        if dcp_size == 1:
+            lines.append("dcp=1: every PCP group holds every token (the K/V each computes is gathered by all)")
     return "\n".join(lines)
 
 
@@ -68,7 +96,7 @@ def _cmd_layout(args: argparse.Namespace) -> int:
     if args.tokens < 0:
         raise SystemExit(f"--tokens must be >= 0, got {args.tokens}")
     try:
-        print(layout_table(args.tokens, args.dcp, args.block_size, args.interleave))
+        print(layout_table(args.tokens, args.dcp, args.block_size, args.interleave, args.pcp, args.chunk))
     except ValueError as err:
         raise SystemExit(f"dcpserve layout: {err}") from err
     return 0
@@ -95,6 +123,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         gpu_memory_utilization=args.gpu_memory_utilization,
         weight_dtype=args.weight_dtype,
         kv_dtype=args.kv_dtype,
+        max_pcp=getattr(args, "pcp", 1),
     )
 
 
@@ -150,6 +179,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     layout.add_argument("--dcp", type=int, required=True, help="decode context parallel size N")
     layout.add_argument("--block-size", type=int, default=16, help="tokens per physical page on a rank (default 16)")
     layout.add_argument("--interleave", type=int, default=1, help="consecutive tokens per rank turn (default 1)")
+    layout.add_argument("--pcp", type=int, default=1,
+                        help="prefill context parallel size: also show which PCP rank computes each query (default 1)")
+    layout.add_argument("--chunk", type=int, default=None,
+                        help="with --pcp: the prefill chunk in tokens (default: the whole sequence in one chunk)")
     layout.set_defaults(func=_cmd_layout)
 
     tiny = commands.add_parser("tiny-model", help="write the embedded default model (tiny random Llama + tokenizer)")
@@ -178,6 +211,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                       help="fraction of GPU memory for weights + KV (default 0.9)")
+    plan.add_argument("--pcp", type=int, default=1,
+                      help="plan prefill context parallelism too: pcp = 1, 2, 4, ... up to this (default 1: none)")
     plan.set_defaults(func=_cmd_plan)
 
     gen = commands.add_parser("generate", help="generate completions with the engine (tp > 1 uses Ray)")

@@ -61,8 +61,8 @@ class ModelSpec(Protocol):
         """Parameters one TP rank holds (tp=1: the whole model)."""
         ...
 
-    def validate_layout(self, tp: int, dcp: int) -> None:
-        """Raises ValueError naming the values and the fix when (tp, dcp) is not a valid layout."""
+    def validate_layout(self, tp: int, dcp: int, pcp: int = 1) -> None:
+        """Raises ValueError naming the values and the fix when (tp, dcp, pcp) is not a valid layout."""
         ...
 
     def describe_shape(self) -> str:
@@ -146,8 +146,8 @@ class GqaSpec:
         embeddings = vocab_shard * hidden * (1 if model.tie_word_embeddings else 2)
         return embeddings + model.num_hidden_layers * (attention + mlp + norms) + hidden
 
-    def validate_layout(self, tp: int, dcp: int) -> None:
-        ParallelConfig(tp, dcp).validate(self.config)
+    def validate_layout(self, tp: int, dcp: int, pcp: int = 1) -> None:
+        ParallelConfig(tp, dcp, pcp).validate(self.config)
 
     @property
     def architecture(self) -> str:
@@ -305,8 +305,8 @@ class MlaSpec:
         embeddings = -(-self.vocab_size // tp) * hidden * (1 if self.tie_word_embeddings else 2)
         return embeddings + layers + hidden  # final norm
 
-    def validate_layout(self, tp: int, dcp: int) -> None:
-        ParallelConfig(tp, dcp).validate(_OneKvHead(self.num_attention_heads))
+    def validate_layout(self, tp: int, dcp: int, pcp: int = 1) -> None:
+        ParallelConfig(tp, dcp, pcp).validate(_OneKvHead(self.num_attention_heads))
 
     def describe_shape(self) -> str:
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))

@@ -61,20 +61,27 @@ def node_types(config: dict[str, Any]) -> list[NodeType]:
     return sorted(types, key=lambda t: not t.head)
 
 
-def check_replica_fits(types: list[NodeType], tp: int, dcp: int, source: str) -> NodeType:
-    """The node type with the most GPUs that can hold a replica of tp ranks on one node; ReplicaDoesNotFit naming
-    every node type and its GPUs when none can (or none may be started)."""
-    candidates = [t for t in types if t.gpus >= tp and (t.head or t.max_workers > 0)]
+def check_replica_fits(types: list[NodeType], tp: int, dcp: int, source: str, pcp: int = 1) -> NodeType:
+    """The node type with the most GPUs that can hold a replica of tp * pcp ranks on one node; ReplicaDoesNotFit
+    naming every node type and its GPUs when none can (or none may be started)."""
+    ranks = tp * pcp
+    candidates = [t for t in types if t.gpus >= ranks and (t.head or t.max_workers > 0)]
     if candidates:
         return max(candidates, key=lambda t: t.gpus)
     listed = ", ".join(f"{t.name!r} has {t.gpus} GPU{'s' if t.gpus != 1 else ''}"
                        + ("" if t.head or t.max_workers > 0 else " but max_workers 0") for t in types)
     most = max((t.gpus for t in types if t.head or t.max_workers > 0), default=0)
+    if pcp == 1:
+        layout = f"tensor_parallel_size={tp} x decode_context_parallel_size={dcp}"
+        fix = f"Lower tensor_parallel_size to at most {most} (DCP shards the KV within those ranks)"
+    else:
+        layout = (f"tensor_parallel_size={tp} x prefill_context_parallel_size={pcp} (decode_context_parallel_size="
+                  f"{dcp})")
+        fix = f"Lower tensor_parallel_size x prefill_context_parallel_size to at most {most}"
     raise ReplicaDoesNotFit(
-        f"a replica at tensor_parallel_size={tp} x decode_context_parallel_size={dcp} needs {tp} GPUs on one node "
+        f"a replica at {layout} needs {ranks} GPUs on one node "
         f"(its ranks are placed STRICT_PACK), but no node type of {source} has that many: {listed or 'no node types'}. "
-        f"Lower tensor_parallel_size to at most {most} (DCP shards the KV within those ranks), or add a node type "
-        f"with {tp} GPUs or more")
+        f"{fix}, or add a node type with {ranks} GPUs or more")
 
 
 def load_cluster_config(path: str | Path) -> dict[str, Any]:

@@ -53,10 +53,13 @@ class PlanRequest:
     gpu_memory_utilization: float = 0.9  # of a GPU's total memory for weights + activations + KV (the engine's)
     weight_dtype: str | None = None  # None: dtype
     kv_dtype: str | None = None  # None: dtype
+    max_pcp: int = 1  # PCP sizes planned: the powers of two up to this (1: no PCP)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if not isinstance(self.max_pcp, int) or self.max_pcp < 1:
+            raise ValueError(f"max_pcp must be a positive integer, got {self.max_pcp!r}")
         if self.gpu_memory_bytes <= 0:
             raise ValueError(f"gpu_memory_bytes must be positive, got {self.gpu_memory_bytes}")
         if self.context_len < 1:
@@ -86,22 +89,32 @@ class PlanRequest:
             tp *= 2
         return sizes
 
+    @property
+    def pcp_sizes(self) -> list[int]:
+        """Powers of two up to max_pcp."""
+        sizes, pcp = [], 1
+        while pcp <= self.max_pcp:
+            sizes.append(pcp)
+            pcp *= 2
+        return sizes
+
 
 @dataclass(frozen=True)
 class PlanRow:
-    """Capacity of one TP x DCP layout."""
+    """Capacity of one TP x DCP (x PCP) layout."""
 
     tp: int
     dcp: int
     weight_bytes_per_rank: int
     kv_bytes_per_token_per_rank: int
     kv_tokens_per_replica: int  # pages per rank * block_size * dcp; 0 when the weights do not fit
-    kv_head_copies: int  # ranks holding each KV head without DCP: tp / kv_heads when tp > kv_heads, else 1
+    kv_head_copies: int  # ranks holding each KV head without DCP: (tp / kv_heads when tp > kv_heads, else 1) * pcp
     kv_head_copies_with_dcp: float  # kv_head_copies / dcp: 1 means no KV is duplicated
     seqs_per_replica: int  # sequences of context_len that fit in the KV cache at once
     replicas_per_node: int
     seqs_per_node: int
     weights_fit: bool
+    pcp: int = 1  # PCP groups of tp ranks: a replica has tp * pcp GPUs
 
 
 def count_parameters(model: ModelConfig | ModelSpec) -> int:
@@ -127,37 +140,43 @@ def invalid_tp_sizes(model: ModelConfig | ModelSpec, request: PlanRequest) -> li
 
 
 def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[PlanRow]:
-    """One row per (tp, dcp) the model's layout rules accept, tp in request.tp_sizes, in (tp, dcp) order."""
+    """One row per (tp, dcp, pcp) the model's layout rules accept, tp * pcp GPUs on one node (tp in request.tp_sizes,
+    pcp in request.pcp_sizes), in (pcp, tp, dcp) order."""
     spec = as_model_spec(model)
     kv_dtype = PLAN_DTYPES[request.kv_dtype or request.dtype]  # (resolved so by __post_init__)
     rows = []
-    for tp in request.tp_sizes:
-        for dcp in (d for d in range(1, tp + 1) if tp % d == 0):
-            try:
-                spec.validate_layout(tp, dcp)
-            except ValueError:
+    for pcp in request.pcp_sizes:
+        for tp in request.tp_sizes:
+            ranks = tp * pcp
+            if ranks > request.gpus_per_node:
                 continue
-            weights = weight_bytes_per_rank(spec, tp, request.weight_dtype or request.dtype)
-            kv_per_token = spec.kv_bytes_per_token_per_rank(tp, kv_dtype)
-            free = request.budget_bytes_per_rank - weights
-            pages_per_rank = num_blocks_for_budget(max(0, free), request.block_size, kv_per_token)
-            kv_tokens = pages_per_rank * request.block_size * dcp
-            copies = tp // spec.num_kv_heads if tp > spec.num_kv_heads else 1
-            seqs = kv_tokens // request.context_len
-            replicas = request.gpus_per_node // tp
-            rows.append(PlanRow(
-                tp=tp,
-                dcp=dcp,
-                weight_bytes_per_rank=weights,
-                kv_bytes_per_token_per_rank=kv_per_token,
-                kv_tokens_per_replica=kv_tokens,
-                kv_head_copies=copies,
-                kv_head_copies_with_dcp=copies / dcp,
-                seqs_per_replica=seqs,
-                replicas_per_node=replicas,
-                seqs_per_node=seqs * replicas,
-                weights_fit=free > 0,
-            ))
+            for dcp in (d for d in range(1, ranks + 1) if ranks % d == 0):
+                try:
+                    spec.validate_layout(tp, dcp, pcp)
+                except ValueError:
+                    continue
+                weights = weight_bytes_per_rank(spec, tp, request.weight_dtype or request.dtype)
+                kv_per_token = spec.kv_bytes_per_token_per_rank(tp, kv_dtype)
+                free = request.budget_bytes_per_rank - weights
+                pages_per_rank = num_blocks_for_budget(max(0, free), request.block_size, kv_per_token)
+                kv_tokens = pages_per_rank * request.block_size * dcp
+                copies = (tp // spec.num_kv_heads if tp > spec.num_kv_heads else 1) * pcp
+                seqs = kv_tokens // request.context_len
+                replicas = request.gpus_per_node // ranks
+                rows.append(PlanRow(
+                    tp=tp,
+                    dcp=dcp,
+                    weight_bytes_per_rank=weights,
+                    kv_bytes_per_token_per_rank=kv_per_token,
+                    kv_tokens_per_replica=kv_tokens,
+                    kv_head_copies=copies,
+                    kv_head_copies_with_dcp=copies / dcp,
+                    seqs_per_replica=seqs,
+                    replicas_per_node=replicas,
+                    seqs_per_node=seqs * replicas,
+                    weights_fit=free > 0,
+                    pcp=pcp,
+                ))
     return rows
 
 
@@ -180,8 +199,9 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
         lines.append(
             f"warning  the context exceeds the model's max_position_embeddings ({spec.max_position_embeddings:,})"
         )
-    header = ("tp", "dcp", "weights/rank", "KV B/token/rank", "KV tokens/replica", "KV head copies",
-              "seqs/replica", "replicas/node", "seqs/node", "")
+    with_pcp = request.max_pcp > 1  # the pcp column only when PCP is planned
+    header = ("tp", *(("pcp",) if with_pcp else ()), "dcp", "weights/rank", "KV B/token/rank", "KV tokens/replica",
+              "KV head copies", "seqs/replica", "replicas/node", "seqs/node", "")
     table = [header]
     for row in rows:
         if not row.weights_fit:
@@ -191,7 +211,8 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
         else:
             note = ""
         table.append((
-            str(row.tp), str(row.dcp), format_bytes(row.weight_bytes_per_rank), f"{row.kv_bytes_per_token_per_rank:,}",
+            str(row.tp), *((str(row.pcp),) if with_pcp else ()), str(row.dcp), format_bytes(row.weight_bytes_per_rank),
+            f"{row.kv_bytes_per_token_per_rank:,}",
             f"{row.kv_tokens_per_replica:,}", f"{row.kv_head_copies} -> {row.kv_head_copies_with_dcp:g}",
             f"{row.seqs_per_replica:,}", str(row.replicas_per_node), f"{row.seqs_per_node:,}", note,
         ))
@@ -211,6 +232,7 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
             f"rank; use a smaller --weight-dtype, GPUs with more memory, or more GPUs per node"
         )
     lines += _dcp_gain(rows, request)
+    lines += _pcp_gain(rows, spec.num_kv_heads)
     lines += spec.notes()
     lines += _weight_dtype_notes(spec, request)
     largest_tp = max(request.tp_sizes)
@@ -229,7 +251,7 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
 
 def _dcp_gain(rows: list[PlanRow], request: PlanRequest) -> list[str]:
     """The largest DCP of the largest tp that has one, against dcp=1 at that tp (same GPUs, same weights)."""
-    by_layout = {(row.tp, row.dcp): row for row in rows if row.weights_fit}
+    by_layout = {(row.tp, row.dcp): row for row in rows if row.weights_fit and row.pcp == 1}
     sharded = [row for row in by_layout.values() if row.dcp > 1 and (row.tp, 1) in by_layout]
     if not sharded:
         return []
@@ -243,6 +265,25 @@ def _dcp_gain(rows: list[PlanRow], request: PlanRequest) -> list[str]:
         f"{best.seqs_per_replica:,} sequences of {request.context_len:,} tokens against {base.seqs_per_replica:,}, "
         f"on the same {best.tp} GPUs"
     ]
+
+
+def _pcp_gain(rows: list[PlanRow], kv_heads: int) -> list[str]:
+    """Per tp with a PCP row: the largest pcp at its largest dcp against pcp = 1, dcp = 1 at that tp."""
+    by_layout = {(row.tp, row.pcp, row.dcp): row for row in rows if row.weights_fit}
+    notes = []
+    for tp in sorted({row.tp for row in rows if row.pcp > 1}):
+        base = by_layout.get((tp, 1, 1))
+        candidates = [row for (t, p, _), row in by_layout.items() if t == tp and p > 1]
+        if base is None or not candidates or base.kv_tokens_per_replica == 0:
+            continue
+        best = max(candidates, key=lambda row: (row.pcp, row.dcp))
+        notes.append(
+            f"PCP at tp={tp}: pcp={best.pcp} dcp={best.dcp} ({tp * best.pcp} GPUs) holds "
+            f"{best.kv_tokens_per_replica:,} KV tokens per replica against {base.kv_tokens_per_replica:,} at pcp=1 "
+            f"dcp=1 ({best.kv_tokens_per_replica / base.kv_tokens_per_replica:g}x; tp x pcp / kv heads = "
+            f"{tp * best.pcp / kv_heads:g} when dcp shards every copy), and splits each prefill chunk {best.pcp} ways"
+        )
+    return notes
 
 
 def _weight_dtype_notes(spec: ModelSpec, request: PlanRequest) -> list[str]:

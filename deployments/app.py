@@ -23,16 +23,16 @@ def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
     """EngineReplica of one pool (default: the app's one pool) with its placement group, router, autoscaling policy
     and health checks. The app without pools keeps the name EngineReplica; a pool's is EngineReplica-<pool>."""
     pool = pool or args.default_pool()
-    tp = pool.tensor_parallel_size
+    ranks = pool.ranks  # GPUs of one replica: tp of each of its pcp groups
     scaling = pool.autoscaling
     actor_options: dict[str, Any] = {"num_cpus": 1}
-    if tp == 1:
+    if ranks == 1:
         actor_options["num_gpus"] = 1
     return serve.deployment(
         EngineReplica,
         name="EngineReplica" if not args.pools else f"EngineReplica-{pool.name}",
         ray_actor_options=actor_options,
-        placement_group_bundles=replica_bundles(tp),
+        placement_group_bundles=replica_bundles(ranks),
         placement_group_strategy="STRICT_PACK",
         # Admission bounds what a replica holds by KV; this only has to exceed what KV could ever admit.
         max_ongoing_requests=max(args.max_num_seqs * 4, 1024),
@@ -61,7 +61,7 @@ def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
                     "target_sequences_per_replica": scaling.target_sequences_per_replica,
                     "kv_usage_scale_up": scaling.kv_usage_scale_up,
                     "gpu_budget": args.gpu_budget,
-                    "tensor_parallel_size": tp,
+                    "tensor_parallel_size": ranks,  # the GPUs a replica takes from the budget
                 },
             ),
         ),
@@ -91,7 +91,7 @@ def check_cluster_fits(args: AppArgs) -> None:
     config, path = found
     for pool in args.pool_list():
         check_replica_fits(node_types(config), pool.tensor_parallel_size, pool.decode_context_parallel_size,
-                           f"the cluster config {path}")
+                           f"the cluster config {path}", pool.prefill_context_parallel_size)
 
 
 def pool_kv_tokens(args: AppArgs, pool: PoolArgs, device: str) -> int | None:

@@ -71,13 +71,20 @@ class PoolArgs(BaseModel):
         default=None, description="may repeat the app's model; a pool of another model is refused (one model per app)")
     tensor_parallel_size: int = Field(ge=1, description="TP ranks = GPUs per replica of this pool")
     decode_context_parallel_size: int = Field(default=1, ge=1, description="DCP size of this pool's replicas")
+    prefill_context_parallel_size: int = Field(
+        default=1, ge=1, description="PCP groups of tp ranks per replica of this pool (tp * pcp GPUs a replica)")
     kv_cache_memory_bytes: int | None = Field(
         default=None, ge=1, description="per-rank KV budget of this pool (default: the app's)")
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
 
     @property
+    def ranks(self) -> int:
+        """GPUs of one replica: tp ranks in each of its pcp groups."""
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
+    @property
     def min_gpus(self) -> int:
-        return self.autoscaling.min_replicas * self.tensor_parallel_size
+        return self.autoscaling.min_replicas * self.ranks
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -194,8 +201,10 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
             pools = self.pools or [self.default_pool()]
             needed = sum(pool.min_gpus for pool in pools)
             if needed > self.gpu_budget:
-                parts = " + ".join(f"{pool.name} {pool.autoscaling.min_replicas} x tp={pool.tensor_parallel_size}"
-                                   for pool in pools)
+                parts = " + ".join(
+                    f"{pool.name} {pool.autoscaling.min_replicas} x tp={pool.tensor_parallel_size}"
+                    + (f" x pcp={pool.prefill_context_parallel_size}" if pool.prefill_context_parallel_size > 1 else "")
+                    for pool in pools)
                 raise ValueError(
                     f"gpu_budget={self.gpu_budget} cannot hold the pools' minimum replicas: {parts} = {needed} GPUs; "
                     f"raise gpu_budget to at least {needed} or lower min_replicas"
@@ -206,6 +215,7 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
         """The one pool of an app without `pools`: its own layout and autoscaling."""
         return PoolArgs(name="default", tensor_parallel_size=self.tensor_parallel_size,
                         decode_context_parallel_size=self.decode_context_parallel_size,
+                        prefill_context_parallel_size=self.prefill_context_parallel_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes, autoscaling=self.autoscaling)
 
     def pool_list(self) -> list[PoolArgs]:
@@ -221,6 +231,7 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
         kv = pool.kv_cache_memory_bytes if pool.kv_cache_memory_bytes is not None else engine.kv_cache_memory_bytes
         return dataclasses.replace(engine, tensor_parallel_size=pool.tensor_parallel_size,
                                    decode_context_parallel_size=pool.decode_context_parallel_size,
+                                   prefill_context_parallel_size=pool.prefill_context_parallel_size,
                                    kv_cache_memory_bytes=kv)
 
     def resolved_api_keys(self) -> list[str]:

@@ -113,7 +113,7 @@ def check_serve_config(serve_config: Path, cluster_config: Path) -> list[NodeTyp
         args = parse_args(app.get("args") or {})
         try:
             check_replica_fits(types, args.tensor_parallel_size, args.decode_context_parallel_size,
-                               "ray_cluster.yaml (as `make cluster` runs it)")
+                               "ray_cluster.yaml (as `make cluster` runs it)", args.prefill_context_parallel_size)
         except ReplicaDoesNotFit as err:
             raise SystemExit(f"application {app['name']!r} of {serve_config}: {err}") from err
     return types

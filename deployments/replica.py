@@ -101,12 +101,12 @@ class ReplicaQuery:
     target_replica: str
 
 
-def replica_bundles(tp: int) -> list[dict[str, float]]:
-    """The replica's own CPU bundle, then one GPU bundle per TP rank (DCP reuses the TP ranks: no extra GPUs).
-    With tp = 1 the engine runs in the replica process, so its bundle holds the GPU."""
-    if tp == 1:
+def replica_bundles(ranks: int) -> list[dict[str, float]]:
+    """The replica's own CPU bundle, then one GPU bundle per rank (tp * pcp of them; DCP reuses the ranks: no extra
+    GPUs). With one rank the engine runs in the replica process, so its bundle holds the GPU."""
+    if ranks == 1:
         return [{"CPU": 1.0, "GPU": 1.0}]
-    return [{"CPU": 1.0}] + [{"GPU": 1.0}] * tp
+    return [{"CPU": 1.0}] + [{"GPU": 1.0}] * ranks
 
 
 def _node_tags() -> dict[str, str]:
@@ -372,7 +372,7 @@ class EngineReplica:
             reply = await self.admission.report.remote(
                 self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                 self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
-                self.pool.name, self.step_s, self.pool.tensor_parallel_size, self.max_num_seqs,
+                self.pool.name, self.step_s, self.pool.ranks, self.max_num_seqs,
                 ledger.prefill_tokens, self.step_tokens,
             )
             self.admission_queued = int(reply.get("num_queued", 0))

@@ -50,7 +50,7 @@ class ReplicaKv:
     tokens_per_block: int
     pool: str = "default"  # its layout pool (deployments/pools.py)
     step_s: float = 0.0  # its recent mean engine step (the ITL its batch gets); 0: not reported
-    gpus: int = 1  # the GPUs it runs on (its tp)
+    gpus: int = 1  # the GPUs it runs on (tp * pcp)
     max_seqs: int = 0  # the sequences one engine step takes (max_num_seqs); 0: not reported
     prefill_tokens: int = 0  # prompt tokens it had still to compute at its last report (KvLedger.prefill_tokens)
     step_tokens: int = 0  # the tokens one of its steps takes (max_num_batched_tokens); 0: not reported

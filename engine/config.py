@@ -212,6 +212,13 @@ class ParallelConfig:
         """Ranks (devices) of one replica."""
         return self.tp * self.pcp
 
+    def dcp_rank_of(self, rank: int) -> int:
+        """The DCP rank of world rank `rank` (TP rank rank % tp of PCP group rank // tp: engine/worker/parallel.py)."""
+        if self.dcp == 1:
+            return 0
+        within = self.dcp // self.pcp if self.pcp > 1 else self.dcp
+        return (rank // self.tp) * within + (rank % self.tp) % within
+
     def validate(self, model: HeadCounts) -> None:
         """Layout rules of docs/dcp.md, with errors that name the values and the fix."""
         tp, dcp, pcp = self.tp, self.dcp, self.pcp

@@ -118,7 +118,8 @@ class KvLedger:
 
 @dataclass(frozen=True)
 class RankKvStats:
-    """One TP rank's KV: its pages (one per logical block) and the tokens of running sequences it holds."""
+    """One rank's KV (world rank: TP rank rank % tp of PCP group rank // tp): its pages (one per logical block) and the
+    tokens of running sequences it holds."""
 
     rank: int
     dcp_rank: int

@@ -213,17 +213,18 @@ class LLMEngine:
         # A prefix block several running requests share is held once: every holder but the charged one took it
         # from the cache whole and computed, block_size of its tokens on each rank.
         shared_tokens = block_size * sum(self.block_manager.shared_blocks(r) for r in running)
+        parallel = self.config.parallel
         per_rank = tuple(
             RankKvStats(
                 rank=rank,
-                dcp_rank=rank % dcp,
+                dcp_rank=parallel.dcp_rank_of(rank),
                 pages_total=usage.total,
                 pages_used=usage.used,
                 tokens_capacity=usage.total * block_size,
-                tokens_used=(int(dcp_local_seq_lens(computed, dcp, rank % dcp).sum()) - shared_tokens
+                tokens_used=(int(dcp_local_seq_lens(computed, dcp, parallel.dcp_rank_of(rank)).sum()) - shared_tokens
                              if running else 0),
             )
-            for rank in range(self.config.parallel.tp)
+            for rank in range(parallel.world_size)
         )
         return EngineStats(
             backend="native",

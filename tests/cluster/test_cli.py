@@ -50,7 +50,20 @@ def test_layout_prints_the_worked_example() -> None:
     assert any(line.split() == ["8", "1", "1", "0", "2"] for line in result.stdout.splitlines())
 
 
+def test_layout_with_pcp_shows_who_computes_each_query() -> None:
+    """12 tokens in chunks of 8 at pcp=2: the first chunk's parts of 2 go 0, 1, 1, 0; the 4-token chunk's parts
+    of 1 go 0, 1, 1, 0 too. DCP rank 1 is PCP group 1's."""
+    result = dcpserve("layout", "--tokens", "12", "--dcp", "2", "--block-size", "2", "--pcp", "2", "--chunk", "8")
+    assert result.returncode == 0, result.stderr
+    assert "PCP rank 0 computes the queries (and K/V) of positions [0, 1, 6, 7, 8, 11]" in result.stdout
+    assert "PCP rank 1 computes the queries (and K/V) of positions [2, 3, 4, 5, 9, 10]" in result.stdout
+    assert "rank 1 (PCP group 1, TP rank 0 of its run): local_seq_len 6" in result.stdout
+    # position 9: DCP rank 1, page 2, offset 0, slot 4, query on PCP rank 1
+    assert any(line.split() == ["9", "1", "2", "0", "4", "1"] for line in result.stdout.splitlines())
+
+
 @pytest.mark.parametrize("args,message", [
+    (("--tokens", "9", "--dcp", "3", "--pcp", "2"), "dcp=3 with pcp=2: dcp must be 1 or a multiple of pcp"),
     (("--tokens", "9", "--dcp", "2", "--block-size", "3", "--interleave", "2"),
      "interleave=2 must divide block_size=3"),
     (("--tokens", "9", "--dcp", "0"), "dcp_size must be a positive integer, got 0"),

@@ -75,6 +75,16 @@ def test_a_replica_wider_than_every_node_is_refused_naming_node_types_gpus_and_l
         assert part in message, (part, message)
 
 
+def test_a_pcp_replica_needs_tp_times_pcp_gpus_on_one_node() -> None:
+    assert check_replica_fits(node_types(CLOUD), tp=4, dcp=2, source="c.yaml", pcp=2).name == "gpu_worker"
+    with pytest.raises(ReplicaDoesNotFit) as err:
+        check_replica_fits(node_types(CLOUD), tp=8, dcp=2, source="ray_cluster.yaml", pcp=2)
+    message = str(err.value)
+    for part in ("tensor_parallel_size=8 x prefill_context_parallel_size=2", "16 GPUs on one node",
+                 "'gpu_worker' has 8 GPUs", "tensor_parallel_size x prefill_context_parallel_size to at most 8"):
+        assert part in message, (part, message)
+
+
 def test_a_node_type_that_may_never_start_does_not_count() -> None:
     types = [NodeType("head", 0, 0, True), NodeType("big", 16, 0, False), NodeType("small", 4, 3, False)]
     with pytest.raises(ReplicaDoesNotFit, match=r"'big' has 16 GPUs but max_workers 0.*at most 4"):

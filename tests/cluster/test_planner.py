@@ -367,3 +367,23 @@ def test_operations_doc_shows_the_planners_own_output(spec: MlaSpec, name: str, 
     doc = (REPO / "docs" / "operations.md").read_text()
     pasted = "\n".join(f"    {line}" if line else "" for line in text.splitlines())
     assert pasted in doc
+
+
+@pytest.mark.parametrize("model,kv_heads", [(TINY, 1), (llama(), 8)])
+def test_pcp_capacity_is_tp_times_pcp_over_kv_heads_times_the_plain_replicas(model: ModelConfig,
+                                                                             kv_heads: int) -> None:
+    """With pcp = 2 and dcp = (tp / kv_heads) * pcp (every copy of a KV head sharded), a replica holds exactly
+    tp * pcp / kv_heads times the KV of the pcp = 1, dcp = 1 replica at the same tp: the same weights and pages per
+    rank, the tokens spread over that many more ranks."""
+    request = PlanRequest(gpus_per_node=16, gpu_memory_bytes=parse_bytes("80GiB"), context_len=131072, max_pcp=2)
+    rows = {(row.tp, row.pcp, row.dcp): row for row in plan_layouts(model, request)}
+    tps = [t for t in request.tp_sizes if t >= kv_heads and t * 2 <= 16 and (t, 1, 1) in rows]
+    assert tps
+    for tp in tps:
+        base, row = rows[(tp, 1, 1)], rows[(tp, 2, (tp // kv_heads) * 2)]
+        assert row.kv_tokens_per_replica == base.kv_tokens_per_replica * tp * 2 // kv_heads
+        assert row.kv_head_copies_with_dcp == 1 and row.replicas_per_node == 16 // (tp * 2)
+    assert all(row.tp * row.pcp <= 16 for row in rows.values())
+    text = format_plan(model, request, list(rows.values()), "m")
+    assert any(line.split()[:3] == ["tp", "pcp", "dcp"] for line in text.splitlines() if line.strip())
+    assert f"PCP at tp={tps[-1]}: pcp=2 dcp={tps[-1] // kv_heads * 2}" in text

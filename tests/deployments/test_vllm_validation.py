@@ -51,6 +51,16 @@ def test_dcp_on_cpu_is_refused_with_the_reason(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.vllm
+def test_pcp_on_cpu_is_refused_with_the_reason(tiny_model_dir: Path) -> None:
+    expected = (r"prefill_context_parallel_size=2 with backend='vllm' on CPU: vLLM's CPU worker runs no context "
+                r"parallelism; .*backend='native'")
+    with pytest.raises(ValueError, match=expected):
+        build_app(vllm_args(tiny_model_dir, tensor_parallel_size=1, prefill_context_parallel_size=2))
+    with pytest.raises(ValueError, match=expected):
+        LLM(tiny_model_dir, backend="vllm", block_size=32, prefill_context_parallel_size=2, device="cpu")
+
+
+@pytest.mark.vllm
 def test_a_block_size_vllm_cpu_refuses_names_a_valid_one(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"block_size=16 .* needs a multiple of 32; use block_size=32"):
         build_app(vllm_args(tiny_model_dir, block_size=16))

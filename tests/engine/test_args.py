@@ -25,6 +25,7 @@ NON_DEFAULT: dict[str, Any] = {
     "backend": "vllm",
     "tensor_parallel_size": 4,
     "decode_context_parallel_size": 2,
+    "prefill_context_parallel_size": 2,
     "dtype": "bfloat16",
     "block_size": 32,
     "kv_cache_memory_bytes": 2 << 20,

@@ -60,6 +60,26 @@ def test_layout_rules(tp: int, dcp: int, message: str) -> None:
         ParallelConfig(tp, dcp).validate(ModelConfig.from_dict(BASE))
 
 
+@pytest.mark.parametrize("tp,dcp,pcp,message", [
+    # BASE: 8 heads, 2 KV heads.
+    (2, 3, 2, r"dcp=3 with pcp=2 must be 1 or a multiple of pcp: .*Valid here: dcp in \[1, 2\]"),
+    (4, 8, 2, r"dcp=8 with pcp=2 puts dcp / pcp = 4 TP ranks of each PCP group in a DCP group, so 4 must be <= "
+              r"tp // kv_heads = 4 // 2 = 2"),
+    (2, 4, 2, r"dcp / pcp = 2 TP ranks .* needs tp > kv_heads"),
+    (2, 1, 0, r"prefill_context_parallel_size must be a positive integer, got 0"),
+])
+def test_pcp_layout_rules(tp: int, dcp: int, pcp: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_dict(BASE))
+
+
+def test_valid_pcp_layouts_pass() -> None:
+    """dcp = 1, dcp = pcp (any KV heads) and dcp = (tp / kv_heads) * pcp."""
+    model = ModelConfig.from_dict(BASE)
+    for tp, dcp, pcp in [(1, 1, 2), (1, 2, 2), (2, 2, 2), (2, 1, 4), (4, 4, 2), (8, 8, 2), (8, 16, 4)]:
+        ParallelConfig(tp, dcp, pcp).validate(model)
+
+
 def test_valid_layouts_pass() -> None:
     model = ModelConfig.from_dict(BASE)
     for tp, dcp in [(1, 1), (2, 1), (4, 2), (8, 2), (8, 4)]:

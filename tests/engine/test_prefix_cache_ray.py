@@ -78,3 +78,18 @@ def test_prefill_context_parallel_cached_run_equals_one_rank(tp: int, dcp: int, 
 def test_preempted_request_hits_its_own_blocks_when_readmitted_at_pcp2_dcp2(tiny: Path, ray_cluster) -> None:
     skip_without_gpus(ray_cluster, 2)
     check_preempted_request_hits_its_own_blocks(tiny, BLOCK_SIZE, tp=1, dcp=2, pcp=2)
+
+
+def test_pcp_multiplies_kv_capacity_by_tp_times_pcp_over_kv_heads(tiny: Path, ray_cluster) -> None:
+    """tp=2 x pcp=2 with dcp=4 shards the tiny model's one KV head over all 4 ranks: the same pages per rank hold
+    tp * pcp / kv_heads = 4 times the tokens of tp=2, pcp=1, dcp=1 (both of whose ranks hold every token); every
+    rank reports its share."""
+    skip_without_gpus(ray_cluster, 4)
+    args = dict(block_size=BLOCK_SIZE, kv_cache_memory_bytes=64 * BLOCK_SIZE * 512, enable_prefix_caching=False)
+    with LLM(tiny, tensor_parallel_size=2, **args) as llm:
+        plain = llm.kv_capacity_tokens
+    with LLM(tiny, tensor_parallel_size=2, decode_context_parallel_size=4, prefill_context_parallel_size=2,
+             **args) as llm:
+        assert llm.kv_capacity_tokens == 4 * plain
+        stats = engine_of(llm).stats()
+        assert [r.dcp_rank for r in stats.per_rank] == [0, 1, 2, 3]  # TP ranks 0, 1 of PCP group 0, then group 1

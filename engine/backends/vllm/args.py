@@ -44,6 +44,8 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
             f"model={args.model!r} is not a local model directory with a config.json: pass a local Hugging Face model "
             f"directory present on every node"
         )
+    if args.prefill_context_parallel_size > 1:
+        check_vllm_takes_pcp(args.prefill_context_parallel_size, device)
     if device == "cpu":
         if args.decode_context_parallel_size > 1:
             raise ValueError(
@@ -159,6 +161,28 @@ def _check_pool_holds_one_request(args: EngineArgs, kv_cache_memory_bytes: int, 
         )
 
 
+def check_vllm_takes_pcp(pcp: int, device: str) -> None:
+    """Refuses prefill_context_parallel_size > 1 where vLLM cannot run it: on CPU (its CPU worker has no context
+    parallelism), or a vLLM whose AsyncEngineArgs has no prefill_context_parallel_size."""
+    if device == "cpu":
+        raise ValueError(
+            f"prefill_context_parallel_size={pcp} with backend='vllm' on CPU: vLLM's CPU worker runs no context "
+            f"parallelism; use prefill_context_parallel_size=1 with the vLLM backend on CPU, or backend='native' for "
+            f"PCP on CPU"
+        )
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    if "prefill_context_parallel_size" not in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
+        import vllm
+
+        raise ValueError(
+            f"prefill_context_parallel_size={pcp} with backend='vllm': the installed vLLM {vllm.__version__} has no "
+            f"prefill context parallelism; use prefill_context_parallel_size=1, or backend='native'"
+        )
+
+
 def cpu_threads_bind(tp: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for tp ranks: the cores this process may use, split into tp disjoint groups
     (one core each when there are no more cores than ranks; ranks share cores only when there are fewer)."""
@@ -215,6 +239,8 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
     }
     if args.enable_prefix_caching and kv_events_endpoint is not None:
         kwargs["kv_events_config"] = kv_events_config(kv_events_endpoint, kv_events_topic)
+    if args.prefill_context_parallel_size > 1:  # (validate_vllm_args checked that this vLLM takes it)
+        kwargs["prefill_context_parallel_size"] = args.prefill_context_parallel_size
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens is not None:
