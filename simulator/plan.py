@@ -122,6 +122,9 @@ def _cmd_plan(plan: argparse.ArgumentParser, capacity_table: Callable[[argparse.
         nodes = max(1, round(args.gpu_budget / args.gpus_per_node))
         plan.error(f"--gpu-budget {args.gpu_budget} is not a multiple of --gpus-per-node {args.gpus_per_node}: plan "
                    f"for whole nodes, for example --gpu-budget {nodes * args.gpus_per_node}")
+    if getattr(args, "pcp", 1) > 1:
+        plan.error(f"--pcp {args.pcp} with --trace: the simulator's step model has no prefill context parallelism "
+                   f"yet, so it cannot rank PCP layouts; drop --trace to see their KV capacity, or --pcp to simulate")
     gpu = gpu_spec(args.gpu)
     if args.gpu_memory is not None and args.gpu_memory != gpu.memory_bytes:
         raise SystemExit(f"dcpserve plan: --gpu-memory {format_bytes(args.gpu_memory)} is not the {gpu.name}'s "

@@ -26,6 +26,13 @@ from engine.kernels.combine import combine_lse, combine_lse_ref
 ExchangeMethod = Literal["all_to_all", "all_gather"]
 
 
+def combine_fn_for(use_triton: bool | None, t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """combine_lse (Triton) or combine_lse_ref; None: Triton where it runs for t (CUDA, or the interpreter)."""
+    if use_triton is None:
+        use_triton = HAS_TRITON and (t.is_cuda or triton_interpreting())
+    return combine_lse if use_triton else combine_lse_ref
+
+
 class DcpAttentionExchange:
     """Gathers a DCP group's query heads and merges its ranks' partial attentions exactly."""
 
@@ -47,10 +54,7 @@ class DcpAttentionExchange:
         self.use_triton = use_triton
 
     def _combine_fn(self, t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        use_triton = self.use_triton
-        if use_triton is None:
-            use_triton = HAS_TRITON and (t.is_cuda or triton_interpreting())
-        return combine_lse if use_triton else combine_lse_ref
+        return combine_fn_for(self.use_triton, t)
 
     def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [num_tokens, heads_per_rank, head_dim] -> [num_tokens, dcp_size * heads_per_rank, head_dim]."""
@@ -148,9 +152,5 @@ class PcpAttentionExchange:
         send = send.contiguous()
         received = torch.empty_like(send)  # received[j]: rank j's partial for this rank's rows and heads
         dist.all_to_all_single(received, send, group=self.group)
-        use_triton = self.use_triton
-        if use_triton is None:
-            use_triton = HAS_TRITON and (out.is_cuda or triton_interpreting())
-        combine_fn = combine_lse if use_triton else combine_lse_ref
-        merged, merged_lse = combine_fn(received[..., :value_dim], received[..., value_dim])
+        merged, merged_lse = combine_fn_for(self.use_triton, out)(received[..., :value_dim], received[..., value_dim])
         return merged.to(out.dtype), merged_lse

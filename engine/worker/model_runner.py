@@ -217,9 +217,9 @@ class ModelRunner:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         self._exchange_timer = timer
         result = ModelRunnerOutput() if self.parallel.is_driver else None
-        if inputs.sample_rows:
+        if inputs.sample_rows and self.parallel.samples:
             # Every rank of the TP group takes part in the vocab-parallel gather (with PCP, PCP group 0's: the other
-            # groups have no sample rows); only the driver receives the logits and samples.
+            # groups skip it: their logits would go unused); only the driver receives the logits and samples.
             rows = (hidden if len(inputs.sample_rows) == hidden.shape[0]  # every row samples: a decode-only step
                     else hidden[torch.tensor(inputs.sample_rows, device=hidden.device)])
             logits = self.model.compute_logits(rows, driver_only=True)

@@ -80,6 +80,21 @@ def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:
     assert app is not None
 
 
+def test_a_pcp_replica_reserves_tp_times_pcp_gpus_and_a_bad_pcp_layout_is_refused(tiny_model_dir: Path) -> None:
+    from deployments.app import build_app, engine_deployment
+    from deployments.config import parse_args
+
+    args = {"model": str(tiny_model_dir), "tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
+            "decode_context_parallel_size": 4}
+    deployment = engine_deployment(parse_args(args))
+    # Serve's deployment options as built (no public accessor): the replica's CPU bundle, then one GPU per rank.
+    assert deployment._replica_config.placement_group_bundles == [{"CPU": 1.0}] + [{"GPU": 1.0}] * 4
+    assert build_app(args) is not None
+    with pytest.raises(ValueError, match=r"dcp=3 with pcp=2 must be 1 or a multiple of pcp.*Valid here: dcp in "
+                                         r"\[1, 2, 4\]"):
+        build_app({**args, "decode_context_parallel_size": 3})
+
+
 def test_build_app_refuses_pools_none_of_which_holds_a_whole_request(tiny_model_dir: Path) -> None:
     from deployments.app import build_app
 

@@ -1,5 +1,6 @@
-"""The tools people point at a serving system on day one, unchanged, against the deployed app (tiny model, TP=2 x
-DCP=2 on logical GPUs): the official openai SDK with n, logprobs, echo, batched prompts and stream_options;
+"""The tools people point at a serving system on day one, unchanged, against the deployed app (tiny model, TP=1 x
+PCP=2 x DCP=2 on logical GPUs: every prompt's prefill split across two PCP groups, the KV sharded over both; echo's
+prompt logprobs gather the groups' hidden states): the official openai SDK with n, logprobs, echo, batched prompts and stream_options;
 guidellm (the vLLM project's benchmark client) with streaming chat and completions at a concurrent profile;
 lm-evaluation-harness' `local-completions` on a log-likelihood task the test writes (nothing is downloaded), whose
 per-sample log-likelihoods and accuracy equal lm-eval's own transformers run on the same weights.
@@ -31,7 +32,8 @@ pytestmark = [pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
-    args = tiny_app_args(MODEL, kv_cache_memory_bytes=1 << 20, max_num_seqs=16, max_queued_requests=64)
+    args = tiny_app_args(MODEL, tensor_parallel_size=1, prefill_context_parallel_size=2, kv_cache_memory_bytes=1 << 20,
+                         max_num_seqs=16, max_queued_requests=64)
     with deploy_app(ray_head, args) as running:
         yield running
 

@@ -223,6 +223,8 @@ def test_requests_longer_than_the_context_are_named_and_miss_the_slo(
      "--gpu-budget 3 is not a multiple of --gpus-per-node 2: plan for whole nodes, for example --gpu-budget 4"),
     (("--trace", "chat", "--gpu", "h100", "--gpu-budget", "0"), "argument --gpu-budget: must be > 0, got 0"),
     ((), "the following arguments are required: --gpu-memory"),
+    (("--trace", "chat", "--gpu", "h100", "--pcp", "2"), "--pcp 2 with --trace: the simulator's step model has no "
+                                                          "prefill context parallelism yet"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
                                                    fragment: str) -> None:
