@@ -6,8 +6,8 @@ tests/engine/test_long_context.py checks every covered layout at 32,768 tokens i
 position and every decode step, every rank bit-identical to rank 0, the far context shown to matter) at a length the
 suite cannot afford, and prints how far our logits are from transformers' and how long each side took.
 
-    python bench/long_context.py                          # 131,072 tokens, (tp, dcp) = (1, 1) and (2, 2)
-    python bench/long_context.py --tokens 65536 --layouts 1,1 2,2 4,4
+    python bench/long_context.py           # 131,072 tokens, (tp, dcp, pcp) = (1, 1, 1), (2, 2, 1), (1, 2, 2)
+    python bench/long_context.py --tokens 65536 --layouts 1,1 2,2 4,4 2,4,2
     python bench/long_context.py --write-docs
 """
 
@@ -42,33 +42,42 @@ from tests.engine.test_long_context import (
 )
 
 SCRIPT = "bench/long_context.py"
-MODELS = (LLAMA_MQA, MLA)  # both take every (tp, dcp) with dcp = tp (one KV head)
+MODELS = (LLAMA_MQA, MLA)  # both take every (tp, dcp) with dcp = tp (one KV head), and dcp = tp * pcp
 
 
-def parse_layout(text: str) -> tuple[int, int]:
+def parse_layout(text: str) -> tuple[int, int, int]:
     try:
-        tp, dcp = (int(part) for part in text.split(","))
+        parts = [int(part) for part in text.split(",")]
+        if len(parts) not in (2, 3):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a layout is tp,dcp (e.g. 2,2), got {text!r}") from None
-    return tp, dcp
+        raise argparse.ArgumentTypeError(f"a layout is tp,dcp or tp,dcp,pcp (e.g. 2,2 or 1,2,2), got {text!r}") \
+            from None
+    tp, dcp, pcp = (*parts, 1) if len(parts) == 2 else parts
+    return tp, dcp, pcp
 
 
-def run_ours(tp: int, dcp: int, jobs: list[Job], out_dir: Path) -> list[dict[str, list]]:
-    """Each job's results (rank 0's), checking every rank's tokens and logits against rank 0's."""
-    if tp == 1:
+def run_ours(tp: int, dcp: int, pcp: int, jobs: list[Job], out_dir: Path) -> list[dict[str, list]]:
+    """Each job's results (rank 0's), checking every rank's tokens against rank 0's, and the logits of rank 0's
+    PCP group (every rank at pcp = 1) bit for bit (other PCP groups run the decodes beside other prefill rows:
+    MLA's MoE rounds them differently, within the bound)."""
+    if tp * pcp == 1:
         results = []
         for job in jobs:
             config = ModelConfig.from_pretrained(job.model_dir)
             results.append(run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, out_dir,
                                    BLOCK_SIZE))
         return results
-    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(out_dir), BLOCK_SIZE), nprocs=tp, join=True)
+    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(out_dir), BLOCK_SIZE, pcp), nprocs=tp * pcp,
+             join=True)
     results = []
     for job in jobs:
-        per_rank = [torch.load(out_dir / job.result_file(rank)) for rank in range(tp)]
+        per_rank = [torch.load(out_dir / job.result_file(rank)) for rank in range(tp * pcp)]
         for rank, other in enumerate(per_rank[1:], start=1):
             if other["tokens"] != per_rank[0]["tokens"]:
                 raise AssertionError(f"{job.name}: rank {rank} sampled other tokens than rank 0")
+            if rank >= tp:
+                continue
             for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{job.name}: rank {rank}'s logits differ")
         results.append(per_rank[0])
@@ -79,8 +88,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=131_072, help="prompt tokens (default 131072)")
     parser.add_argument("--chunk", type=int, default=8_192, help="prefill chunk in tokens (default 8192)")
-    parser.add_argument("--layouts", type=parse_layout, nargs="+", default=[(1, 1), (2, 2)],
-                        help="tp,dcp pairs (default 1,1 2,2)")
+    parser.add_argument("--layouts", type=parse_layout, nargs="+", default=[(1, 1, 1), (2, 2, 1), (1, 2, 2)],
+                        help="tp,dcp or tp,dcp,pcp (default 1,1 2,2 1,2,2)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.tokens < 2 * args.chunk:
@@ -94,14 +103,14 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = write_checkpoints(Path(tmp), case)
-        for tp, dcp in args.layouts:
+        for tp, dcp, pcp in args.layouts:
             for name in MODELS:
-                ParallelConfig(tp, dcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
+                ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
             jobs = [Job(name, str(checkpoints[name]), (scenario(checkpoints[name], case),)) for name in MODELS]
-            out_dir = Path(tmp) / f"tp{tp}-dcp{dcp}"
+            out_dir = Path(tmp) / f"tp{tp}-dcp{dcp}-pcp{pcp}"
             out_dir.mkdir()
             started = time.perf_counter()
-            results = run_ours(tp, dcp, jobs, out_dir)
+            results = run_ours(tp, dcp, pcp, jobs, out_dir)
             ours_s = time.perf_counter() - started
             for job, result in zip(jobs, results, strict=True):
                 started = time.perf_counter()
@@ -109,7 +118,8 @@ def main() -> int:
                     error, verdict = check_long_against_hf(job, result), "equal"
                 except AssertionError as failure:
                     error, verdict = float("nan"), f"FAILED: {str(failure).splitlines()[0]}"
-                row = (f"| {job.name} | tp={tp} dcp={dcp} | {verdict} | {error:.1e} | {ours_s:.0f} s | "
+                layout = f"tp={tp} dcp={dcp}" + (f" pcp={pcp}" if pcp > 1 else "")
+                row = (f"| {job.name} | {layout} | {verdict} | {error:.1e} | {ours_s:.0f} s | "
                        f"{time.perf_counter() - started:.0f} s |")
                 print(row, flush=True)
                 rows.append(row)
@@ -121,8 +131,10 @@ def main() -> int:
         f"greedy tokens, on tests/engine/test_long_context.py's tiny random models (positions up to "
         f"{case.max_positions:,}, RoPE scaled 4x), against transformers' fp32 forward (sdpa) on the same weights. "
         "Tokens: greedy tokens equal transformers' at every step; error: the largest logit difference at the last "
-        "prompt position and every decode step (the suite's bound is 1e-4). Every rank's tokens and logits are rank "
-        "0's, bit for bit. Time: our run (all models of the layout, one thread per rank) and transformers' reference "
+        "prompt position and every decode step (the suite's bound is 1e-4). Every rank's tokens are rank 0's, and the "
+        "logits of every rank of rank 0's PCP group (every rank without PCP) are rank 0's, bit for bit; with pcp > 1 "
+        "each chunk's parts are split across the PCP groups. Time: our run (all models of the layout, one thread per "
+        "rank) and transformers' reference "
         "for that model (computed once per model and output: a later layout with the same tokens reuses it, 0 s).", "",
         "| model | layout | tokens | max logit error | ours | transformers |", "|---|---|---|---|---|---|",
         *rows,

@@ -153,7 +153,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(args)
         print(
             f"loading {engine_args.model} (backend={engine_args.backend}, tp={engine_args.tensor_parallel_size}, "
-            f"dcp={engine_args.decode_context_parallel_size})...", file=sys.stderr, flush=True,
+            f"dcp={engine_args.decode_context_parallel_size}, pcp={engine_args.prefill_context_parallel_size})...",
+            file=sys.stderr, flush=True,
         )
         llm = LLM(**dataclasses.asdict(engine_args))
     except (OSError, ValueError, RuntimeError) as err:  # RuntimeError includes NotImplementedError
