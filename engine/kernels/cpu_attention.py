@@ -97,12 +97,15 @@ def _gather_context(cache: torch.Tensor, pages: torch.Tensor, tail: torch.Tensor
 
 
 def _context_masks(lens: torch.Tensor, slots: int, dtype: torch.dtype, min_len: int | None = None,
-                   finite_tail: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   finite_tail: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """For sequences of lens [S] (max >= 1; min_len: their shortest, when known) over `slots` gathered slots each:
-    (additive mask [S, 1, 1, slots] in dtype, the flat indices of the gathered slots past each length [n] int64 or
-    None when there are none or finite_tail says they need no zeroing, empty rows [S, 1, 1] or None)."""
+    (additive mask [S, 1, 1, slots] in dtype, or None when every sequence fills every slot, the flat indices of the
+    gathered slots past each length [n] int64 or None when there are none or finite_tail says they need no zeroing,
+    empty rows [S, 1, 1] or None)."""
     if min_len is None:
         min_len = int(lens.min())
+    if min_len == slots:  # nothing to hide (a prefill context of whole pages, as a PCP segment's usually is)
+        return None, None, None
     visible = torch.arange(slots, device=lens.device)[None, :] < lens[:, None]  # [S, T]
     mask = torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))
     tail = (~visible).reshape(-1).nonzero()[:, 0] if min_len < slots and not finite_tail else None
@@ -115,7 +118,7 @@ def _attend_context(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     pages: torch.Tensor,
-    masks: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    masks: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     scale: float,
     value_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +160,9 @@ class CpuDecodePlan:
     pages: torch.Tensor  # [S, P] int64, clamped in range, P = pages of the longest sequence
     pieces: list[torch.Tensor] | None  # sequence indices of each batched call; None: the whole batch in one call
     piece_pages: list[torch.Tensor]  # each piece's pages, cut to its longest sequence
-    masks: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]  # per call: (additive mask
-    # [S', 1, 1, T] in the compute dtype, flat indices of the gathered slots past each length or None, empty rows
-    # or None)
+    masks: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]  # per call: (additive mask
+    # [S', 1, 1, T] in the compute dtype or None, flat indices of the gathered slots past each length or None, empty
+    # rows or None)
     compute_dtype: torch.dtype
 
 

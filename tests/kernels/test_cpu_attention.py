@@ -57,7 +57,8 @@ def run_prefill(spec: list[tuple[int, int]], num_kv_heads: int, group: int, head
     [(0, 33), (1328, 33), (1, 33), (17, 33)],  # equal chunks: the unpadded path, contexts from none to long
     [(0, 1), (5000, 1), (17, 1), (0, 1), (16, 1)],  # chunks of one token: decode-like prefill
     [(0, 300), (2000, 1), (0, 0), (31, 64)],  # one long chunk beside a one-token chunk, an empty sequence
-], ids=["equal-chunks", "one-token-chunks", "mixed"])
+    [(32, 5), (32, 7), (64, 3)],  # contexts of whole pages: pieces with nothing to mask run without a mask
+], ids=["equal-chunks", "one-token-chunks", "mixed", "whole-pages"])
 def test_prefill_batches(spec, dtype) -> None:
     run_prefill(spec, num_kv_heads=2, group=4, head_dim=32, block_size=16, dtype=dtype)
 
