@@ -1,6 +1,7 @@
 """The tools people point at a serving system on day one, unchanged, against the deployed app (tiny model, TP=1 x
 PCP=2 x DCP=2 on logical GPUs: every prompt's prefill split across two PCP groups, the KV sharded over both; echo's
-prompt logprobs gather the groups' hidden states): the official openai SDK with n, logprobs, echo, batched prompts and stream_options;
+prompt logprobs gather the groups' hidden states): the official openai SDK with n, logprobs, echo, batched prompts
+and stream_options;
 guidellm (the vLLM project's benchmark client) with streaming chat and completions at a concurrent profile;
 lm-evaluation-harness' `local-completions` on a log-likelihood task the test writes (nothing is downloaded), whose
 per-sample log-likelihoods and accuracy equal lm-eval's own transformers run on the same weights.
