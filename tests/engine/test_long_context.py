@@ -17,17 +17,17 @@ among them at dcp = 1, pcp and tp * pcp). Models, with positions up to 40,960:
 - DeepSeek-V2 MLA: the project's generator (cluster/tiny_model.py), latent 24 + 6, YaRN 4x from 10,240 with
   mscale != mscale_all_dim, a dense layer then a MoE layer.
 
-Checked, at the last prompt position and each decode step: greedy tokens equal transformers', logits within
-LOGITS_ATOL = 1e-4 (fp32, test_model_vs_hf's bound); every rank's tokens and logits bit-identical to rank 0's. Measured
-on this suite's 2-core CPU machine: ours vs transformers at most 2.1e-5 over every layout (1.0e-5 at tp = 1). The
-one-KV-head Llama at 2k / 8k / 32k tokens: 5e-6 / 2.4e-5 / 2.1e-5 at (2, 2), 5e-6 / 9e-6 / 7e-6 at (1, 1); MLA 3e-6
-to 4e-6 at both. That is fp32 rounding of the shards' partial outputs and log-sum-exps, flat in length (merging
-them in fp64 changed nothing), not a drift. And the test has teeth: transformers' own logits move by 0.8 to 4.8 (at
-least FAR_CONTEXT_MIN_EFFECT, checked every run) when the tokens before the last chunk are dropped; and, tried once
-each, a last chunk that skips the chunk before it (0.09 to 0.35 off), one DCP rank leaving out one of 32,775 tokens
-in decode (up to 6.5e-3 off), RoPE positions rounded to bf16 (0.2 to 1.3), the exchanged LSE rounded to bf16 (up to
-0.023), local lengths of the wrong interleave (0.37) and a decode reading one slot past its length (NaN, from the
-poisoned cache) each failed these tests.
+Checked, at the last prompt position and each decode step: greedy tokens equal transformers', logits within LOGITS_ATOL
+= 1e-4 (fp32, test_model_vs_hf's bound); every rank's tokens and logits bit-identical to rank 0's. Measured on this
+suite's 2-core CPU machine: ours vs transformers at most 2.1e-5 over every layout (1.0e-5 at tp = 1; 3.4e-6 to 2.1e-5 at
+the PCP layouts, every rank). The one-KV-head Llama at 2k / 8k / 32k tokens: 5e-6 / 2.4e-5 / 2.1e-5 at (2, 2), 5e-6 /
+9e-6 / 7e-6 at (1, 1); MLA 3e-6 to 4e-6 at both. That is fp32 rounding of the shards' partial outputs and log-sum-exps,
+flat in length (merging them in fp64 changed nothing), not a drift. And the test has teeth: transformers' own logits
+move by 0.8 to 4.8 (at least FAR_CONTEXT_MIN_EFFECT, checked every run) when the tokens before the last chunk are
+dropped; and, tried once each, a last chunk that skips the chunk before it (0.09 to 0.35 off), one DCP rank leaving out
+one of 32,775 tokens in decode (up to 6.5e-3 off), RoPE positions rounded to bf16 (0.2 to 1.3), the exchanged LSE
+rounded to bf16 (up to 0.023), local lengths of the wrong interleave (0.37) and a decode reading one slot past its
+length (NaN, from the poisoned cache) each failed these tests.
 
 The reference: transformers in fp32 on the same checkpoint, one forward over the prompt and our tokens but the last
 (teacher forcing: while ours are its argmax, its greedy continuation is ours), attn_implementation "sdpa": torch's
