@@ -83,20 +83,17 @@ class PlanRequest:
     @property
     def tp_sizes(self) -> list[int]:
         """Powers of two up to the GPUs of one node (a replica never spans nodes)."""
-        sizes, tp = [], 1
-        while tp <= self.gpus_per_node:
-            sizes.append(tp)
-            tp *= 2
-        return sizes
+        return powers_of_two(self.gpus_per_node)
 
     @property
     def pcp_sizes(self) -> list[int]:
         """Powers of two up to max_pcp."""
-        sizes, pcp = [], 1
-        while pcp <= self.max_pcp:
-            sizes.append(pcp)
-            pcp *= 2
-        return sizes
+        return powers_of_two(self.max_pcp)
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to limit."""
+    return [1 << i for i in range(limit.bit_length())]
 
 
 @dataclass(frozen=True)

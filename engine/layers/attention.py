@@ -205,28 +205,60 @@ class Attention(EngineModule):
         """DCP: partials over the local shard, merged over the group; the chunk's own tokens merged locally."""
         if self.exchange is None:
             raise RuntimeError("_forward_dcp needs the DCP exchange (dcp > 1)")
-        num_tokens = q.shape[0]
-        num_decodes = metadata.num_decode_tokens
-        has_prefill = num_decodes < num_tokens
         timer = metadata.exchange_timer
         with timer.measure() if timer is not None else nullcontext():
             q_group = self.exchange.gather_queries(q)  # [T, dcp * heads, D]
-        group_heads = q_group.shape[1]
-        shard_out = q_group.new_empty((num_tokens, group_heads, self.value_dim))
-        shard_lse = torch.empty((num_tokens, group_heads), dtype=torch.float32, device=q.device)
+        shard_out, shard_lse = self._shard_partials(
+            q_group, k_cache, v_cache, metadata, metadata.prefill_block_table, metadata.prefill_query_start_loc,
+            metadata.prefill_local_context_lens, metadata.prefill_max_query_len)
+        with timer.measure() if timer is not None else nullcontext():
+            out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
+        return self._merge_own_tokens(out, lse, q, k, v, k_cache, v_cache, metadata)
+
+    def _shard_partials(
+        self,
+        q_group: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        prefill_block_table: torch.Tensor,
+        prefill_query_start_loc: torch.Tensor,
+        prefill_local_context_lens: torch.Tensor,
+        prefill_max_query_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the group's queries over this rank's shard: the decode rows (metadata's first
+        num_decode_tokens) over their sequences, the rows after them over the cached context the prefill arguments
+        name (no new tokens)."""
+        num_rows, group_heads = q_group.shape[:2]
+        num_decodes = metadata.num_decode_tokens
+        shard_out = q_group.new_empty((num_rows, group_heads, self.value_dim))
+        shard_lse = torch.empty((num_rows, group_heads), dtype=torch.float32, device=q_group.device)
         if num_decodes:
             self._decode(q_group[:num_decodes], k_cache, v_cache, metadata, out=shard_out[:num_decodes],
                          lse_out=shard_lse[:num_decodes])
-        if has_prefill:
+        if num_decodes < num_rows:
             self.prefill(
-                q_group[num_decodes:], None, None, k_cache, v_cache, metadata.prefill_block_table,
-                metadata.prefill_query_start_loc, metadata.prefill_local_context_lens, self.scale,
-                metadata.prefill_max_query_len,
+                q_group[num_decodes:], None, None, k_cache, v_cache, prefill_block_table, prefill_query_start_loc,
+                prefill_local_context_lens, self.scale, prefill_max_query_len,
                 out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:], v_head_dim=self.v_head_dim,
             )
-        with timer.measure() if timer is not None else nullcontext():
-            out, lse = self.exchange.combine(shard_out, shard_lse)  # [T, heads, D], [T, heads]: the whole cache
-        if not has_prefill:
+        return shard_out, shard_lse
+
+    def _merge_own_tokens(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """out / lse of this rank's rows over the cached context, with each prefill sequence's own new tokens
+        (causal, from k / v: every rank has them) merged in exactly by combine_lse, in place."""
+        num_decodes = metadata.num_decode_tokens
+        if num_decodes == q.shape[0]:
             return out
         new_out, new_lse = self.prefill(
             q[num_decodes:], k[num_decodes:], v[num_decodes:] if v is not None else None, k_cache, v_cache,
@@ -253,49 +285,27 @@ class Attention(EngineModule):
         """PCP: this rank's rows are every decode and its segments of the prefill chunks (module docstring)."""
         parallel, pcp = self.parallel, metadata.pcp
         num_decodes = metadata.num_decode_tokens
-        rows_max = pcp.rows_max if pcp is not None else 0
-        if rows_max:
+        if pcp is None:  # decodes only: every PCP group has the same rows
+            rows_max = 0
+            self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=False)
+        else:
+            rows_max = pcp.rows_max
             k_all = gather_prefill_rows(k, num_decodes, rows_max, parallel.pcp_group, parallel.pcp_size)
             v_all = (gather_prefill_rows(v, num_decodes, rows_max, parallel.pcp_group, parallel.pcp_size)
                      if v is not None else None)
-            assert pcp is not None
             self.store(k_all, v_all, k_cache, v_cache, pcp.gathered_slot_mapping, all_owned=False)
-        else:  # decodes only: every PCP group has the same rows
-            self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=False)
         if self.pcp_exchange is None:  # dcp = 1: whole sequences here; each segment's context includes its chunk's
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)  # earlier parts, stored above
         timer = metadata.exchange_timer
         with timer.measure() if timer is not None else nullcontext():
             q_group = self.pcp_exchange.gather_queries(q, num_decodes, rows_max)
-        rows, group_heads = q_group.shape[:2]
-        shard_out = q_group.new_empty((rows, group_heads, self.value_dim))
-        shard_lse = torch.empty((rows, group_heads), dtype=torch.float32, device=q.device)
-        if num_decodes:
-            self._decode(q_group[:num_decodes], k_cache, v_cache, metadata, out=shard_out[:num_decodes],
-                         lse_out=shard_lse[:num_decodes])
-        if rows_max:
-            assert pcp is not None
-            self.prefill(
-                q_group[num_decodes:], None, None, k_cache, v_cache, pcp.gathered_block_table,
-                pcp.gathered_query_start_loc, pcp.gathered_local_context_lens, self.scale,
-                pcp.gathered_max_query_len,
-                out=shard_out[num_decodes:], lse_out=shard_lse[num_decodes:], v_head_dim=self.v_head_dim,
-            )
+        # The gathered layout's prefill sequences (none in a decode-only step, whose q_group holds decode rows only).
+        prefill = ((pcp.gathered_block_table, pcp.gathered_query_start_loc, pcp.gathered_local_context_lens,
+                    pcp.gathered_max_query_len) if pcp is not None else
+                   (metadata.prefill_block_table, metadata.prefill_query_start_loc,
+                    metadata.prefill_local_context_lens, 0))
+        shard_out, shard_lse = self._shard_partials(q_group, k_cache, v_cache, metadata, *prefill)
         with timer.measure() if timer is not None else nullcontext():
             out, lse = self.pcp_exchange.combine(shard_out, shard_lse, num_decodes, rows_max)
         num_rows = q.shape[0]
-        out, lse = out[:num_rows], lse[:num_rows]
-        if num_decodes == num_rows:
-            return out
-        new_out, new_lse = self.prefill(
-            q[num_decodes:], k[num_decodes:], v[num_decodes:] if v is not None else None, k_cache, v_cache,
-            metadata.prefill_block_table, metadata.prefill_query_start_loc,
-            torch.zeros_like(metadata.prefill_local_context_lens), self.scale, metadata.prefill_max_query_len,
-            v_head_dim=self.v_head_dim,
-        )
-        self.combine(
-            torch.stack([out[num_decodes:], new_out]),
-            torch.stack([lse[num_decodes:], new_lse]),
-            out=out[num_decodes:],
-        )
-        return out
+        return self._merge_own_tokens(out[:num_rows], lse[:num_rows], q, k, v, k_cache, v_cache, metadata)
