@@ -40,17 +40,22 @@ from typing import Any
 
 from ray import serve
 
+from deployments.fair_share import ServiceLevel, TenantShares, admission_order
+from deployments.latency_window import LatencyWindow
 from deployments.metrics import AdmissionMetrics
 from deployments.pools import DEFAULT_POOL, Need, PoolChoice, choose, never_fits, pools_of, smallest_blocks
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica_choice import ReplicaKv, prompt_blocks, why_not_grantable
+from deployments.tenant_limits import Exceeded, Limits, TenantLimits
 from engine.core.prefix_cache import PrefixReport
 
 
 class AdmissionError(Exception):
-    """A request the queue did not grant; `kind` maps to the HTTP status the ingress answers with."""
+    """A request the queue did not grant; `kind` maps to the HTTP status the ingress answers with, `outcome` is
+    the decision as deployments/metrics.py ADMISSION_OUTCOMES names it."""
 
     kind = "error"
+    outcome = "rejected"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -58,27 +63,53 @@ class AdmissionError(Exception):
 
 
 class QueueFull(AdmissionError):
-    kind = "queue_full"  # 429 + Retry-After
+    kind, outcome = "queue_full", "rejected_queue_full"  # 429 + Retry-After
 
 
 class QueueTimeout(AdmissionError):
-    kind = "queue_timeout"  # 429 + Retry-After
+    kind, outcome = "queue_timeout", "rejected_timeout"  # 429 + Retry-After
+
+
+class DeadlineExceeded(AdmissionError):
+    kind, outcome = "deadline_exceeded", "rejected_deadline"  # 429 + Retry-After: its deadline came while it waited
+
+
+class Shed(AdmissionError):
+    kind, outcome = "shed", "rejected_shed"  # 429 + Retry-After: sheddable, refused under saturation
+
+
+class LimitExceeded(AdmissionError):
+    """A tenant's limit (deployments/tenant_limits.py): 429 + Retry-After, or 400 when the request alone is past it
+    (retry_after_s None)."""
+
+    kind, outcome = "limit_exceeded", "rejected_limit"
+
+    def __init__(self, exceeded: Exceeded) -> None:
+        super().__init__(exceeded.message)
+        self.limit = exceeded.limit
+        self.retry_after_s = exceeded.retry_after_s
 
 
 class NeverFits(AdmissionError):
-    kind = "never_fits"  # 400
+    kind, outcome = "never_fits", "rejected_never_fits"  # 400
 
 
 class NoReplica(AdmissionError):
-    kind = "no_replica"  # 503
+    kind, outcome = "no_replica", "rejected_no_replica"  # 503
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
     ticket: str
     need: Need
     future: asyncio.Future[str]
-    ask: PrefixAsk | None = None
+    ask: PrefixAsk | None
+    level: ServiceLevel
+    seq: int  # arrival order
+    front: bool  # a replica refused it after a grant: it goes first
+    deadline_at: float | None  # when it stops waiting for its deadline (the queue's clock)
+    tokens: int  # its KV in tokens (the smallest need over its pools), what the fair order charges it
+    arrived: float
 
 
 @dataclass(frozen=True)
@@ -91,6 +122,8 @@ class Grant:
     need: int
     hit_blocks: int
     pool: str = DEFAULT_POOL
+    level: ServiceLevel = ServiceLevel()
+    tokens: int = 0  # need x the replica's tokens per block: what its tenant's share is charged while it holds it
 
 
 class AdmissionQueue:
@@ -102,13 +135,24 @@ class AdmissionQueue:
         replica_ttl_s: float = 10.0,
         leak_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        on_event: Callable[[str, float | None], None] | None = None,
+        on_event: Callable[[str, float | None, ServiceLevel | None], None] | None = None,
         prefix_routing: bool = True,
         on_routed: Callable[[int, int], None] | None = None,
         on_pool: Callable[[str, str], None] | None = None,
+        sheddable_priority: int | None = None,
+        fair_share_half_life_s: float = 60.0,
+        fair_share_quantum_s: float = 1.0,
+        limits: TenantLimits | None = None,
+        order: str = "service_levels",
     ) -> None:
-        """on_event(outcome, waited_s), when given, hears every decision (deployments/metrics.py
-        ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the FIFO.
+        """on_event(outcome, waited_s, level), when given, hears every decision (deployments/metrics.py
+        ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the queue, level
+        is the request's ServiceLevel (None for grants that came back).
+        sheddable_priority: requests with a priority at or above it are sheddable (None: none is);
+        fair_share_*: the tenants' shares (deployments/fair_share.py TenantShares); limits: the tenants' limits,
+        checked before a request takes a place in the queue. order "fifo": one line in arrival order, priorities,
+        tenants, deadline order and shedding ignored (what the queue did before service levels; deadlines still end
+        a wait).
         on_routed(prompt_blocks, hit_blocks) hears every grant of a request that named its prompt blocks.
         prefix_routing: prefer the replica holding the longest run of the prompt's blocks
         (deployments/replica_choice.py); off: the most free KV alone."""
@@ -135,75 +179,130 @@ class AdmissionQueue:
         self.num_unreachable = 0
         self.pool_grants: dict[str, int] = {}  # "pool/reason" -> grants (deployments/pools.py)
         self.num_leaked = 0  # grants dropped by leak reconciliation (their caller never released them)
+        self.latency = LatencyWindow()  # served requests' TTFT / ITL per pool, for service-level autoscaling
+        self.sheddable_priority = sheddable_priority
+        self.shares = TenantShares(fair_share_half_life_s, fair_share_quantum_s)
+        self.limits = limits or TenantLimits({})
+        if order not in ("service_levels", "fifo"):
+            raise ValueError(f"admission_order must be 'service_levels' or 'fifo', got {order!r}")
+        self.order = order
+        self._seq = 0
+        self.num_shed = 0
+        self.num_deadline = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
 
     async def acquire(self, ticket: str, need: Need, timeout_s: float, front: bool = False,
-                      ask: PrefixAsk | None = None) -> str:
+                      ask: PrefixAsk | None = None, level: ServiceLevel | None = None) -> str:
         """Returns the replica id that holds `need` blocks for this ticket until release(ticket) (less, with `ask`,
         the blocks of its prefix the replica holds cached for running requests: grant_of(ticket) says how many it
-        counts). front=True (a replica refused it) puts it at the head of the line."""
+        counts). The request takes its place in the queue's order (deployments/fair_share.py: its priority band,
+        its tenant's fair share, its deadline); front=True (a replica refused it) puts it first. It waits at most
+        timeout_s, and at most level.deadline_s."""
+        level = level or ServiceLevel()
         if smallest_blocks(need) < 1:
             raise ValueError(f"need must be >= 1 block on every pool, got {need}")
         if ticket in self._ticket_replica:
             raise ValueError(f"ticket {ticket!r} already holds a grant")
-        if self.replicas and not self._healthy_replicas():
-            self._event("rejected_no_replica")
-            raise NoReplica(f"no healthy engine replica ({len(self.replicas)} known, all failing); retry later")
+        now = self._clock()
         try:
+            exceeded = self.limits.check(level.tenant, level.tokens, self.in_flight(level.tenant), now)
+            if exceeded is not None:
+                raise LimitExceeded(exceeded)
+            if self.replicas and not self._healthy_replicas():
+                raise NoReplica(f"no healthy engine replica ({len(self.replicas)} known, all failing); retry later")
             self._check_fits_somewhere(need)
-        except NeverFits:
-            self._event("rejected_never_fits")
+            if level.deadline_s is not None and level.deadline_s <= 0:
+                raise DeadlineExceeded(f"the request's deadline passed {-level.deadline_s:.3f}s before it reached "
+                                       f"the admission queue; send a later deadline")
+            saturated = self._saturated_pools()
+            if self._sheddable(level) and pools_of(need, self.replicas.values()) <= saturated and saturated:
+                raise Shed(self._shed_message(level, 0.0))
+        except AdmissionError as err:
+            self._event(err.outcome, None, level)
             raise
-        open_pools = pools_of(need, self.replicas.values()) - self._closed_pools()
-        if open_pools:
-            choice = choose(self.replicas.values(), need, ask, self.prefix_routing, open_pools)
-            if choice is not None:
-                self._event("admitted")
-                return self._grant(ticket, choice)
-        if len(self._waiters) >= self.max_queued and not front:
-            self.num_rejected_full += 1
-            self._event("rejected_queue_full")
-            raise QueueFull(
-                f"the admission queue is full ({len(self._waiters)} requests wait for KV, max_queued_requests="
-                f"{self.max_queued}); retry later"
-            )
-        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask)
-        if front:
-            self._waiters.appendleft(waiter)
-        else:
-            self._waiters.append(waiter)
-        self._event("queued")
-        queued_at = self._clock()
-        self._fulfill()  # a request put back at the head may fit at once
+        self.limits.charge(level.tenant, ticket, level.tokens, now)
         try:
-            replica_id = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=timeout_s)
-            self._event("admitted", self._clock() - queued_at)
+            return await self._wait(ticket, need, timeout_s, front, ask, level, now)
+        except AdmissionError:
+            self.limits.refund(level.tenant, ticket)
+            raise
+
+    def now(self) -> float:
+        """The queue's clock (what its grants, deadlines and latency window are timed with)."""
+        return self._clock()
+
+    def in_flight(self, tenant: str) -> int:
+        """The tenant's sequences waiting in the queue or holding a grant."""
+        return (sum(1 for grant in self._grants.values() if grant.level.tenant == tenant)
+                + sum(1 for w in self._waiters if not w.future.done() and w.level.tenant == tenant))
+
+    async def _wait(self, ticket: str, need: Need, timeout_s: float, front: bool, ask: PrefixAsk | None,
+                    level: ServiceLevel, now: float) -> str:
+        """acquire's grant, at once or after waiting in the queue's order."""
+        self._seq += 1
+        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, self._seq, front,
+                         None if level.deadline_s is None else now + level.deadline_s, self._need_tokens(need),
+                         now)
+        self._waiters.append(waiter)
+        self._fulfill()
+        if waiter.future.done():  # granted at once
+            self._event("admitted", None, level)
+            return waiter.future.result()
+        if sum(1 for w in self._waiters if not w.future.done()) > self.max_queued and not front:
+            victim = None if self._sheddable(level) else self._newest_sheddable()
+            if victim is None:
+                self._waiters.remove(waiter)
+                waiter.future.cancel()
+                self.num_rejected_full += 1
+                self._event("rejected_queue_full", None, level)
+                raise QueueFull(
+                    f"the admission queue is full ({len(self._waiters)} requests wait for KV, max_queued_requests="
+                    f"{self.max_queued}); retry later"
+                )
+            self._shed(victim, "the admission queue is full and a request that is not sheddable arrived")
+        self._event("queued", None, level)
+        wait_s = timeout_s if level.deadline_s is None else min(timeout_s, level.deadline_s)
+        try:
+            replica_id = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=wait_s)
+            self._event("admitted", self._clock() - now, level)
             return replica_id
         except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
-                self._event("admitted", self._clock() - queued_at)
+                self._event("admitted", self._clock() - now, level)
                 return waiter.future.result()  # granted at the last moment
-            self.num_timeouts += 1
-            waited = self._clock() - queued_at
+            waited = self._clock() - now
             if not any(r.grantable for r in self.replicas.values()):
-                self._event("rejected_no_replica", waited)
+                self.num_timeouts += 1
+                self._event("rejected_no_replica", waited, level)
                 known = ", ".join(f"{r.replica_id}: {why_not_grantable(r)}" for r in self.replicas.values())
                 raise NoReplica(
                     f"no engine replica could take requests during the {waited:.1f}s this request waited"
                     f"{f' ({known})' if known else ''}; retry later"
                 ) from None
-            self._event("rejected_timeout", waited)
+            if level.deadline_s is not None and level.deadline_s < timeout_s:
+                self.num_deadline += 1
+                self._event("rejected_deadline", waited, level)
+                raise DeadlineExceeded(
+                    f"the request's deadline came after {waited:.1f}s in the admission queue and no replica had "
+                    f"{smallest_blocks(need)} free KV blocks for it; it was not started late; retry later"
+                ) from None
+            self.num_timeouts += 1
+            self._event("rejected_timeout", waited, level)
             raise QueueTimeout(
                 f"waited {waited:.1f}s in the admission queue and no replica had {smallest_blocks(need)} free KV "
                 f"blocks (queue_timeout_s); retry later"
             ) from None
+        except Shed:
+            self._event("rejected_shed", self._clock() - now, level)
+            raise
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release(ticket)  # granted while the caller went away
             raise
         finally:
-            waiter.future.cancel()  # no-op once granted; otherwise _fulfill skips it
+            if not waiter.future.done():
+                waiter.future.cancel()  # _fulfill skips it
             try:
                 self._waiters.remove(waiter)
             except ValueError:
@@ -218,7 +317,9 @@ class AdmissionQueue:
         """Forgets the ticket's grant; returns its replica (if still known). A finished request's prompt stays a
         routing preference there until the replica reports its cache again."""
         replica_id = self._ticket_replica.pop(ticket, None)
-        self._grants.pop(ticket, None)
+        grant = self._grants.pop(ticket, None)
+        if grant is not None:
+            self.shares.release(grant.level.tenant, grant.tokens, self._clock())
         replica = self.replicas.get(replica_id) if replica_id is not None else None
         if replica is not None:
             replica.grants.pop(ticket, None)
@@ -229,11 +330,16 @@ class AdmissionQueue:
                 replica.prefix.drop(ticket)
         return replica
 
-    def release(self, ticket: str) -> None:
-        """Ends a grant (request finished, failed or was cancelled). Unknown tickets are ignored: idempotent."""
+    def release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
+        """Ends a grant (request finished, failed or was cancelled). Unknown tickets are ignored: idempotent. A
+        request that produced tokens hands in its TTFT and mean ITL: the window the service-level autoscaling
+        policy reads (deployments/latency_window.py), under the pool of the replica that served it."""
         for waiter in self._waiters:
             if waiter.ticket == ticket and not waiter.future.done():
                 waiter.future.cancel()
+        grant = self._grants.get(ticket)
+        if grant is not None:
+            self.latency.add(self._clock(), grant.pool, ttft_s, itl_s)
         granted_on = self._drop_grant(ticket, finished=True)
         for replica in self.replicas.values():
             if replica is granted_on or ticket in replica.held:
@@ -338,7 +444,9 @@ class AdmissionQueue:
         if replica is not None:
             for ticket in replica.grants:
                 self._ticket_replica.pop(ticket, None)
-                self._grants.pop(ticket, None)
+                grant = self._grants.pop(ticket, None)
+                if grant is not None:
+                    self.shares.release(grant.level.tenant, grant.tokens, self._clock())
 
     def prefix_position(self, replica_id: str) -> tuple[str | None, int]:
         """Where the queue's copy of the replica's prefix cache stands: (epoch, version), for its next report."""
@@ -371,6 +479,24 @@ class AdmissionQueue:
             return sum(1 for w in self._waiters if not w.future.done())
         return sum(1 for w in self._waiters if not w.future.done() and pool in pools_of(w.need, replicas))
 
+    def pool_load(self, pool: str) -> tuple[int, int, int]:
+        """(the KV the pool's healthy replicas hold or have granted, plus the blocks of the requests waiting that
+        the pool could hold; their capacity; how many they are): whether fewer replicas could hold today's load."""
+        replicas = [r for r in self.replicas.values() if r.pool == pool and r.healthy]
+        held = sum(r.capacity - r.free for r in replicas)
+        waiting = sum(smallest_blocks(w.need) for w in self._waiters
+                      if not w.future.done() and pool in pools_of(w.need, self.replicas.values()))
+        return held + waiting, sum(r.capacity for r in replicas), len(replicas)
+
+    def queued_by_level(self) -> dict[tuple[str, int], int]:
+        """Waiting requests by (tenant, priority)."""
+        counts: dict[tuple[str, int], int] = {}
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                key = (waiter.level.tenant, waiter.level.priority)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
     @property
     def queued_blocks(self) -> int:
         return sum(smallest_blocks(w.need) for w in self._waiters)
@@ -386,6 +512,11 @@ class AdmissionQueue:
             "num_unreachable": self.num_unreachable,
             "num_lost": self.num_lost,
             "num_leaked": self.num_leaked,
+            "num_shed": self.num_shed,
+            "num_deadline": self.num_deadline,
+            "tenants": {tenant: {"attained_kv_token_s": round(self.shares.attained(tenant, self._clock()), 3),
+                                 "holding_kv_tokens": self.shares.holding.get(tenant, 0)}
+                        for tenant in self.shares.tenants()},
             "prefix_query_blocks": self.num_prefix_query_blocks,
             "prefix_hit_blocks": self.num_prefix_hit_blocks,
             "pool_grants": dict(self.pool_grants),
@@ -401,9 +532,9 @@ class AdmissionQueue:
 
     # ---- internals ------------------------------------------------------------------------------------------
 
-    def _event(self, outcome: str, waited_s: float | None = None) -> None:
+    def _event(self, outcome: str, waited_s: float | None = None, level: ServiceLevel | None = None) -> None:
         if self._on_event is not None:
-            self._on_event(outcome, waited_s)
+            self._on_event(outcome, waited_s, level)
 
     def _healthy_replicas(self) -> list[ReplicaKv]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -413,13 +544,16 @@ class AdmissionQueue:
         if why is not None:
             raise NeverFits(why)
 
-    def _grant(self, ticket: str, choice: PoolChoice) -> str:
+    def _grant(self, ticket: str, choice: PoolChoice, level: ServiceLevel) -> str:
         replica, need, hit_blocks, ask = choice.replica, choice.need, choice.hit_blocks, choice.ask
-        replica.grants[ticket] = (need, self._clock())
+        now = self._clock()
+        replica.grants[ticket] = (need, now)
+        tokens = need * replica.tokens_per_block
+        self.shares.grant(level.tenant, tokens, now)
         replica.grant_prefill[ticket] = max(prompt_blocks(need, ask) - hit_blocks, 0)
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
-        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool)
+        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool, level, tokens)
         self.num_granted += 1
         replica.num_granted += 1
         key = f"{choice.pool}/{choice.reason}"
@@ -433,26 +567,59 @@ class AdmissionQueue:
                 self._on_routed(len(ask.hashes), hit_blocks)
         return replica.replica_id
 
-    def _closed_pools(self) -> set[str]:
-        """The pools a waiting request can use: closed to the requests behind it (strict FIFO per pool)."""
-        pools = {replica.pool for replica in self.replicas.values()}
-        closed: set[str] = set()
+    def _need_tokens(self, need: Need) -> int:
+        """The request's KV in tokens: its smallest need over the pools (blocks x the pool's tokens per block)."""
+        per_block = {r.pool: r.tokens_per_block for r in self.replicas.values()}
+        if isinstance(need, int):
+            return need * max(per_block.values(), default=1)
+        return min(n.blocks * per_block.get(pool, 1) for pool, n in need.items())
+
+    def _sheddable(self, level: ServiceLevel) -> bool:
+        return (self.order != "fifo" and self.sheddable_priority is not None
+                and level.priority >= self.sheddable_priority)
+
+    def _saturated_pools(self) -> set[str]:
+        """The pools a waiting request that is not sheddable could use: there, sheddable requests are refused."""
+        if self.sheddable_priority is None or self.order == "fifo":
+            return set()
+        saturated: set[str] = set()
         for waiter in self._waiters:
-            if not waiter.future.done():
-                closed |= pools_of(waiter.need, self.replicas.values())
-                if closed >= pools:  # one pool: the first waiter closes it, as the one FIFO always did
-                    break
-        return closed
+            if not waiter.future.done() and not self._sheddable(waiter.level):
+                saturated |= pools_of(waiter.need, self.replicas.values())
+        return saturated
+
+    def _newest_sheddable(self, pools: set[str] | None = None) -> _Waiter | None:
+        """The sheddable waiter that arrived last (among those that could use `pools`)."""
+        candidates = [w for w in self._waiters if not w.future.done() and self._sheddable(w.level)
+                      and (pools is None or pools_of(w.need, self.replicas.values()) & pools)]
+        return max(candidates, key=lambda w: w.seq, default=None)
+
+    def _shed_message(self, level: ServiceLevel, waited_s: float) -> str:
+        waiting = sum(1 for w in self._waiters if not w.future.done() and not self._sheddable(w.level))
+        return (f"shed after {waited_s:.1f}s: priority {level.priority} is sheddable (sheddable_priority="
+                f"{self.sheddable_priority}) and the app is saturated ({waiting} requests that are not sheddable wait "
+                f"for KV); retry later or send a lower priority")
+
+    def _shed(self, waiter: _Waiter, why: str) -> None:
+        self.num_shed += 1
+        message = self._shed_message(waiter.level, self._clock() - waiter.arrived)
+        waiter.future.set_exception(Shed(f"{message}; {why}"))
+        self._waiters.remove(waiter)
 
     def _fulfill(self) -> None:
-        """Grants waiters in order; a waiter that finds no room closes the pools it could use to the waiters
-        behind it (one pool: strict FIFO, the head blocks everyone)."""
+        """Grants waiters in the queue's order (deployments/fair_share.py admission_order); a waiter that finds no
+        room closes the pools it could use to the waiters after it (one pool: the head blocks everyone, so a large
+        request is never starved by smaller ones behind it). Then, under saturation (a request that is not
+        sheddable still waits), the sheddable waiters that could use its pools are refused, newest first."""
         closed: set[str] = set()
         pools = {replica.pool for replica in self.replicas.values()}
-        for waiter in list(self._waiters):
-            if waiter.future.done():
-                self._waiters.remove(waiter)
-                continue
+        for waiter in [w for w in self._waiters if w.future.done()]:
+            self._waiters.remove(waiter)
+        if self.order == "fifo":
+            order = sorted(self._waiters, key=lambda w: (not w.front, w.seq))
+        else:
+            order = admission_order(self._waiters, self.shares, self._clock())
+        for waiter in order:
             usable = pools_of(waiter.need, self.replicas.values())
             open_pools = usable - closed
             choice = choose(self.replicas.values(), waiter.need, waiter.ask, self.prefix_routing,
@@ -460,10 +627,16 @@ class AdmissionQueue:
             if choice is None:
                 closed |= usable
                 if closed >= pools:
-                    return
+                    break
                 continue
             self._waiters.remove(waiter)
-            waiter.future.set_result(self._grant(waiter.ticket, choice))
+            waiter.future.set_result(self._grant(waiter.ticket, choice, waiter.level))
+        saturated = self._saturated_pools()
+        while saturated:
+            victim = self._newest_sheddable(saturated)
+            if victim is None:
+                break
+            self._shed(victim, "a request that is not sheddable waits for KV it could use")
 
 
 @serve.deployment(max_ongoing_requests=100_000, num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -472,34 +645,43 @@ class KvAdmission:
     report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
 
     def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True,
-                 leak_grace_s: float = 30.0) -> None:
+                 leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
+                 fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
+                 limits: dict[str, Limits] | None = None, order: str = "service_levels") -> None:
         self.metrics = AdmissionMetrics()
         self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, leak_grace_s=leak_grace_s,
                                     on_event=self.metrics.on_event, prefix_routing=prefix_routing,
-                                    on_routed=self.metrics.on_routed, on_pool=self.metrics.on_pool)
+                                    on_routed=self.metrics.on_routed, on_pool=self.metrics.on_pool,
+                                    sheddable_priority=sheddable_priority,
+                                    fair_share_half_life_s=fair_share_half_life_s,
+                                    fair_share_quantum_s=fair_share_quantum_s,
+                                    limits=TenantLimits(limits or {}), order=order)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             self.queue.expire()
-            self.metrics.update(self.queue.num_queued, self.queue.queued_blocks)
+            self.metrics.update(self.queue.num_queued, self.queue.queued_blocks, self.queue.queued_by_level())
 
     async def acquire(self, ticket: str, need: Need, timeout_s: float, front: bool = False,
-                      ask: PrefixAsk | None = None) -> dict[str, Any]:
+                      ask: PrefixAsk | None = None, level: ServiceLevel | None = None) -> dict[str, Any]:
         """{"replica_id", "need" (the blocks counted there), "hit_blocks"} or {"error", "message"}."""
         try:
-            replica_id = await self.queue.acquire(ticket, need, timeout_s, front, ask)
+            replica_id = await self.queue.acquire(ticket, need, timeout_s, front, ask, level)
             grant = self.queue.grant_of(ticket)
             return {"replica_id": replica_id, "need": grant.need if grant else need,
                     "hit_blocks": grant.hit_blocks if grant else 0, "pool": grant.pool if grant else DEFAULT_POOL}
+        except LimitExceeded as err:
+            self.metrics.on_limit(level or ServiceLevel(), err.limit)
+            return {"error": err.kind, "message": err.message, "retry_after_s": err.retry_after_s}
         except AdmissionError as err:
             return {"error": err.kind, "message": err.message}
         finally:
-            self.metrics.update(self.queue.num_queued, self.queue.queued_blocks)
+            self.metrics.update(self.queue.num_queued, self.queue.queued_blocks, self.queue.queued_by_level())
 
-    def release(self, ticket: str) -> None:
-        self.queue.release(ticket)
+    def release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
+        self.queue.release(ticket, ttft_s, itl_s)
 
     def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
         self.queue.refused(ticket, replica_id, free_blocks)
@@ -513,14 +695,24 @@ class KvAdmission:
     def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
                healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
                prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0, gpus: int = 1,
-               max_seqs: int = 0, prefill_tokens: int = 0, step_tokens: int = 0) -> dict[str, Any]:
+               max_seqs: int = 0, prefill_tokens: int = 0, step_tokens: int = 0,
+               slo_window_s: float = 0.0, slo_percentile: float = 0.9) -> dict[str, Any]:
         """Returns the queue length, which replicas pass on to the autoscaler, and where the queue's copy of the
-        replica's prefix cache stands (the replica's next report starts from there)."""
+        replica's prefix cache stands (the replica's next report starts from there). With slo_window_s > 0 also
+        the pool's served latencies at slo_percentile over that window and its KV load (pool_load), for the
+        service-level autoscaling policy."""
         self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix,
                           pool, step_s, gpus, max_seqs, prefill_tokens, step_tokens)
         epoch, version = self.queue.prefix_position(replica_id)
-        return {"num_queued": self.queue.num_queued_for(pool), "queued_blocks": self.queue.queued_blocks,
-                "prefix_epoch": epoch, "prefix_version": version}
+        reply: dict[str, Any] = {"num_queued": self.queue.num_queued_for(pool),
+                                 "queued_blocks": self.queue.queued_blocks,
+                                 "prefix_epoch": epoch, "prefix_version": version}
+        if slo_window_s > 0:
+            latency = self.queue.latency.percentile(self.queue.now(), pool, slo_percentile, slo_window_s)
+            load, pool_capacity, pool_replicas = self.queue.pool_load(pool)
+            reply.update(ttft_s=latency.ttft_s, itl_s=latency.itl_s, latency_samples=latency.samples,
+                         kv_load_blocks=load, kv_capacity_blocks=pool_capacity, pool_replicas=pool_replicas)
+        return reply
 
     def remove_replica(self, replica_id: str) -> None:
         self.queue.remove_replica(replica_id)

@@ -1,7 +1,8 @@
 """build_app(args): the Serve application `serve deploy serve_config.yaml` runs (import_path deployments.app:build_app).
 
 Three deployments: OpenAIIngress (HTTP, route_prefix /), EngineReplica (one engine per replica, autoscaled by
-SequenceAutoscalingPolicy, routed by KvAwareRouter) and KvAdmission (one replica: the app's admission queue).
+SequenceAutoscalingPolicy, or SloAutoscalingPolicy with a latency target; routed by KvAwareRouter) and KvAdmission
+(one replica: the app's admission queue).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from cluster.node_types import check_replica_fits, cluster_config_from_env, node_types
 from deployments.admission import KvAdmission
+from deployments.autoscaling import policy_function, policy_kwargs
 from deployments.config import AppArgs, PoolArgs, parse_args
 from deployments.ingress import OpenAIIngress
 from deployments.replica import EngineReplica, replica_bundles
+from deployments.tenant_limits import Limits
 from engine.backends import validate_engine_args
 
 
@@ -56,13 +59,8 @@ def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
             look_back_period_s=scaling.look_back_period_s,
             metrics_interval_s=scaling.metrics_interval_s,
             policy=AutoscalingPolicy(
-                policy_function="deployments.autoscaling:SequenceAutoscalingPolicy",
-                policy_kwargs={
-                    "target_sequences_per_replica": scaling.target_sequences_per_replica,
-                    "kv_usage_scale_up": scaling.kv_usage_scale_up,
-                    "gpu_budget": args.gpu_budget,
-                    "tensor_parallel_size": ranks,  # the GPUs a replica takes from the budget
-                },
+                policy_function=policy_function(scaling),
+                policy_kwargs=policy_kwargs(scaling, args.gpu_budget, ranks),
             ),
         ),
     )
@@ -143,7 +141,10 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     check_pools_hold_a_whole_request(args, device)
     check_cluster_fits(args)
     admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
-        args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s)
+        args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s,
+        sheddable_priority=args.sheddable_priority, fair_share_half_life_s=args.fair_share_half_life_s,
+        fair_share_quantum_s=args.fair_share_quantum_s, order=args.admission_order,
+        limits={name: Limits(t.max_concurrent_requests, t.tokens_per_minute) for name, t in args.tenants.items()})
     if args.pools:  # one engine deployment per pool; the ingress finds a granted replica's by its pool
         engine: Any = {pool.name: engine_deployment(args, pool).bind(args, admission, pool.name)
                        for pool in args.pools}

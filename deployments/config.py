@@ -12,16 +12,18 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, model_validator
 
+from deployments.fair_share import ANONYMOUS, PRIORITY_MAX, PRIORITY_MIN
 from engine.args import EngineArgs
 from engine.config import EngineConfig
 
 
 class AutoscalingArgs(BaseModel):
-    """Replica autoscaling by concurrent sequences (deployments/autoscaling.py)."""
+    """Replica autoscaling by concurrent sequences and KV usage, and with a latency target by the pool's service
+    levels too (deployments/autoscaling.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,6 +44,31 @@ class AutoscalingArgs(BaseModel):
     look_back_period_s: float = Field(default=5.0, gt=0, description="window Serve averages the replica stats over")
     # Deprecated in Ray 2.60 but still what sets the replicas' push period (the documented env var is ignored).
     metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas report autoscaling stats")
+    # ---- service levels (deployments/autoscaling.py SloAutoscalingPolicy): on when either target is set ----
+    ttft_target_s: float | None = Field(
+        default=None, gt=0, description="add a replica while the pool's TTFT (from arrival, queue wait included) at "
+        "slo_percentile over slo_window_s is above this; none: TTFT is no signal")
+    itl_target_s: float | None = Field(
+        default=None, gt=0, description="add a replica while the pool's mean inter-token latency at slo_percentile "
+        "over slo_window_s is above this; none: ITL is no signal")
+    slo_percentile: float = Field(
+        default=0.9, gt=0, le=1, description="the percentile (0 < p <= 1) of the requests served in the window that "
+        "is held to the targets")
+    slo_window_s: float = Field(
+        default=30.0, gt=0, description="the latencies are those of the requests of the pool that ended in the last "
+        "this many seconds")
+    scale_down_fraction: float = Field(
+        default=0.7, gt=0, lt=1, description="remove a replica only while every latency is below this fraction of "
+        "its target (and the sequences and KV of the remaining replicas hold the load): the band between keeps the "
+        "count, so a latency near its target does not flap")
+    cooldown_s: float = Field(
+        default=60.0, ge=0, description="with a latency target, no scale event within this long of the previous one; "
+        "at least the replica start time plus slo_window_s, so the new replica's effect is seen before the next")
+
+    @property
+    def slo_targets(self) -> bool:
+        """Whether the service-level policy runs (a latency target is set)."""
+        return self.ttft_target_s is not None or self.itl_target_s is not None
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingArgs:
@@ -54,6 +81,14 @@ class AutoscalingArgs(BaseModel):
                 f"autoscaling.initial_replicas ({self.initial_replicas}) must lie in "
                 f"[min_replicas={self.min_replicas}, max_replicas={self.max_replicas}]"
             )
+        if not self.slo_targets:
+            unused = sorted(self.model_fields_set & {"slo_percentile", "slo_window_s", "scale_down_fraction",
+                                                     "cooldown_s"})
+            if unused:
+                raise ValueError(
+                    f"autoscaling.{unused[0]} applies only with a latency target: set ttft_target_s or itl_target_s, "
+                    f"or leave out {', '.join(unused)}"
+                )
         return self
 
 
@@ -85,6 +120,69 @@ class PoolArgs(BaseModel):
     @property
     def min_gpus(self) -> int:
         return self.autoscaling.min_replicas * self.ranks
+
+
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # an API key's name: a metric label of its requests
+UNNAMED_TENANT = "default"  # the tenant of keys given without a name (api_keys, api_keys_env, one-field lines)
+
+
+class TenantArgs(BaseModel):
+    """One tenant's service level and limits (deployments/fair_share.py; limits in deployments/tenant_limits.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    priority: int = Field(
+        default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX,
+        description="priority of its requests that do not send one (lower first, as vLLM)")
+    min_priority: int | None = Field(
+        default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX,
+        description="the most urgent (lowest) priority its requests may ask for; lower -> 400 (default: any)")
+    weight: float = Field(
+        default=1.0, gt=0, description="its share of the KV-seconds against other tenants of the same priority")
+    max_concurrent_requests: int | None = Field(
+        default=None, ge=1, description="sequences it may have waiting or running at once (each choice of n counts); "
+        "more -> 429 naming the limit (default: no limit)")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="prompt + max_tokens of the sequences it may start in any 60 s; more -> 429 "
+        "with Retry-After when that much has left the window (default: no limit)")
+
+    @model_validator(mode="after")
+    def _min_priority(self) -> TenantArgs:
+        if self.min_priority is not None and self.priority < self.min_priority:
+            raise ValueError(f"priority ({self.priority}) is more urgent than min_priority ({self.min_priority}); "
+                             f"raise priority to at least {self.min_priority}")
+        return self
+
+
+def parse_keys_file(text: str, where: str) -> list[tuple[str, str]]:
+    """(name, key) for each line of an API keys file: `<name> <key>`, or `<key>` alone (the tenant "default");
+    blank lines and # comments are skipped. A name used twice, a key given twice or a malformed line is refused
+    naming the line (never the key)."""
+    import re
+
+    keys: list[tuple[str, str]] = []
+    lines_of: dict[str, int] = {}
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 2:
+            raise ValueError(f"{where} line {number}: expected `<name> <key>` or `<key>`, got {len(fields)} fields")
+        name, key = (UNNAMED_TENANT, fields[0]) if len(fields) == 1 else (fields[0], fields[1])
+        if len(fields) == 2:
+            if not re.match(TENANT_NAME, name):
+                raise ValueError(f"{where} line {number}: the name {name!r} must be letters, digits, '_', '.' or '-' "
+                                 f"(at most 64)")
+            if name in lines_of:
+                raise ValueError(f"{where} line {number}: the name {name!r} is used on line {lines_of[name]} too; "
+                                 f"give each key its own name")
+            lines_of[name] = number
+        if key in seen:
+            raise ValueError(f"{where} line {number}: this key is given on an earlier line too; give each key once")
+        seen.add(key)
+        keys.append((name, key))
+    return keys
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -147,9 +245,28 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
         "(comma-separated), e.g. set with the app's runtime_env env_vars or on `ray start`"
     )
     api_keys_file: str | None = Field(
-        None, description="path, on every node, of a file with one API key per line (blank lines and # comments "
-        "ignored)"
+        None, description="path, on every node, of a file with one API key per line, `<name> <key>` (the name is the "
+        "key's tenant: its service level in `tenants`, its metrics) or `<key>` alone (tenant `default`); blank lines "
+        "and # comments ignored"
     )
+    # ---- service levels (deployments/fair_share.py) ----
+    admission_order: Literal["service_levels", "fifo"] = Field(
+        "service_levels", description="the order waiting requests are granted in: `service_levels` (priority "
+        "bands, then tenants' fair shares of KV-seconds, then deadline and arrival) or `fifo` (arrival alone: "
+        "priorities, tenants and shedding ignored)")
+    tenants: dict[str, TenantArgs] = Field(
+        default_factory=dict, description="service level and limits by tenant: an API key's name, `default` for "
+        "unnamed keys, `anonymous` when the app has no keys; a tenant not listed gets TenantArgs' defaults")
+    sheddable_priority: int | None = Field(
+        None, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="requests with a priority at or above this are "
+        "sheddable: refused first (429, newest first) while a request that is not sheddable waits for KV "
+        "(default: none is sheddable)")
+    fair_share_half_life_s: float = Field(
+        60.0, gt=0, description="tenants' shares of KV-seconds count recent use: what they held this long ago "
+        "counts half")
+    fair_share_quantum_s: float = Field(
+        1.0, ge=0, description="a grant charges its tenant need x this at once, so grants made together alternate "
+        "between tenants")
     max_request_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="largest request body accepted; larger -> 413"
     )
@@ -183,6 +300,16 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
     )
     gpu_budget: int | None = Field(
         None, ge=1, description="GPUs the app's engine replicas may hold together; the pools' autoscaling shares it")
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> AppArgs:
+        import re
+
+        bad = sorted(name for name in self.tenants if not re.match(TENANT_NAME, name))
+        if bad:
+            raise ValueError(f"tenants: the names {', '.join(map(repr, bad))} must be letters, digits, '_', '.' or '-' "
+                             f"(at most 64), as the keys file names them")
+        return self
 
     @model_validator(mode="after")
     def _check_pools(self) -> AppArgs:
@@ -235,11 +362,17 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
                                    kv_cache_memory_bytes=kv)
 
     def resolved_api_keys(self) -> list[str]:
-        """Every configured API key: the list, the environment variable and the file together. Raises ValueError
-        naming the variable or file when one is configured but missing or empty (never the keys themselves)."""
+        """Every configured API key: the list, the environment variable and the file together."""
+        return [key for _, key in self.resolved_tenant_keys()]
+
+    def resolved_tenant_keys(self) -> list[tuple[str, str]]:
+        """(tenant name, key) of every configured API key: the list, the environment variable and the file together
+        (the first two and one-field file lines are the tenant `default`). Raises ValueError naming the variable or
+        file when one is configured but missing or empty, a line of the file that is malformed or repeats a name or
+        a key, and a tenant in `tenants` that no key has (never the keys themselves)."""
         import os
 
-        keys = [key.get_secret_value() for key in self.api_keys]
+        keys = [(UNNAMED_TENANT, key.get_secret_value()) for key in self.api_keys]
         if self.api_keys_env is not None:
             value = os.environ.get(self.api_keys_env, "")
             found = [k.strip() for k in value.split(",") if k.strip()]
@@ -248,17 +381,25 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
                     f"api_keys_env={self.api_keys_env!r}: that environment variable is unset or empty in the ingress "
                     f"replica; set it where Ray starts (or in the app's runtime_env env_vars), or drop api_keys_env"
                 )
-            keys += found
+            keys += [(UNNAMED_TENANT, key) for key in found]
         if self.api_keys_file is not None:
             path = Path(self.api_keys_file)
             if not path.is_file():
                 raise ValueError(f"api_keys_file={self.api_keys_file!r} does not exist on this node")
-            found = [line.strip() for line in path.read_text().splitlines()
-                     if line.strip() and not line.strip().startswith("#")]
-            if not found:
+            named = parse_keys_file(path.read_text(), f"api_keys_file={self.api_keys_file!r}")
+            if not named:
                 raise ValueError(f"api_keys_file={self.api_keys_file!r} holds no key (one per line)")
-            keys += found
+            keys += named
+        names = {name for name, _ in keys} if keys else {ANONYMOUS}
+        unknown = sorted(set(self.tenants) - names)
+        if unknown:
+            raise ValueError(f"tenants: {', '.join(unknown)} name no API key (the keys' tenants are "
+                             f"{', '.join(sorted(names))}); name a key so in api_keys_file, or drop the entry")
         return keys
+
+    def tenant(self, name: str) -> TenantArgs:
+        """The tenant's service level and limits (TenantArgs' defaults when `tenants` does not list it)."""
+        return self.tenants.get(name) or TenantArgs()
 
     @property
     def name(self) -> str:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openapi, protocol
+from deployments.fair_share import ANONYMOUS
 
 api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
               description="OpenAI-compatible completions and chat completions over TP x DCP replicas with KV-aware "
@@ -68,18 +69,21 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     return messages, param
 
 
-def authorize(request: Request, api_keys: list[bytes]) -> None:
-    """401 unless the request carries one of the app's API keys (when it has any). Every key is compared in constant
-    time, all of them every time, and the answer never says which part was wrong."""
+def authorize(request: Request, api_keys: list[tuple[str, bytes]]) -> str:
+    """The request's tenant: the name of the API key it carries, ANONYMOUS when the app has none; 401 unless it
+    carries one of them. Every key is compared in constant time, all of them every time, and the answer never says
+    which part was wrong."""
     if not api_keys:
-        return
+        return ANONYMOUS
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     sent = token.strip().encode() if scheme.lower() == "bearer" else b""
-    matched = False
-    for key in api_keys:
-        matched |= hmac.compare_digest(sent, key)
-    if not matched:
+    tenant = None
+    for name, key in api_keys:
+        if hmac.compare_digest(sent, key):
+            tenant = name
+    if tenant is None:
         raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+    return tenant
 
 
 async def read_body(request: Request, limit: int) -> bytes:

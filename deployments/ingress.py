@@ -14,6 +14,7 @@ it on its replica if it did not finish (which frees its KV) and releases the gra
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
 # must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -28,6 +29,7 @@ from deployments import openapi, protocol
 from deployments.choices import Choice, Tokens, chat_choices, collect, completion_choices
 from deployments.choices import usage as choices_usage
 from deployments.config import AppArgs
+from deployments.fair_share import ServiceLevel
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
 from deployments.metrics import IngressMetrics
 from deployments.pools import Need, request_need
@@ -55,7 +57,7 @@ class OpenAIIngress:
         self.pool_layouts = args.pool_layouts()
         self.admission_policy = limits.admission
         self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
-        self._api_keys = [key.encode() for key in args.resolved_api_keys()]  # never logged
+        self._api_keys = [(name, key.encode()) for name, key in args.resolved_tenant_keys()]  # never logged
         self.metrics = IngressMetrics()
         self.sessions = Sessions(args, engine, admission, self.metrics, limits)
 
@@ -102,13 +104,13 @@ class OpenAIIngress:
                          **openapi.ERROR_RESPONSES})
     async def completions(self, request: Request) -> Response:
         try:
-            body = await self._parse(request, protocol.CompletionRequest)
+            body, tenant = await self._parse(request, protocol.CompletionRequest)
             prompts, texts = [], []
             for prompt in body.prompts():
                 ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
                 prompts.append(ids)
                 texts.append(prompt if isinstance(prompt, str) or not body.echo else self._decode(ids))
-            response = await self._serve(body, prompts, chat=False, prompt_texts=texts)
+            response = await self._serve(body, tenant, prompts, chat=False, prompt_texts=texts)
         except ApiError as err:
             response = err.response()
         self.metrics.response("completions", response.status_code)
@@ -119,14 +121,14 @@ class OpenAIIngress:
                                                  "stream"), **openapi.ERROR_RESPONSES})
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body = await self._parse(request, protocol.ChatCompletionRequest)
+            body, tenant = await self._parse(request, protocol.ChatCompletionRequest)
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: chat needs one; use /v1/completions with token ids")
             try:
                 token_ids = self.tokenizer.apply_chat_template(body.chat_messages())
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            response = await self._serve(body, [token_ids], chat=True)
+            response = await self._serve(body, tenant, [token_ids], chat=True)
         except ApiError as err:
             response = err.response()
         self.metrics.response("chat_completions", response.status_code)
@@ -134,8 +136,9 @@ class OpenAIIngress:
 
     # ---- steps ----------------------------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> Any:
-        authorize(request, self._api_keys)
+    async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> tuple[Any, str]:
+        """The validated body and the request's tenant (its API key's name)."""
+        tenant = authorize(request, self._api_keys)
         try:
             raw = json.loads(await read_body(request, self.args.max_request_body_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -150,7 +153,22 @@ class OpenAIIngress:
         if body.model != self.model_name:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        return body
+        return body, tenant
+
+    def _level(self, body: Any, tenant: str) -> ServiceLevel:
+        """The request's service level: its tenant's weight, its priority (the key's default when it sends none;
+        400 past the key's min_priority) and its deadline (400 when it has passed)."""
+        settings = self.args.tenant(tenant)
+        priority = settings.priority if body.priority is None else body.priority
+        if settings.min_priority is not None and priority < settings.min_priority:
+            raise ApiError(400, f"priority={priority} is more urgent than this API key allows (min_priority="
+                           f"{settings.min_priority}); send a priority of at least {settings.min_priority}",
+                           param="priority")
+        try:
+            deadline_s = body.deadline_s()
+        except ValueError as err:
+            raise ApiError(400, str(err), param="deadline") from None
+        return ServiceLevel(tenant, priority, settings.weight, deadline_s)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -205,10 +223,12 @@ class OpenAIIngress:
                                       params, self._check(ids, params)))
         return planned
 
-    async def _admit(self, planned: list[Choice]) -> list[AsyncGenerator[RequestDelta]]:
+    async def _admit(self, planned: list[Choice], level: ServiceLevel) -> list[AsyncGenerator[RequestDelta]]:
         """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
         their grants back and the first error is the answer."""
-        sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need) for c in planned]
+        sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need,
+                                       dataclasses.replace(level, tokens=len(c.prompt_ids) + c.params.max_tokens))
+                    for c in planned]
         results = await asyncio.gather(*(s.__anext__() for s in sessions), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -217,10 +237,11 @@ class OpenAIIngress:
             raise first
         return sessions
 
-    async def _serve(self, body: Any, prompts: list[list[int]], chat: bool,
+    async def _serve(self, body: Any, tenant: str, prompts: list[list[int]], chat: bool,
                      prompt_texts: list[str] | None = None) -> Response:
+        level = self._level(body, tenant)
         planned = self._plan(body, prompts, prompt_texts or [])
-        sessions = await self._admit(planned)  # before any byte is sent: errors are plain HTTP statuses
+        sessions = await self._admit(planned, level)  # before any byte is sent: errors are plain HTTP statuses
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         tokens = Tokens(self.tokenizer, body.return_tokens_as_token_ids)
         if body.stream:

@@ -23,14 +23,18 @@ from typing import TypeVar
 from ray.serve import metrics
 from ray.util.metrics import Metric
 
+from deployments.fair_share import ANONYMOUS, ServiceLevel
 from engine.protocol import EngineStats, KvLedger
 
 # Outcomes of one KvAdmission.acquire call (label `outcome` of dcpserve_admission_requests_total).
 ADMISSION_OUTCOMES = (
     "admitted",  # a replica was granted (at once, or after waiting: then `queued` counted too)
     "queued",  # no replica could hold it at once: it entered the FIFO
-    "rejected_queue_full",  # 429: the FIFO was full
+    "rejected_queue_full",  # 429: the queue was full
     "rejected_timeout",  # 429: it waited longer than queue_timeout_s
+    "rejected_deadline",  # 429: its deadline came while it waited (or had passed when it arrived)
+    "rejected_shed",  # 429: sheddable, refused under saturation (deployments/fair_share.py)
+    "rejected_limit",  # 429 (400 when the request alone is past it): a tenant's limit (deployments/tenant_limits.py)
     "rejected_never_fits",  # 400: larger than any replica's whole KV
     "rejected_no_replica",  # 503: no healthy engine replica
 )
@@ -53,8 +57,15 @@ GAUGE_PERIOD_S = 0.5
 
 # The label naming a layout pool (deployments/pools.py) on an engine replica's series and the ingress' latencies.
 POOL_TAG = "pool"
+# The labels naming a request's service level (deployments/fair_share.py): its tenant (API key name) and priority.
+TENANT_TAG, PRIORITY_TAG = "tenant", "priority"
 
 _AnyMetric = TypeVar("_AnyMetric", bound=Metric)
+
+
+def level_tags(level: ServiceLevel) -> dict[str, str]:
+    """A request's service level as metric tags."""
+    return {TENANT_TAG: level.tenant, PRIORITY_TAG: str(level.priority)}
 
 
 def _pool_keys(tag_keys: tuple[str, ...], pool: str | None) -> tuple[str, ...]:
@@ -219,11 +230,20 @@ class AdmissionMetrics:
     """The admission queue's metrics: outcomes, queue length, wait time, prefix routing."""
 
     def __init__(self) -> None:
-        self.requests = _counter("dcpserve_admission_requests", "admission decisions by outcome", ("outcome",))
-        self.queued = _gauge("dcpserve_admission_queued_requests", "requests waiting in the admission FIFO")
+        self.requests = _counter("dcpserve_admission_requests", "admission decisions by outcome, tenant and "
+                                 "priority", ("outcome", TENANT_TAG, PRIORITY_TAG))
+        self.queued = _gauge("dcpserve_admission_queued_requests", "requests waiting in the admission queue")
+        self.queued_by_level = _gauge("dcpserve_admission_queued_requests_by_level",
+                                      "requests waiting in the admission queue by tenant and priority",
+                                      (TENANT_TAG, PRIORITY_TAG))
+        self._levels_seen: set[tuple[str, int]] = set()
+        self.limited = _counter("dcpserve_tenant_limited_requests",
+                                "requests a tenant's limit refused, by tenant and limit (max_concurrent_requests, "
+                                "tokens_per_minute)", (TENANT_TAG, "limit"))
         self.queued_blocks = _gauge("dcpserve_admission_queued_kv_blocks", "KV blocks the waiting requests need")
         self.wait = _histogram("dcpserve_admission_queue_wait_seconds",
-                               "time a queued request waited (until granted or timed out)", QUEUE_WAIT_BUCKETS_S)
+                               "time a queued request waited (until granted or refused), by tenant and priority",
+                               QUEUE_WAIT_BUCKETS_S, (TENANT_TAG, PRIORITY_TAG))
         self.refusals = _counter("dcpserve_admission_replica_refusals",
                                  "grants that came back: the replica refused (no_kv) or was unreachable",
                                  ("reason",))
@@ -238,7 +258,7 @@ class AdmissionMetrics:
                                     "grants by layout pool and why that pool (only_pool, only_room, cheapest, "
                                     "most_free: deployments/pools.py)", ("pool", "reason"))
         for outcome in ADMISSION_OUTCOMES:
-            _start_at_zero(self.requests, {"outcome": outcome})
+            _start_at_zero(self.requests, {"outcome": outcome, TENANT_TAG: ANONYMOUS, PRIORITY_TAG: "0"})
         _start_at_zero(self.prefix_query_blocks)
         _start_at_zero(self.prefix_hit_blocks)
         for hit in ("true", "false"):
@@ -246,14 +266,20 @@ class AdmissionMetrics:
         for reason in GRANT_RETURN_REASONS.values():
             _start_at_zero(self.refusals, {"reason": reason})
 
-    def on_event(self, outcome: str, waited_s: float | None) -> None:
-        """AdmissionQueue's observer: one call per outcome; waited_s for requests that were queued."""
+    def on_event(self, outcome: str, waited_s: float | None, level: ServiceLevel | None = None) -> None:
+        """AdmissionQueue's observer: one call per outcome; waited_s for requests that were queued, level the
+        request's tenant and priority."""
         if outcome in GRANT_RETURN_REASONS:
             self.refusals.inc(tags={"reason": GRANT_RETURN_REASONS[outcome]})
             return
-        self.requests.inc(tags={"outcome": outcome})
+        tags = level_tags(level or ServiceLevel())
+        self.requests.inc(tags={"outcome": outcome, **tags})
         if waited_s is not None:
-            self.wait.observe(waited_s)
+            self.wait.observe(waited_s, tags=tags)
+
+    def on_limit(self, level: ServiceLevel, limit: str) -> None:
+        """A tenant's limit refused a request."""
+        self.limited.inc(tags={TENANT_TAG: level.tenant, "limit": limit})
 
     def on_pool(self, pool: str, reason: str) -> None:
         """AdmissionQueue's observer of pool choices: one call per grant."""
@@ -271,14 +297,20 @@ class AdmissionMetrics:
             self.prefix_hit_blocks.inc(hit_blocks)
         self.prefix_routed.inc(tags={"prefix_hit": "true" if hit_blocks > 0 else "false"})
 
-    def update(self, num_queued: int, queued_blocks: int) -> None:
+    def update(self, num_queued: int, queued_blocks: int, by_level: dict[tuple[str, int], int] | None = None) -> None:
         self.queued.set(num_queued)
         self.queued_blocks.set(queued_blocks)
+        by_level = by_level or {}
+        self._levels_seen |= set(by_level)
+        for tenant, priority in self._levels_seen:  # a level with none waiting now reads 0, not its last count
+            self.queued_by_level.set(by_level.get((tenant, priority), 0),
+                                     tags={TENANT_TAG: tenant, PRIORITY_TAG: str(priority)})
 
 
 class IngressMetrics:
     """What clients see: responses by status, prompt / generation tokens, TTFT, inter-token and e2e latency (the
-    latencies by the layout pool that served the request: record them with tags={"pool": ...})."""
+    latencies by the layout pool that served the request and by its service level: record them with
+    tags={"pool": ..., **level_tags(level)}))."""
 
     def __init__(self) -> None:
         self.responses = _counter("dcpserve_http_responses", "API responses by endpoint and HTTP status",
@@ -287,11 +319,11 @@ class IngressMetrics:
         self.generation_tokens = _counter("dcpserve_generation_tokens", "tokens generated and sent to clients")
         self.ttft = _histogram("dcpserve_time_to_first_token_seconds",
                                "arrival to first generated token (admission wait included)", LATENCY_BUCKETS_S,
-                               (POOL_TAG,))
+                               (POOL_TAG, TENANT_TAG, PRIORITY_TAG))
         self.itl = _histogram("dcpserve_inter_token_latency_seconds", "time between consecutive generated tokens",
-                              LATENCY_BUCKETS_S, (POOL_TAG,))
+                              LATENCY_BUCKETS_S, (POOL_TAG, TENANT_TAG, PRIORITY_TAG))
         self.e2e = _histogram("dcpserve_request_latency_seconds", "arrival to last token of a finished request",
-                              LATENCY_BUCKETS_S, (POOL_TAG,))
+                              LATENCY_BUCKETS_S, (POOL_TAG, TENANT_TAG, PRIORITY_TAG))
         _start_at_zero(self.prompt_tokens)
         _start_at_zero(self.generation_tokens)
 
@@ -310,6 +342,7 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_sequences_waiting",
         "dcpserve_autoscaling_target_sequences_per_replica", "dcpserve_engine_healthy",
         "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks", "dcpserve_kv_cached_blocks",
+        "dcpserve_admission_queued_requests_by_level",
     )},
     **{f"ray_{n}_total": "counter" for n in (
         "dcpserve_preemptions", "dcpserve_recomputed_tokens", "dcpserve_requests_accepted",
@@ -318,7 +351,7 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
         "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",
         "dcpserve_admission_prefix_routed_requests", "dcpserve_admission_pool_grants", "dcpserve_stream_items",
-        "dcpserve_stream_tokens",
+        "dcpserve_stream_tokens", "dcpserve_tenant_limited_requests",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

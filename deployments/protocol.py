@@ -4,7 +4,8 @@ Completions and chat completions with the OpenAI sampling fields (n, temperature
 logit_bias, logprobs / top_logprobs, echo, best_of, stream + stream_options) and vLLM's extensions (top_k,
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, ignore_eos,
 prompt_logprobs, continuous_usage_stats, return_tokens_as_token_ids). Fields that do not change what is generated
-(user, metadata, store: false, service_tier, parallel_tool_calls, request_id, priority 0) are accepted and ignored;
+(user, metadata, store: false, service_tier, parallel_tool_calls, request_id) are accepted and ignored; `priority`
+(vLLM's: lower first) and `deadline` (ours) set the request's service level (deployments/fair_share.py);
 fields that would silently change results without being implemented (tools, structured outputs, suffix, beam search,
 ...) are refused with a 400 that names them. docs/operations.md has the table of every field.
 """
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
+from deployments.fair_share import PRIORITY_MAX, PRIORITY_MIN
 from engine.sampling_params import SamplingParams
 
 # Stop sequences: OpenAI's own count limit, and a length bound (every step scans the text's tail for each).
@@ -28,6 +31,22 @@ MAX_N = 16
 MAX_PROMPTS = 64
 MAX_SEQUENCES = 64
 MAX_LOGPROBS = 20
+
+
+def deadline_unix_s(value: float | str) -> float:
+    """A deadline as Unix seconds: a number is one already, a string must be ISO 8601 with its UTC offset."""
+    if isinstance(value, int | float):
+        if not 0 < value < 1e11:
+            raise ValueError(f"deadline {value!r} is not a Unix time in seconds")
+        return float(value)
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"deadline {value!r} is neither Unix seconds nor an ISO 8601 time such as "
+                         f"'2026-12-05T12:00:00Z'") from None
+    if when.tzinfo is None:
+        raise ValueError(f"deadline {value!r} has no UTC offset; add one, e.g. 'Z' or '+01:00'")
+    return when.timestamp()
 
 
 class StreamOptions(BaseModel):
@@ -70,7 +89,10 @@ class _SamplingFields(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     request_id: str | None = None  # vLLM's: requests get ids of their own here
-    priority: int = 0
+    # Service level (deployments/fair_share.py): vLLM's priority (lower first; unset: the API key's default), and by
+    # when the request must have started: Unix seconds, or an ISO 8601 time with its UTC offset.
+    priority: StrictInt | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    deadline: StrictInt | StrictFloat | StrictStr | None = None
     spaces_between_special_tokens: bool = True
 
     @field_validator("stop")
@@ -86,6 +108,23 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return value
 
+    @field_validator("deadline")
+    @classmethod
+    def _deadline(cls, value: float | str | None) -> float | str | None:
+        if value is not None:
+            deadline_unix_s(value)
+        return value
+
+    def deadline_s(self, now: float | None = None) -> float | None:
+        """Seconds from now (time.time()) to the request's deadline; ValueError naming the field when it passed."""
+        if self.deadline is None:
+            return None
+        left = deadline_unix_s(self.deadline) - (time.time() if now is None else now)
+        if left <= 0:
+            raise ValueError(f"deadline: {self.deadline!r} passed {-left:.3f}s ago; send a time in the future (Unix "
+                             f"seconds or ISO 8601 with a UTC offset)")
+        return left
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -100,8 +139,6 @@ class _SamplingFields(BaseModel):
     def _ignored_only_when_neutral(self) -> _SamplingFields:
         if self.store:
             raise ValueError("store=true is not supported: this server stores no completions (send false or omit it)")
-        if self.priority != 0:
-            raise ValueError(f"priority={self.priority} is not supported: requests are served in FIFO order (send 0)")
         if not self.spaces_between_special_tokens:
             raise ValueError("spaces_between_special_tokens=false is not supported (send true or omit it)")
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):

@@ -30,7 +30,7 @@ import ray
 from ray import serve
 
 from cluster.node_types import NODE_TYPE_LABEL
-from deployments.autoscaling import replica_stats
+from deployments.autoscaling import SloReport, replica_stats
 from deployments.config import AppArgs
 from deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
 from deployments.pools import DEFAULT_POOL
@@ -163,6 +163,11 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admission = admission
         self.admission_queued = 0
+        scaling = self.pool.autoscaling  # with a latency target its policy reads the pool's latencies and KV load
+        self._slo_ask: dict[str, float] = (
+            {"slo_window_s": scaling.slo_window_s, "slo_percentile": scaling.slo_percentile}
+            if scaling.slo_targets else {})
+        self.slo: SloReport | None = None  # the queue's last answer to them
         self._outboxes: dict[str, Outbox] = {}  # subscribed ingress replica -> its delta stream's outbox
         self._aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # (ticket, attempt) given up, newest last
         self._attempts: dict[str, int] = {}  # accepted tickets still forwarding -> their attempt
@@ -339,9 +344,11 @@ class EngineReplica:
         return report
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Concurrent sequences here, KV usage, and the admission queue's length (the same on every replica)."""
+        """Concurrent sequences here, KV usage, and the admission queue's length (the same on every replica); with a
+        latency target, the pool's latencies and KV load from the queue's last reply (deployments/autoscaling.py)."""
         engine = self.engine.stats()
-        return replica_stats(self.engine.kv_ledger(), engine.num_running, engine.num_waiting, self.admission_queued)
+        return replica_stats(self.engine.kv_ledger(), engine.num_running, engine.num_waiting, self.admission_queued,
+                             self.slo)
 
     async def check_health(self) -> None:
         """Serve's health check: the engine loop is alive and every TP rank answers."""
@@ -373,9 +380,10 @@ class EngineReplica:
                 self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
                 self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
                 self.pool.name, self.step_s, self.pool.ranks, self.max_num_seqs,
-                ledger.prefill_tokens, self.step_tokens,
+                ledger.prefill_tokens, self.step_tokens, **self._slo_ask,
             )
             self.admission_queued = int(reply.get("num_queued", 0))
+            self.slo = SloReport.from_reply(reply)
             self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))
 
     def _on_step(self, stats: EngineStats) -> None:

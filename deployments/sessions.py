@@ -10,6 +10,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
@@ -17,8 +18,9 @@ from typing import Any
 from ray.serve import context as serve_context
 
 from deployments.config import AppArgs
+from deployments.fair_share import ServiceLevel
 from deployments.http_edge import ApiError
-from deployments.metrics import POOL_TAG, IngressMetrics
+from deployments.metrics import POOL_TAG, IngressMetrics, level_tags
 from deployments.pools import DEFAULT_POOL, Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
 from deployments.replica import Accepted, Admission, EngineRequest, Refused, Rejected, ReplicaQuery
@@ -29,7 +31,8 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
-_STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "never_fits": 400, "no_replica": 503}
+_STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "deadline_exceeded": 429, "shed": 429,
+              "limit_exceeded": 429, "never_fits": 400, "no_replica": 503}
 
 # A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
 # head once more for this long: it had been granted, so it gets one more chance before its 429.
@@ -111,11 +114,12 @@ class Sessions:
         """Ends this ingress' delta streams: each replica aborts the requests of this ingress it still runs."""
         self.links.close()
 
-    async def open(self, ticket: str, token_ids: list[int], params: SamplingParams,
-                   need: Need) -> AsyncGenerator[RequestDelta]:
-        """Admits the request (first yield, a delta without tokens, once a replica accepted it), then yields its
-        deltas.
-        Its finally frees everything, whichever way the request ends."""
+    async def open(self, ticket: str, token_ids: list[int], params: SamplingParams, need: Need,
+                   level: ServiceLevel | None = None) -> AsyncGenerator[RequestDelta]:
+        """Admits the request at its service level (first yield, a delta without tokens, once a replica accepted
+        it), then yields its deltas. Its finally frees everything, whichever way the request ends, and hands the
+        queue the request's TTFT and mean ITL with the release (the service-level autoscaling window)."""
+        level = level or ServiceLevel()
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         deadline = arrived + self.args.queue_timeout_s
@@ -125,6 +129,8 @@ class Sessions:
         finished = False
         num_generated = 0
         last_token_at = arrived
+        first_token_at: float | None = None
+        deadline_at = None if level.deadline_s is None else arrived + level.deadline_s
         ask = self._prefix_ask(token_ids, params, self.tokens_per_block)
         if not isinstance(need, int):  # layout pools: the prompt's block hashes in each pool's block size
             need = {pool: PoolNeed(n.blocks, self._prefix_ask(token_ids, params, self.pool_layouts[pool]))
@@ -145,14 +151,11 @@ class Sessions:
                             code="queue_timeout", retry_after=self.args.retry_after_s)
                     late_chance_used = True
                     timeout = REQUEUE_MIN_WAIT_S
-                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned), ask)
+                asking = level if deadline_at is None else dataclasses.replace(  # what is left of its deadline
+                    level, deadline_s=deadline_at - loop.time())
+                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned), ask, asking)
                 if "error" in reply:
-                    status = _STATUS_OF[reply["error"]]
-                    message = reply["message"]
-                    if returned:
-                        message = f"{message}; before that this request was granted KV but {'; '.join(returned)}"
-                    raise ApiError(status, message, code=reply["error"],
-                                   retry_after=self.args.retry_after_s if status in (429, 503) else None)
+                    raise self._refusal(reply, returned)
                 replica_id = reply["replica_id"]
                 pool = self._replica_pools[replica_id] = reply.get("pool", DEFAULT_POOL)
                 granted_ask = ask if isinstance(need, int) else need[pool].ask  # hashes in that pool's block size
@@ -176,7 +179,7 @@ class Sessions:
                     await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
                 returned.append(f"replica {replica_id} {problem}")
             self.metrics.prompt_tokens.inc(len(token_ids))
-            latency_tags = {POOL_TAG: pool}  # the layout pool of the replica that took it
+            latency_tags = {POOL_TAG: pool, **level_tags(level)}  # the pool of the replica that took it
             yield RequestDelta(ticket, [], "", False, None, len(token_ids), 0)  # admitted: no tokens yet
             request_deadline = arrived + self.args.request_timeout_s
             while True:
@@ -192,6 +195,8 @@ class Sessions:
                     # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
                     latency = self.metrics.itl if num_generated else self.metrics.ttft
                     latency.observe(now - last_token_at, tags=latency_tags)
+                    if first_token_at is None:
+                        first_token_at = now
                     num_generated += len(delta.new_token_ids)
                     last_token_at = now
                 if delta.finished:
@@ -216,7 +221,11 @@ class Sessions:
                 self.links.unregister(replica_id, ticket)
             if num_generated:
                 self.metrics.generation_tokens.inc(num_generated)
-            self._release(ticket)
+            ttft = None if first_token_at is None else first_token_at - arrived
+            itl = None
+            if first_token_at is not None and num_generated > 1:
+                itl = (last_token_at - first_token_at) / (num_generated - 1)
+            self._release(ticket, ttft, itl)
 
     def _prefix_ask(self, token_ids: list[int], params: SamplingParams, tokens_per_block: int) -> PrefixAsk | None:
         """The prompt's blocks as the replicas' prefix caches name them, for prefix-aware admission; None with
@@ -287,20 +296,35 @@ class Sessions:
         except Exception as err:  # noqa: BLE001 - the replica is gone (its KV with it) or the stream's close aborts it
             logger.warning("aborting ticket %s on replica %s failed: %r", ticket, replica_id, err)
 
-    def _release(self, ticket: str) -> None:
+    def _refusal(self, reply: dict[str, Any], returned: list[str]) -> ApiError:
+        """The queue's refusal as the HTTP error: its status, message (with what became of earlier grants) and
+        Retry-After (a tenant's token limit says when; a limit the request alone exceeds is a 400)."""
+        kind, message = reply["error"], reply["message"]
+        status = _STATUS_OF[kind]
+        retry_after: int | None = self.args.retry_after_s if status in (429, 503) else None
+        if "retry_after_s" in reply:
+            if reply["retry_after_s"] is None:
+                status, retry_after = 400, None
+            else:
+                retry_after = max(math.ceil(reply["retry_after_s"]), 1)
+        if returned:
+            message = f"{message}; before that this request was granted KV but {'; '.join(returned)}"
+        return ApiError(status, message, code=kind, retry_after=retry_after)
+
+    def _release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
         """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a
         copy of the request's would carry Serve's request context, and Serve cancels the calls a cancelled request
         made (a client disconnect), so the release itself would be cancelled and the grant leak until the queue's
         leak reconciliation (leak_grace_s)."""
-        self._in_background(self._release_async(ticket))
+        self._in_background(self._release_async(ticket, ttft_s, itl_s))
 
     def _in_background(self, call: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(call, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release_async(self, ticket: str) -> None:
+    async def _release_async(self, ticket: str, ttft_s: float | None, itl_s: float | None) -> None:
         try:
-            await self.admission.release.remote(ticket)
+            await self.admission.release.remote(ticket, ttft_s, itl_s)
         except Exception as err:  # noqa: BLE001 - the queue's leak reconciliation reclaims the grant
             logger.warning("releasing ticket %s failed: %r", ticket, err)

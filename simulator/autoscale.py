@@ -2,9 +2,11 @@
 
 The decision is the app's and Serve's own code: the replicas' stats (deployments.autoscaling.replica_stats, what
 EngineReplica.record_autoscaling_stats returns), averaged per replica over look_back_period_s as Serve's controller
-averages them; the app's policy (deployments.autoscaling.SequenceAutoscalingPolicy) on a context with the fields
-it reads; then Serve's scaling factors and up/down-scale delays (ray.serve.autoscaling_policy's
-_apply_scaling_factors and _apply_delay_logic, given the simulated time: Serve's wrapper would read the wall clock).
+averages them (a stat a replica left out of a push, as a latency with no samples, averaged over the pushes that have
+it); the app's policy (deployments.autoscaling.make_policy: SequenceAutoscalingPolicy, or SloAutoscalingPolicy with a
+latency target, its cooldown on the simulated clock) on a context with the fields it reads; then Serve's scaling
+factors and up/down-scale delays (ray.serve.autoscaling_policy's _apply_scaling_factors and _apply_delay_logic, given
+the simulated time: Serve's wrapper would read the wall clock).
 
 What differs from Serve, and why it does not change a decision: replicas push stats every metrics_interval_s and
 the controller decides at the same period (Serve decides every 0.1 s on the stats pushed so far, so it acts on the
@@ -21,7 +23,7 @@ from typing import Any
 from ray.serve import autoscaling_policy as serve_policy
 from ray.serve.config import AutoscalingConfig
 
-from deployments.autoscaling import GpuLedger, SequenceAutoscalingPolicy
+from deployments.autoscaling import GpuLedger, make_policy
 from deployments.config import AutoscalingArgs
 
 
@@ -59,8 +61,9 @@ class SimAutoscaler:
             min_replicas=args.min_replicas, max_replicas=self.max_replicas, initial_replicas=args.initial_replicas,
             upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
             look_back_period_s=args.look_back_period_s, metrics_interval_s=args.metrics_interval_s)
-        self.policy = SequenceAutoscalingPolicy(args.target_sequences_per_replica, args.kv_usage_scale_up,
-                                                gpu_budget=gpu_budget, tensor_parallel_size=tp, ledger=ledger)
+        self._now = 0.0  # the simulated time of the decision being made: the policy's clock
+        self.policy = make_policy(args, gpu_budget, tp, ledger or GpuLedger(), lambda: self._now)
+        self.policy_state: dict[str, Any] = {}  # the policy's last state (its inputs and decision)
         self._stats: dict[str, deque[tuple[float, dict[str, float]]]] = {}
         self._state: dict[str, Any] = {}
 
@@ -85,12 +88,13 @@ class SimAutoscaler:
             window = self._stats.get(replica_id)
             if not window:
                 continue
-            for name in window[0][1]:
-                values = [stats[name] for _, stats in window]
+            for name in dict.fromkeys(name for _, stats in window for name in stats):  # in push order
+                values = [stats[name] for _, stats in window if name in stats]
                 aggregated.setdefault(name, {})[replica_id] = sum(values) / len(values)
         ctx = PolicyContext(aggregated, list(running), target, len(running), self.args.min_replicas,
                             self.max_replicas, self.config, deployment_name=self.name)
-        desired, _ = self.policy(ctx)
+        self._now = now
+        desired, self.policy_state = self.policy(ctx)
         scaled = serve_policy._apply_scaling_factors(desired, ctx.current_num_replicas, self.config)
         decided, self._state = serve_policy._apply_delay_logic(max(0, scaled), target, self.config, self._state,
                                                                _now=now)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from cluster.model_specs import GqaSpec, MlaSpec
 from cluster.published_models import model_spec
 from deployments.config import POOL_NAME, AutoscalingArgs
@@ -132,11 +134,25 @@ def _fitted_step_model(args: argparse.Namespace) -> LinearStepModel | None:
     return LinearStepModel.from_json(path.read_text())
 
 
+# AutoscalingArgs' service-level fields, each a simulate option of its name (--ttft-target-s, ...), left to
+# AutoscalingArgs' default when not given.
+SLO_OPTIONS = ("ttft_target_s", "itl_target_s", "slo_percentile", "slo_window_s", "scale_down_fraction", "cooldown_s")
+
+
 def _autoscaling(args: argparse.Namespace, max_replicas: int) -> AutoscalingArgs:
-    return AutoscalingArgs(
-        min_replicas=args.min_replicas, max_replicas=max_replicas,
-        target_sequences_per_replica=args.target_sequences_per_replica,
-        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
+    slo = {name: getattr(args, name) for name in SLO_OPTIONS if getattr(args, name, None) is not None}
+    try:
+        return AutoscalingArgs(
+            min_replicas=args.min_replicas, max_replicas=max_replicas,
+            target_sequences_per_replica=args.target_sequences_per_replica,
+            upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s, **slo)
+    except ValidationError as err:  # each problem as the option it came from
+        problems = []
+        for error in err.errors():
+            where = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-")
+            message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+            problems.append(f"{where}: {message}" if error["loc"] else message)
+        raise ValueError("; ".join(problems)) from None
 
 
 def _check_gpu_budget(args: argparse.Namespace, minimums: list[tuple[str, int]]) -> None:

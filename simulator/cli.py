@@ -29,7 +29,7 @@ from cluster.planner import PlanRequest, plan_layouts
 from cluster.published_models import PUBLISHED, model_spec
 from deployments.config import AutoscalingArgs
 from engine.args import cli_type
-from simulator.build import build, parse_pool
+from simulator.build import SLO_OPTIONS, build, parse_pool
 from simulator.gpus import GPUS, gpu_spec
 from simulator.plots import Sample, SweepPoint, write_concurrency_sweep, write_layout_sweep, write_timeline
 from simulator.run import ServeSettings, Simulation
@@ -141,6 +141,12 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     scaling.add_argument("--downscale-delay-s", type=float, default=scaling_defaults.downscale_delay_s)
     scaling.add_argument("--replica-start-s", type=float, default=60.0,
                          help="from the decision to a new replica taking requests (default 60)")
+    # Service levels (SloAutoscalingPolicy): the rest below apply only with one of the two targets.
+    for name in SLO_OPTIONS:
+        field = AutoscalingArgs.model_fields[name]
+        default = "none" if field.default is None else f"{field.default:g}"
+        scaling.add_argument(f"--{name.replace('_', '-')}", type=float, default=None,
+                             help=f"{field.description} (default {default})")
     scaling.add_argument("--gpu-budget", type=cli_type(_positive_int), default=None, metavar="GPUS",
                          help="GPUs the app's replicas may hold together (AppArgs' gpu_budget): the pools' "
                               "autoscaling shares it; at most the nodes' GPUs (default: none)")

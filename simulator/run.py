@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from deployments.admission import AdmissionError, AdmissionQueue
-from deployments.autoscaling import GpuLedger, replica_stats
+from deployments.autoscaling import GpuLedger, SloReport, replica_stats
 from deployments.config import AppArgs, AutoscalingArgs
 from deployments.pools import DEFAULT_POOL, Need, PoolNeed
 from deployments.prefix_routing import PrefixAsk
@@ -38,7 +38,7 @@ from engine.protocol import KvFull
 from engine.sampling_params import SamplingParams
 from simulator.autoscale import SimAutoscaler
 from simulator.clock import run_simulated
-from simulator.metrics import Recorder, RequestRecord
+from simulator.metrics import Recorder, RequestRecord, mean_itl_s
 from simulator.replica import ReplicaShape, SimReplica
 from simulator.step_time import StepTimeModel
 from simulator.tokens import PromptTokens, trace_block_hashes
@@ -118,6 +118,14 @@ class _PoolScaling:
     autoscaler: SimAutoscaler
     target: int = 0
     starting: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+def served_latencies(record: RequestRecord) -> tuple[float | None, float | None]:
+    """What the ingress hands the queue with a request's release: its TTFT from arrival (None without a token) and
+    its mean inter-token latency (None with fewer than two tokens: a single token has no gap to measure)."""
+    if record.first_token_at is None:
+        return None, None
+    return record.first_token_at - record.arrival, mean_itl_s(record) if record.num_output_tokens > 1 else None
 
 
 def sessions_of(trace: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
@@ -227,7 +235,7 @@ class Simulation:
         summary["step_mean_s"] = sum(r.busy_seconds for r in self.replicas.values()) / steps if steps else 0.0
         return summary
 
-    def _on_admission_event(self, outcome: str, waited_s: float | None) -> None:
+    def _on_admission_event(self, outcome: str, waited_s: float | None, level: object = None) -> None:
         self.admission_events[outcome] += 1
         if waited_s is not None:
             self.queue_waits.append(waited_s)
@@ -269,10 +277,11 @@ class Simulation:
             now = loop.time()
             running = [r for r in self.replicas.values() if r.pool == pool and not r.draining]
             queued = queue.num_queued_for(pool)
+            slo = self._slo_report(pool, now) if autoscaler.args.slo_targets else None
             for replica in running:
                 scheduler = replica.scheduler
                 autoscaler.record(now, replica.replica_id, replica_stats(
-                    scheduler.kv_ledger(), len(scheduler.running), len(scheduler.waiting), queued))
+                    scheduler.kv_ledger(), len(scheduler.running), len(scheduler.waiting), queued, slo))
             target = autoscaler.decide(now, [r.replica_id for r in running], scaling.target)
             scaling.starting = [task for task in scaling.starting if not task.done()]
             current = len(running) + len(scaling.starting)
@@ -284,6 +293,16 @@ class Simulation:
                 current -= 1
             for replica in reversed(running[len(running) - (current - target):] if target < current else []):
                 loop.create_task(self._drain(replica))
+
+    def _slo_report(self, pool: str, now: float) -> SloReport:
+        """What the queue answers the pool's replicas' KV reports with under a latency target (KvAdmission.report
+        with slo_window_s): the pool's latencies at slo_percentile over slo_window_s, and its KV load."""
+        queue = self.queue
+        assert queue is not None  # started by _main
+        args = self.scaling[pool].autoscaler.args
+        latency = queue.latency.percentile(now, pool, args.slo_percentile, args.slo_window_s)
+        load, capacity, replicas = queue.pool_load(pool)
+        return SloReport(latency.ttft_s, latency.itl_s, load, capacity, replicas)
 
     async def _start_replica(self, pool: str) -> None:
         await asyncio.sleep(self.config.replica_start_s)
@@ -406,7 +425,7 @@ class Simulation:
         finally:
             self._finishing.pop(ticket, None)
             self._records.pop(ticket, None)
-            queue.release(ticket)
+            queue.release(ticket, *served_latencies(record))
 
     def _on_tokens(self, updates: list[TokenUpdate], now: float) -> None:
         records, token = self._records, self.recorder.token

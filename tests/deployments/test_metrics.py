@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from ray.util import metrics as ray_metrics
 
+from deployments.fair_share import ServiceLevel
 from deployments.metrics import AdmissionMetrics, ReplicaMetrics
 from deployments.replica import EngineReplica
 from engine.protocol import EngineStats, KvLedger, RankKvStats
@@ -248,11 +249,15 @@ def test_every_series_of_a_replica_carries_its_pool_and_keeps_its_own_tags(recor
 def test_admission_series_carry_no_replica_pool(recorded: Recorded) -> None:
     """The admission queue's metrics are the whole app's: no pool of a replica (pool grants name theirs)."""
     metrics = AdmissionMetrics()
-    metrics.on_event("admitted", 0.5)
+    metrics.on_event("admitted", 0.5, ServiceLevel("team-a", priority=-1))
     metrics.on_pool("long", "cheapest")
-    metrics.update(1, 4)
-    assert recorded.counter("dcpserve_admission_requests", outcome="admitted") == 1
-    assert recorded.values["dcpserve_admission_queue_wait_seconds"] == [(0.5, {})]
+    metrics.update(1, 4, {("team-a", -1): 1})
+    metrics.update(0, 0, {})
+    assert recorded.counter("dcpserve_admission_requests", outcome="admitted", tenant="team-a", priority="-1") == 1
+    assert recorded.values["dcpserve_admission_queue_wait_seconds"] == [(0.5, {"tenant": "team-a", "priority": "-1"})]
+    # A level that had waiters reads 0 once none wait, not its last count.
+    assert recorded.values["dcpserve_admission_queued_requests_by_level"][-2:] == [
+        (1, {"tenant": "team-a", "priority": "-1"}), (0, {"tenant": "team-a", "priority": "-1"})]
     assert recorded.values["dcpserve_admission_pool_grants"] == [(1.0, {"pool": "long", "reason": "cheapest"})]
 
 
@@ -339,11 +344,16 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
     from engine.protocol import RequestDelta
     from engine.sampling_params import SamplingParams
 
-    async def acquire(ticket: str, need: object, timeout: float, requeued: bool, ask: object) -> dict:
+    levels: list[ServiceLevel] = []
+    released: list[tuple[str, float | None, float | None]] = []
+
+    async def acquire(ticket: str, need: object, timeout: float, requeued: bool, ask: object,
+                      level: ServiceLevel) -> dict:
+        levels.append(level)
         return {"replica_id": "r1", "pool": "long", "need": 3}
 
-    async def release(ticket: str) -> None:
-        return None
+    async def release(ticket: str, ttft_s: float | None, itl_s: float | None) -> None:
+        released.append((ticket, ttft_s, itl_s))
 
     sessions = object.__new__(Sessions)
     sessions.args = cast(AppArgs, types.SimpleNamespace(queue_timeout_s=5.0, request_timeout_s=5.0,
@@ -369,12 +379,20 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
 
         monkeypatch.setattr(sessions, "_dispatch", dispatch)  # the replica, accepting at once
         need = {"short": PoolNeed(1), "long": PoolNeed(1)}
-        got = [delta async for delta in sessions.open("t1", [1, 2, 3, 4], SamplingParams(max_tokens=3), need)]
+        got = [delta async for delta in sessions.open("t1", [1, 2, 3, 4], SamplingParams(max_tokens=3), need,
+                                                      ServiceLevel("team-a", priority=2))]
         await asyncio.sleep(0)  # the grant's release, in the background
         return got
 
     assert len(asyncio.run(run())) == 4  # admitted, then three tokens
-    assert [tags for _, tags in recorded.values["dcpserve_time_to_first_token_seconds"]] == [{"pool": "long"}]
-    assert [tags for _, tags in recorded.values["dcpserve_inter_token_latency_seconds"]] == [{"pool": "long"}] * 2
-    assert [tags for _, tags in recorded.values["dcpserve_request_latency_seconds"]] == [{"pool": "long"}]
+    level = {"pool": "long", "tenant": "team-a", "priority": "2"}
+    assert [tags for _, tags in recorded.values["dcpserve_time_to_first_token_seconds"]] == [level]
+    assert [tags for _, tags in recorded.values["dcpserve_inter_token_latency_seconds"]] == [level] * 2
+    assert levels == [ServiceLevel("team-a", priority=2)]
+    # The release hands the queue the request's TTFT and mean ITL (the service-level autoscaling window).
+    ((ticket, ttft, itl),) = released
+    ttft_seen = recorded.values["dcpserve_time_to_first_token_seconds"][0][0]
+    itls_seen = [v for v, _ in recorded.values["dcpserve_inter_token_latency_seconds"]]
+    assert ticket == "t1" and ttft == pytest.approx(ttft_seen) and itl == pytest.approx(sum(itls_seen) / 2)
+    assert [tags for _, tags in recorded.values["dcpserve_request_latency_seconds"]] == [level]
     assert recorded.counter("dcpserve_generation_tokens") == 3

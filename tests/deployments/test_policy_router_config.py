@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,3 +135,43 @@ def test_api_keys_come_from_the_list_an_environment_variable_and_a_file(tmp_path
         parse_args({"model": str(tmp_path), "api_keys_file": str(empty)}).resolved_api_keys()
     with pytest.raises(ValueError, match="does not exist on this node"):
         parse_args({"model": str(tmp_path), "api_keys_file": str(tmp_path / "missing")}).resolved_api_keys()
+
+
+def test_a_keys_file_names_its_keys_and_the_names_are_the_tenants(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# name key\nteam-a  sk-aaa\nbatch sk-bbb\nsk-unnamed\n")
+    args = parse_args({"model": str(tmp_path), "api_keys_file": str(keys_file),
+                       "tenants": {"batch": {"priority": 20, "max_concurrent_requests": 4, "weight": 0.5},
+                                   "team-a": {"tokens_per_minute": 100_000, "min_priority": 0}}})
+    assert args.resolved_tenant_keys() == [("team-a", "sk-aaa"), ("batch", "sk-bbb"), ("default", "sk-unnamed")]
+    assert args.tenant("batch").priority == 20 and args.tenant("nobody").max_concurrent_requests is None
+    for text, fragment in [
+        ("a sk-1\na sk-2\n", "line 2: the name 'a' is used on line 1 too; give each key its own name"),
+        ("a sk-1\nb sk-1\n", "line 2: this key is given on an earlier line too"),
+        ("a b c\n", "line 1: expected `<name> <key>` or `<key>`, got 3 fields"),
+        ("bad/name sk-1\n", "the name 'bad/name' must be letters"),
+    ]:
+        keys_file.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            args.resolved_tenant_keys()
+        assert "sk-" not in fragment  # the message never shows a key
+    keys_file.write_text("team-a sk-aaa\n")
+    with pytest.raises(ValueError, match="tenants: batch name no API key"):
+        args.resolved_tenant_keys()
+    open_args = parse_args({"model": str(tmp_path), "tenants": {"anonymous": {"priority": 3}}})
+    assert open_args.resolved_tenant_keys() == [] and open_args.tenant("anonymous").priority == 3
+
+
+@pytest.mark.parametrize("tenants,fragment", [
+    ({"a": {"max_concurrent_requests": 0}}, "tenants.a.max_concurrent_requests: Input should be greater than or "
+                                            "equal to 1"),
+    ({"a": {"tokens_per_minute": 0}}, "tenants.a.tokens_per_minute: Input should be greater than or equal to 1"),
+    ({"a": {"weight": 0}}, "tenants.a.weight: Input should be greater than 0"),
+    ({"a": {"priority": "high"}}, "tenants.a.priority: Input should be a valid integer"),
+    ({"a": {"priority": -5, "min_priority": 0}}, "priority (-5) is more urgent than min_priority (0)"),
+    ({"a": {"burst": 3}}, "tenants.a.burst: Extra inputs are not permitted"),
+    ({"a b": {}}, "tenants: the names 'a b' must be letters"),
+])
+def test_tenant_settings_are_checked_naming_the_field(tmp_path: Path, tenants: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        parse_args({"model": str(tmp_path), "tenants": tenants})

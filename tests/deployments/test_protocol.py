@@ -71,7 +71,14 @@ def test_echo_scoring_and_best_of_ask_the_engine_for_what_they_need() -> None:
     ({"max_tokens": 0}, "use it with echo=true"),
     ({"suffix": "x"}, "suffix is not supported"),
     ({"store": True}, "store=true is not supported"),
-    ({"priority": 1}, "priority=1 is not supported"),
+    ({"priority": "5"}, "Input should be a valid integer"),
+    ({"priority": 1.5}, "Input should be a valid integer"),
+    ({"priority": True}, "Input should be a valid integer"),
+    ({"priority": 1001}, "less than or equal to 1000"),
+    ({"deadline": "tomorrow"}, "neither Unix seconds nor an ISO 8601 time"),
+    ({"deadline": "2026-12-05T12:00:00"}, "has no UTC offset"),
+    ({"deadline": -5}, "is not a Unix time in seconds"),
+    ({"deadline": [1]}, "Input should be a valid"),
     ({"guided_json": {}}, "Extra inputs are not permitted"),
     ({"use_beam_search": True}, "Extra inputs are not permitted"),
 ])
@@ -100,6 +107,17 @@ def test_fields_that_do_not_change_generation_are_accepted() -> None:
                       stream_options={"include_usage": True, "continuous_usage_stats": True}, stream=True)
     assert body.include_usage and body.continuous_usage
     chat(parallel_tool_calls=False, tool_choice="none", response_format={"type": "text"}, add_generation_prompt=True)
+
+
+def test_priority_and_deadline_set_the_service_level() -> None:
+    body = completion(priority=-3, deadline="2026-12-05T12:00:10+00:00")
+    assert body.priority == -3
+    now = 1796472000.0  # 2026-12-05T12:00:00Z
+    assert body.deadline_s(now) == pytest.approx(10.0)
+    assert completion(deadline=now + 2.5).deadline_s(now) == pytest.approx(2.5)
+    assert completion().priority is None and completion().deadline_s(now) is None  # the key's default; no deadline
+    with pytest.raises(ValueError, match=r"deadline: '2026-12-05T12:00:10\+00:00' passed 5.000s ago"):
+        body.deadline_s(now + 15)
 
 
 def _choice(index: int, prompt_index: int, logprob: float, tokens: list[int]) -> Choice:

@@ -97,7 +97,7 @@ def test_the_release_of_a_grant_runs_outside_its_request_so_a_disconnect_cannot_
     seen: list[str] = []
     released = asyncio.Event()
 
-    async def release(ticket: str) -> None:
+    async def release(ticket: str, ttft_s: float | None, itl_s: float | None) -> None:
         seen.append(serve_context._get_serve_request_context()._internal_request_id)
         await asyncio.sleep(0.05)  # still running when the request's task is cancelled below
         released.set()

@@ -1,8 +1,9 @@
 """The API surface operators put behind a load balancer (tests/e2e/cluster.py): API keys, request limits, the
-per-request deadline, /health for probes, and the served OpenAPI document fuzzed with schemathesis.
+per-request deadline, tenants' service levels and limits, /health for probes, and the served OpenAPI document fuzzed
+with schemathesis.
 
 The app reads its keys from an environment variable of the Ray processes (api_keys_env), as `make serve` does with
-DCPSERVE_API_KEY, so no key is written into the deploy config.
+DCPSERVE_API_KEY, so no key is written into the deploy config, and named keys (tenants) from a keys file.
 """
 
 from __future__ import annotations
@@ -37,12 +38,27 @@ APP_ARGS = tiny_app_args(MODEL, api_keys_env="DCPSERVE_TEST_API_KEYS", max_reque
                          request_timeout_s=REQUEST_TIMEOUT_S, grant_leak_grace_s=600)
 
 
+# Named keys (api_keys_file) and their tenants' settings.
+TENANT_KEYS = {"metered": "metered-key-0123456789", "serial": "serial-key-0123456789",
+               "restricted": "restricted-key-0123456789"}
+TOKENS_PER_MINUTE = 300
+TENANTS = {"metered": {"tokens_per_minute": TOKENS_PER_MINUTE}, "serial": {"max_concurrent_requests": 1},
+           "restricted": {"priority": 5, "min_priority": 2}}
+
+
 @pytest.fixture(scope="module")
-def cluster(ray_head: RayHead) -> Iterator[ServeCluster]:
+def cluster(ray_head: RayHead, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeCluster]:
     # The keys reach the ingress replicas through the app's runtime_env, as an operator would set them.
     runtime_env = {"env_vars": {"DCPSERVE_TEST_API_KEYS": ",".join(KEYS)}}
-    with deploy_app(ray_head, APP_ARGS, runtime_env=runtime_env) as running:
+    keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
+    keys_file.write_text("".join(f"{name} {key}\n" for name, key in TENANT_KEYS.items()))
+    args = {**APP_ARGS, "api_keys_file": str(keys_file), "tenants": TENANTS}
+    with deploy_app(ray_head, args, runtime_env=runtime_env) as running:
         yield running
+
+
+def bearer(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TENANT_KEYS[tenant]}"}
 
 
 def assert_openai_error(reply: httpx.Response, status: int, fragment: str) -> dict:
@@ -102,6 +118,61 @@ def test_body_size_and_stop_limits_are_named_400s_and_413s(cluster: ServeCluster
         assert_openai_error(reply, 400, "at most 256 characters, got one of 300")
         ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert ok.status_code == 200, ok.text  # nothing a client sent broke the server for others
+
+
+def test_service_level_fields_and_tenant_limits_answer_named_errors(cluster: ServeCluster) -> None:
+    """priority and deadline are checked (400 naming the field); a key's min_priority holds; a tenant's
+    tokens_per_minute and max_concurrent_requests answer 429 with Retry-After naming the limit, or 400 when a
+    request alone is past it, and other tenants are not affected. Nothing here depends on timing: every limit is
+    hit by requests made one after another (the window is a minute), or while one request is still streaming."""
+    request = {"model": MODEL, "prompt": "def hello", "max_tokens": 2}
+    with httpx.Client(base_url=cluster.url, timeout=60, headers=AUTH) as http:
+        bad: list[tuple[dict[str, object], str, str]] = [
+            ({"priority": "high"}, "priority", "Input should be a valid integer"),
+            ({"priority": 1.5}, "priority", "Input should be a valid integer"),
+            ({"deadline": "soon"}, "deadline", "neither Unix seconds nor an ISO 8601 time"),
+            ({"deadline": time.time() - 5}, "deadline", "passed"),
+        ]
+        for fields, param, fragment in bad:
+            error = assert_openai_error(http.post("/v1/completions", json={**request, **fields}), 400, fragment)
+            assert error["param"] == param, error
+        in_a_minute = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 60))
+        accepted: list[dict[str, object]] = [{"priority": -3}, {"priority": 7, "deadline": in_a_minute},
+                                             {"deadline": time.time() + 60}]
+        for level in accepted:
+            reply = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **level})
+            assert reply.status_code == 200, reply.text
+        restricted = http.post("/v1/completions", json={**request, "priority": 1}, headers=bearer("restricted"))
+        assert_openai_error(restricted, 400, "priority=1 is more urgent than this API key allows (min_priority=2)")
+        assert http.post("/v1/completions", json=request, headers=bearer("restricted")).status_code == 200
+
+        metered = {**request, "max_tokens": 200}  # prompt + 200 tokens count against the 300 a minute
+        assert http.post("/v1/completions", json=metered, headers=bearer("metered")).status_code == 200
+        reply = http.post("/v1/completions", json=metered, headers=bearer("metered"))
+        error = assert_openai_error(reply, 429, f"past its tokens_per_minute={TOKENS_PER_MINUTE}")
+        assert error["code"] == "limit_exceeded" and 1 <= int(reply.headers["Retry-After"]) <= 60, reply.headers
+        alone = http.post("/v1/completions", json={**request, "max_tokens": 400}, headers=bearer("metered"))
+        assert_openai_error(alone, 400, f"(tokens_per_minute={TOKENS_PER_MINUTE}); lower max_tokens")
+        assert http.post("/v1/completions", json=metered).status_code == 200  # the default tenant: no limit
+
+        running = {**request, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=running, headers=bearer("serial")) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()  # kept: a dropped generator would close the stream (a disconnect)
+            next(line for line in lines if line.startswith("data: "))  # admitted and streaming
+            reply = http.post("/v1/completions", json=request, headers=bearer("serial"))
+            error = assert_openai_error(reply, 429, "tenant 'serial' has 1 requests waiting or running, its "
+                                                    "max_concurrent_requests=1")
+            assert reply.headers["Retry-After"] == "1"
+            assert http.post("/v1/completions", json=request).status_code == 200  # others are served meanwhile
+        deadline = time.monotonic() + 60
+        while True:  # the stream's close aborts the request; its grant is released in the background
+            reply = http.post("/v1/completions", json=request, headers=bearer("serial"))
+            if reply.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert reply.status_code == 200, reply.text
 
 
 def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_kv(cluster: ServeCluster) -> None:

@@ -1,0 +1,147 @@
+"""Service levels in the admission queue: who a request is, how urgent, and the order waiting requests are granted in.
+
+A request's `ServiceLevel` is its tenant (the name of its API key; "anonymous" when the app has no keys), its
+priority (the request's `priority` field, lower first as in vLLM, or its key's default), its tenant's weight and
+how long it may wait (its deadline, as seconds from when it reached the queue).
+
+The order (`admission_order`, a pure function of the waiters, the tenants' shares and the time):
+1. requests a replica refused or did not take after a grant, first (they had been granted; as before);
+2. priority bands, lowest value first;
+3. within a band, tenants by their fair share: each tenant's attained KV-seconds (`TenantShares`: token-seconds of
+   KV its grants held, decayed with a half-life, so that what counts is recent use) over its weight, least first.
+   Each grant is also charged its tokens x `quantum_s` at once, and the order charges the same for every request it
+   places ahead, so that requests granted at one instant alternate between tenants as deficit round robin's rounds
+   do, in proportion to the weights;
+4. within a tenant, requests with a deadline by deadline (earliest first), then the rest by arrival.
+
+Why attained KV-seconds and not deficit round robin's counters: DRR charges a packet its size when it is sent, but
+what a request costs (KV held x how long) is known only as it runs; the queue's ledger knows every grant's KV and
+age, so the share is measured, not estimated. The decay keeps a tenant that was idle from banking credit without
+bound, and one that was busy from being penalized forever.
+
+Sheddable requests (priority >= the app's sheddable_priority) are what the queue refuses first under saturation: it
+refuses a new one at once while a request that is not sheddable waits for KV it could use, and refuses those
+waiting, newest first, as soon as one that is not sheddable has to wait (deployments/admission.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+ANONYMOUS = "anonymous"  # the tenant of every request when the app has no API keys
+
+# The range of a request's priority (metrics label their series by it: the range bounds their number).
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
+
+
+@dataclass(frozen=True)
+class ServiceLevel:
+    """Who sends a request and how urgent it is (module doc)."""
+
+    tenant: str = ANONYMOUS
+    priority: int = 0
+    weight: float = 1.0
+    deadline_s: float | None = None  # the longest it may wait in the queue, from when it arrives there
+    tokens: int = 0  # prompt + max_tokens: what it counts against its tenant's tokens_per_minute
+
+    def __post_init__(self) -> None:
+        if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {self.priority}")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+
+
+class Waiting(Protocol):
+    """What the order reads of a waiting request."""
+
+    @property
+    def level(self) -> ServiceLevel: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def front(self) -> bool: ...
+    @property
+    def deadline_at(self) -> float | None: ...
+    @property
+    def tokens(self) -> int: ...
+
+
+class TenantShares:
+    """Each tenant's attained KV token-seconds, exponentially decayed with `half_life_s`, and the tokens its live
+    grants hold. Exact between events: the holdings are constant between grants and releases, so the decayed
+    integral advances in closed form."""
+
+    def __init__(self, half_life_s: float = 60.0, quantum_s: float = 1.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"fair_share_half_life_s must be > 0, got {half_life_s}")
+        if quantum_s < 0:
+            raise ValueError(f"fair_share_quantum_s must be >= 0, got {quantum_s}")
+        self.tau = half_life_s / math.log(2)
+        self.quantum_s = quantum_s
+        self._value: dict[str, float] = {}  # decayed token-seconds as of _as_of
+        self._as_of: dict[str, float] = {}
+        self.holding: dict[str, int] = {}  # tokens of KV the tenant's live grants hold
+
+    def attained(self, tenant: str, now: float) -> float:
+        value = self._value.get(tenant, 0.0)
+        rate = self.holding.get(tenant, 0)
+        elapsed = max(now - self._as_of.get(tenant, now), 0.0)
+        decay = math.exp(-elapsed / self.tau)
+        return value * decay + rate * self.tau * (1.0 - decay)
+
+    def _advance(self, tenant: str, now: float) -> None:
+        self._value[tenant] = self.attained(tenant, now)
+        self._as_of[tenant] = now
+
+    def grant(self, tenant: str, tokens: int, now: float) -> None:
+        self._advance(tenant, now)
+        self._value[tenant] += tokens * self.quantum_s
+        self.holding[tenant] = self.holding.get(tenant, 0) + tokens
+
+    def release(self, tenant: str, tokens: int, now: float) -> None:
+        self._advance(tenant, now)
+        left = self.holding.get(tenant, 0) - tokens
+        if left > 0:
+            self.holding[tenant] = left
+        else:
+            self.holding.pop(tenant, None)
+            if self._value[tenant] < 1e-9:
+                self._forget(tenant)
+
+    def _forget(self, tenant: str) -> None:
+        self._value.pop(tenant, None)
+        self._as_of.pop(tenant, None)
+
+    def tenants(self) -> list[str]:
+        return sorted(set(self._value) | set(self.holding))
+
+
+W = TypeVar("W", bound=Waiting)
+
+
+def admission_order(waiters: Sequence[W], shares: TenantShares, now: float) -> list[W]:
+    """The order the queue grants waiting requests in (module doc): the head is granted first when it fits."""
+    order = sorted((w for w in waiters if w.front), key=lambda w: w.seq)
+    bands: dict[int, dict[str, list[W]]] = {}
+    for waiter in waiters:
+        if not waiter.front:
+            bands.setdefault(waiter.level.priority, {}).setdefault(waiter.level.tenant, []).append(waiter)
+    by_deadline: Callable[[W], tuple[float, int]] = lambda w: (  # noqa: E731 - a sort key
+        w.deadline_at if w.deadline_at is not None else math.inf, w.seq)
+    for priority in sorted(bands):
+        tenants = bands[priority]
+        for line in tenants.values():
+            line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
+        projected = {t: shares.attained(t, now) / line[-1].level.weight for t, line in tenants.items()}
+        while tenants:
+            tenant = min(tenants, key=lambda t: (projected[t], tenants[t][-1].seq))
+            line = tenants[tenant]
+            waiter = line.pop()
+            order.append(waiter)
+            projected[tenant] += waiter.tokens * shares.quantum_s / waiter.level.weight
+            if not line:
+                del tenants[tenant]
+    return order
