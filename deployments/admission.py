@@ -40,7 +40,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.fair_share import ServiceLevel, TenantShares, admission_order
+from deployments.fair_share import ServiceLevel, TenantShares, admission_order, displaced, displaced_why
 from deployments.latency_window import LatencyWindow
 from deployments.metrics import AdmissionMetrics
 from deployments.pools import DEFAULT_POOL, Need, PoolChoice, choose, never_fits, pools_of, smallest_blocks
@@ -249,18 +249,25 @@ class AdmissionQueue:
         if waiter.future.done():  # granted at once
             self._event("admitted", None, level)
             return waiter.future.result()
-        if sum(1 for w in self._waiters if not w.future.done()) > self.max_queued and not front:
-            victim = None if self._sheddable(level) else self._newest_sheddable()
+        waiting = [w for w in self._waiters if not w.future.done()]
+        if len(waiting) > self.max_queued and not front:
+            full = (f"the admission queue is full ({len(waiting) - 1} requests wait for KV, max_queued_requests="
+                    f"{self.max_queued})")
+            victim = None if self.order == "fifo" else displaced(waiting, waiter, self._sheddable)
             if victim is None:
                 self._waiters.remove(waiter)
                 waiter.future.cancel()
                 self.num_rejected_full += 1
                 self._event("rejected_queue_full", None, level)
-                raise QueueFull(
-                    f"the admission queue is full ({len(self._waiters)} requests wait for KV, max_queued_requests="
-                    f"{self.max_queued}); retry later"
-                )
-            self._shed(victim, "the admission queue is full and a request that is not sheddable arrived")
+                raise QueueFull(f"{full}; retry later")
+            if self._sheddable(victim.level):
+                self._shed(victim, f"{full} and a request that is not sheddable arrived")
+            else:
+                self._waiters.remove(victim)
+                self.num_rejected_full += 1
+                victim.future.set_exception(QueueFull(
+                    f"{full} and a request of priority {level.priority} from tenant {level.tenant!r} took this "
+                    f"one's place (the newest of {displaced_why(waiting, victim)}); retry later"))
         self._event("queued", None, level)
         wait_s = timeout_s if level.deadline_s is None else min(timeout_s, level.deadline_s)
         try:
@@ -293,8 +300,8 @@ class AdmissionQueue:
                 f"waited {waited:.1f}s in the admission queue and no replica had {smallest_blocks(need)} free KV "
                 f"blocks (queue_timeout_s); retry later"
             ) from None
-        except Shed:
-            self._event("rejected_shed", self._clock() - now, level)
+        except (Shed, QueueFull) as err:  # refused while it waited: shed, or its place in the full queue taken
+            self._event(err.outcome, self._clock() - now, level)
             raise
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
@@ -588,10 +595,10 @@ class AdmissionQueue:
                 saturated |= pools_of(waiter.need, self.replicas.values())
         return saturated
 
-    def _newest_sheddable(self, pools: set[str] | None = None) -> _Waiter | None:
-        """The sheddable waiter that arrived last (among those that could use `pools`)."""
+    def _newest_sheddable(self, pools: set[str]) -> _Waiter | None:
+        """The sheddable waiter that arrived last among those that could use `pools`."""
         candidates = [w for w in self._waiters if not w.future.done() and self._sheddable(w.level)
-                      and (pools is None or pools_of(w.need, self.replicas.values()) & pools)]
+                      and pools_of(w.need, self.replicas.values()) & pools]
         return max(candidates, key=lambda w: w.seq, default=None)
 
     def _shed_message(self, level: ServiceLevel, waited_s: float) -> str:

@@ -145,3 +145,51 @@ def admission_order(waiters: Sequence[W], shares: TenantShares, now: float) -> l
             if not line:
                 del tenants[tenant]
     return order
+
+
+def displaced(waiting: Sequence[W], newcomer: W, sheddable: Callable[[ServiceLevel], bool]) -> W | None:
+    """The waiter a newcomer to a full queue takes the place of (it is refused 429), or None: the newcomer is
+    refused. The bound is shared the way the order is: in turn,
+    1. the newest sheddable waiter, when the newcomer is not sheddable;
+    2. in the least urgent band less urgent than the newcomer's, the newest waiter of the tenant with the most
+       waiters there;
+    3. in the newcomer's band, the newest waiter of the tenant with the most waiters there, when it has at least
+       two more than the newcomer's tenant (the newcomer counted), so a flood of one tenant cannot fill the queue
+       against the others.
+    A waiter that had been granted (front) keeps its place."""
+    others = [w for w in waiting if w is not newcomer and not w.front]
+    if not sheddable(newcomer.level):
+        victim = max((w for w in others if sheddable(w.level)), key=lambda w: w.seq, default=None)
+        if victim is not None:
+            return victim
+    less_urgent = [w for w in others if w.level.priority > newcomer.level.priority]
+    if less_urgent:
+        band = max(w.level.priority for w in less_urgent)
+        return _newest_of_largest([w for w in less_urgent if w.level.priority == band])
+    band_waiters = [w for w in waiting if w.level.priority == newcomer.level.priority]
+    mine = sum(1 for w in band_waiters if w.level.tenant == newcomer.level.tenant)
+    victim = _newest_of_largest([w for w in others if w.level.priority == newcomer.level.priority])
+    if victim is not None and victim.level.tenant != newcomer.level.tenant:
+        theirs = sum(1 for w in band_waiters if w.level.tenant == victim.level.tenant)
+        if theirs >= mine + 2:
+            return victim
+    return None
+
+
+def _newest_of_largest(waiters: Sequence[W]) -> W | None:
+    """The newest waiter of the tenant with the most waiters (ties: the tenant whose newest came last)."""
+    by_tenant: dict[str, list[W]] = {}
+    for waiter in waiters:
+        by_tenant.setdefault(waiter.level.tenant, []).append(waiter)
+    if not by_tenant:
+        return None
+    line = max(by_tenant.values(), key=lambda ws: (len(ws), max(w.seq for w in ws)))
+    return max(line, key=lambda w: w.seq)
+
+
+def displaced_why(waiting: Sequence[W], victim: W) -> str:
+    """What made `victim` the one displaced, for its 429."""
+    level = victim.level
+    same = sum(1 for w in waiting if w.level.tenant == level.tenant and w.level.priority == level.priority)
+    return f"{same} waiting requests of tenant {victim.level.tenant!r} at priority {victim.level.priority}"
+

@@ -222,7 +222,8 @@ def test_sheddable_requests_are_refused_newest_first_once_one_that_is_not_shedda
     run_simulated(main())
 
 
-def test_a_full_queue_refuses_a_sheddable_newcomer_and_keeps_the_order_of_the_rest() -> None:
+def test_a_full_queue_refuses_a_sheddable_newcomer_and_gives_a_more_urgent_one_the_place_of_a_less_urgent_one(
+) -> None:
     async def main() -> None:
         queue = queue_on(asyncio.get_running_loop(), capacity=1, sheddable_priority=10, max_queued=1)
         await queue.acquire("hold", 1, 1.0)
@@ -230,10 +231,13 @@ def test_a_full_queue_refuses_a_sheddable_newcomer_and_keeps_the_order_of_the_re
         await settle()
         with pytest.raises(Shed):  # saturated (a request that is not sheddable waits): shed, not queue-full
             await queue.acquire("batch", 1, 1.0, level=ServiceLevel(priority=11))
-        with pytest.raises(QueueFull, match="max_queued_requests=1"):
-            await queue.acquire("another", 1, 1.0, level=ServiceLevel(priority=0))
+        with pytest.raises(QueueFull, match="max_queued_requests=1"):  # as urgent, same tenant: refused
+            await queue.acquire("same", 1, 1.0, level=ServiceLevel(priority=3))
+        urgent = start(queue, "urgent", 1, priority=0)
+        with pytest.raises(QueueFull, match="a request of priority 0 from tenant 'anonymous' took this one's place"):
+            await waiting
         queue.release("hold")
-        assert await waiting == "r"
+        assert await urgent == "r"
 
     run_simulated(main())
 
@@ -379,3 +383,36 @@ def test_fifo_order_ignores_priorities_tenants_and_shedding() -> None:
     assert run_simulated(main()) == ["batch", "a", "b", "urgent"]
     with pytest.raises(ValueError, match="admission_order must be 'service_levels' or 'fifo', got 'lifo'"):
         AdmissionQueue(max_queued=1, order="lifo")
+
+
+def test_a_full_queue_is_shared_a_flooding_tenant_gives_up_its_newest_place() -> None:
+    """The queue's bound is shared as its order is: when A's flood fills it, B's request takes the place of A's
+    newest waiter (429 for that one, naming why) instead of being refused; a less urgent band gives way to a more
+    urgent newcomer; equal shares refuse the newcomer."""
+
+    async def main() -> list[str]:
+        queue = queue_on(asyncio.get_running_loop(), capacity=1, max_queued=4)
+        await queue.acquire("hold", 1, 1.0)
+        a = [start(queue, f"a{i}", 1, tenant="A") for i in range(4)]
+        await settle()
+        b = start(queue, "b", 1, tenant="B")
+        await settle()
+        with pytest.raises(QueueFull, match=r"from tenant 'B' took this one's place \(the newest of 4 waiting "
+                                            r"requests of tenant 'A' at priority 0\)"):
+            await a[3]
+        urgent = start(queue, "urgent", 1, tenant="A", priority=-1)
+        await settle()
+        with pytest.raises(QueueFull, match="a request of priority -1 from tenant 'A' took this one's place"):
+            await a[2]  # band 0 gives way to band -1: A's newest there goes
+        c = start(queue, "c", 1, tenant="C")
+        await settle()
+        with pytest.raises(QueueFull):  # A 2, B 1, C 1 (with it): A has not two more than C: C is refused
+            await c
+        granted = track({"urgent": urgent, "b": b, "a0": a[0], "a1": a[1]})
+        queue.release("hold")
+        for _ in range(4):
+            await settle()
+            queue.release(granted[-1])
+        return list(granted)
+
+    run_simulated(main())
