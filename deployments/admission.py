@@ -655,7 +655,8 @@ class KvAdmission:
                  leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
                  fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
                  limits: dict[str, Limits] | None = None, order: str = "service_levels") -> None:
-        self.metrics = AdmissionMetrics()
+        self.metrics = AdmissionMetrics({tenant: (limit.max_concurrent_requests, limit.tokens_per_minute)
+                                         for tenant, limit in (limits or {}).items()})
         self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, leak_grace_s=leak_grace_s,
                                     on_event=self.metrics.on_event, prefix_routing=prefix_routing,
                                     on_routed=self.metrics.on_routed, on_pool=self.metrics.on_pool,

@@ -26,11 +26,17 @@ Layout pools (deployments/pools.py) each have a deployment and a policy of their
 share a ledger there (`GpuLedger`): each records the GPUs it holds or is about to hold (its current or desired
 replicas, whichever is more, times tp), and a pool scales up only into GPUs no other pool holds or reserves. A pool
 that scales down frees its GPUs for the others at its next decision.
+
+The service-level policy exports each decision's inputs, replica counts and reason as Prometheus metrics
+(deployments/metrics.py `AutoscalingMetrics`, docs/metrics.md), from Serve's controller where it runs; they are
+created at its first call, so the policy is built without them (the simulator, unit tests), and a failure to record
+is logged, never in the way of the decision.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -38,7 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import AutoscalingArgs
+from deployments.metrics import AutoscalingMetrics
 from engine.protocol import KvLedger
+
+logger = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
@@ -272,7 +281,8 @@ class SloAutoscalingPolicy(SequenceAutoscalingPolicy):
     Its state (Serve's policy_state, returned every call) holds the decision's inputs and the decision: `demand`,
     `kv_usage`, `ttft_s`, `itl_s` (None without samples), `kv_load_blocks`, `kv_capacity_blocks`, `pool_replicas`,
     `since_scale_s` (None before the first event), `current_replicas`, `target_replicas`, `sequence_replicas`,
-    `kv_remaining_blocks`, `wanted`, `desired` (after min/max and the GPU budget) and `reason`.
+    `kv_remaining_blocks`, `wanted`, `desired` (after min/max and the GPU budget) and `reason`; the same go to
+    Prometheus (`_export`).
     """
 
     def __init__(self, ttft_target_s: float | None = None, itl_target_s: float | None = None,
@@ -296,6 +306,8 @@ class SloAutoscalingPolicy(SequenceAutoscalingPolicy):
         self._clock = clock
         self._last_target: int | None = None  # Serve's target at the previous call
         self._last_scale_at: float | None = None  # when the policy saw that target change
+        self._metrics: AutoscalingMetrics | None = None  # created at the first decision (module doc)
+        self._export_failed = False  # a failure to record was logged with its traceback; later ones at debug
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = self._clock()
@@ -332,7 +344,30 @@ class SloAutoscalingPolicy(SequenceAutoscalingPolicy):
         low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
         desired = self._budgeted(ctx, max(low, min(high, decision.desired)))
         state = {**dataclasses.asdict(inputs), **dataclasses.asdict(decision), "desired": desired}
+        self._export(ctx, inputs, decision, desired)
         return desired, state
+
+    def _export(self, ctx: Any, inputs: SloInputs, decision: SloDecision, desired: int) -> None:
+        """Records one decision (AutoscalingMetrics). Recording must never stop the decision: a failure is logged,
+        the first with its traceback."""
+        kv_reported = inputs.kv_load_blocks is not None  # else capacity and remaining read 0: not exported
+        exported = {
+            "demand": inputs.demand, "kv_usage": inputs.kv_usage, "ttft_s": inputs.ttft_s, "itl_s": inputs.itl_s,
+            "kv_load_blocks": inputs.kv_load_blocks,
+            "kv_capacity_blocks": inputs.kv_capacity_blocks if kv_reported else None,
+            "kv_remaining_blocks": decision.kv_remaining_blocks if kv_reported else None,
+        }
+        replicas = {"current": inputs.current_replicas, "target": inputs.target_replicas,
+                    "sequences": decision.sequence_replicas, "wanted": decision.wanted, "desired": desired}
+        try:
+            if self._metrics is None:
+                self._metrics = AutoscalingMetrics()
+            self._metrics.record(ctx.app_name or "", ctx.deployment_name, exported, replicas, decision.reason)
+        except Exception:
+            logger.log(logging.DEBUG if self._export_failed else logging.WARNING,
+                       "the service-level policy of %s/%s could not record its metrics; it decides on without them",
+                       ctx.app_name, ctx.deployment_name, exc_info=not self._export_failed)
+            self._export_failed = True
 
 
 def policy_function(scaling: AutoscalingArgs) -> str:

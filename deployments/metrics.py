@@ -8,7 +8,9 @@ given to Ray (no `ray_`, no `_total`); METRIC_NAMES holds the names Prometheus s
 
 Three recorders, one per deployment: ReplicaMetrics (engine KV, prefix cache, sequences, layout, steps;
 EngineReplica), AdmissionMetrics (outcomes, queue length and wait, prefix routing; KvAdmission), IngressMetrics (HTTP
-statuses, tokens and latencies as the client sees them; OpenAIIngress). Units are in the names (seconds, tokens,
+statuses, tokens and latencies as the client sees them; OpenAIIngress); and AutoscalingMetrics, the service-level
+autoscaling policy's inputs and decisions, recorded in Serve's controller (no replica there: ray.util.metrics, with
+the application and deployment as tags of its own). Units are in the names (seconds, tokens,
 blocks, ratio). Every series of an engine replica carries its layout pool (`pool`, deployments/pools.py: "default"
 in an app without pools), and so do the ingress' latencies (the pool of the replica that served the request), so
 that PromQL can `sum by (pool)`.
@@ -16,11 +18,12 @@ that PromQL can `sum by (pool)`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TypeVar
 
 from ray.serve import metrics
+from ray.util import metrics as util_metrics
 from ray.util.metrics import Metric
 
 from deployments.fair_share import ANONYMOUS, ServiceLevel
@@ -227,9 +230,11 @@ class ReplicaMetrics:
 
 
 class AdmissionMetrics:
-    """The admission queue's metrics: outcomes, queue length, wait time, prefix routing."""
+    """The admission queue's metrics: outcomes, queue length, wait time, prefix routing, tenants' limits (each
+    configured limit's series exported at 0 from the start: `limits` maps a tenant to its max_concurrent_requests
+    and tokens_per_minute, None where unset)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: dict[str, tuple[int | None, int | None]] | None = None) -> None:
         self.requests = _counter("dcpserve_admission_requests", "admission decisions by outcome, tenant and "
                                  "priority", ("outcome", TENANT_TAG, PRIORITY_TAG))
         self.queued = _gauge("dcpserve_admission_queued_requests", "requests waiting in the admission queue")
@@ -240,6 +245,10 @@ class AdmissionMetrics:
         self.limited = _counter("dcpserve_tenant_limited_requests",
                                 "requests a tenant's limit refused, by tenant and limit (max_concurrent_requests, "
                                 "tokens_per_minute)", (TENANT_TAG, "limit"))
+        for tenant, (concurrent, per_minute) in (limits or {}).items():
+            for limit, value in (("max_concurrent_requests", concurrent), ("tokens_per_minute", per_minute)):
+                if value is not None:
+                    _start_at_zero(self.limited, {TENANT_TAG: tenant, "limit": limit})
         self.queued_blocks = _gauge("dcpserve_admission_queued_kv_blocks", "KV blocks the waiting requests need")
         self.wait = _histogram("dcpserve_admission_queue_wait_seconds",
                                "time a queued request waited (until granted or refused), by tenant and priority",
@@ -331,6 +340,45 @@ class IngressMetrics:
         self.responses.inc(tags={"endpoint": endpoint, "status_code": str(status_code)})
 
 
+# The labels naming the deployment an autoscaling policy decides for: Serve's controller has no replica context to add
+# them, so AutoscalingMetrics tags them itself (the names Serve's own ray_serve_autoscaling_* metrics carry).
+APPLICATION_TAG, DEPLOYMENT_TAG = "application", "deployment"
+
+
+class AutoscalingMetrics:
+    """The service-level autoscaling policy's inputs and decisions (SloAutoscalingPolicy, deployments/autoscaling.py),
+    one record per policy call, tagged with the application and deployment it decides for."""
+
+    def __init__(self) -> None:
+        deployment = (APPLICATION_TAG, DEPLOYMENT_TAG)
+        self.inputs = util_metrics.Gauge(
+            "dcpserve_autoscaling_slo_input",
+            description="the service-level policy's inputs by `input` (units in the name: ttft_s, itl_s, demand, "
+                        "kv_usage, kv_load_blocks, kv_capacity_blocks, kv_remaining_blocks)",
+            tag_keys=(*deployment, "input"))
+        self.replicas = util_metrics.Gauge(
+            "dcpserve_autoscaling_slo_replicas",
+            description="the service-level policy's replica counts by `replicas`: current, target (Serve's), "
+                        "sequences (the sequence rule's), wanted (the rules'), desired (returned)",
+            tag_keys=(*deployment, "replicas"))
+        self.decisions = util_metrics.Counter(
+            "dcpserve_autoscaling_slo_decisions",
+            description="the service-level policy's decisions by reason, one per call (rate: the share of time)",
+            tag_keys=(*deployment, "reason"))
+
+    def record(self, application: str, deployment: str, inputs: Mapping[str, float | None],
+               replicas: Mapping[str, int], reason: str) -> None:
+        """One decision: its inputs by name (a None input, such as a latency without samples, is not set: never
+        exported as 0), its replica counts by name and its reason."""
+        tags = {APPLICATION_TAG: application, DEPLOYMENT_TAG: deployment}
+        for name, value in inputs.items():
+            if value is not None:
+                self.inputs.set(float(value), tags={**tags, "input": name})
+        for name, count in replicas.items():
+            self.replicas.set(float(count), tags={**tags, "replicas": name})
+        self.decisions.inc(tags={**tags, "reason": reason})
+
+
 # The names Prometheus shows (Ray's `ray_` prefix; `_total` on counters; histograms add _bucket/_sum/_count).
 METRIC_NAMES: dict[str, str] = {
     **{f"ray_{n}": "gauge" for n in (
@@ -342,7 +390,8 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_sequences_waiting",
         "dcpserve_autoscaling_target_sequences_per_replica", "dcpserve_engine_healthy",
         "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks", "dcpserve_kv_cached_blocks",
-        "dcpserve_admission_queued_requests_by_level",
+        "dcpserve_admission_queued_requests_by_level", "dcpserve_autoscaling_slo_input",
+        "dcpserve_autoscaling_slo_replicas",
     )},
     **{f"ray_{n}_total": "counter" for n in (
         "dcpserve_preemptions", "dcpserve_recomputed_tokens", "dcpserve_requests_accepted",
@@ -351,7 +400,7 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_prefix_cache_query_tokens", "dcpserve_prefix_cache_hit_tokens", "dcpserve_prefix_cache_evictions",
         "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",
         "dcpserve_admission_prefix_routed_requests", "dcpserve_admission_pool_grants", "dcpserve_stream_items",
-        "dcpserve_stream_tokens", "dcpserve_tenant_limited_requests",
+        "dcpserve_stream_tokens", "dcpserve_tenant_limited_requests", "dcpserve_autoscaling_slo_decisions",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

@@ -66,6 +66,10 @@ _COMMON = dict(
     queue_timeout_s=12,
     retry_after_s=1,
     grant_leak_grace_s=600,  # the test's own grant is never reported by the replica: it must outlast the module
+    # A latency target: the service-level policy runs in Serve's controller and exports its metrics (one replica).
+    autoscaling={"min_replicas": 1, "max_replicas": 1, "ttft_target_s": 30.0},
+    # A tenant limit no request reaches: its refusal counter is exported (at 0) like every documented series.
+    tenants={"anonymous": {"max_concurrent_requests": 1000}},
 )
 NATIVE = Backend("native", tiny_app_args(MODEL, **_COMMON), CAPACITY_BLOCKS, never_fits_prompt=1500,
                  outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_never_fits"))
@@ -375,7 +379,7 @@ def test_promtool_accepts_config_and_rules_and_every_alert_parses(loaded: Stack)
     loaded_rules = httpx.get(f"{loaded.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
     names = {r["name"] for g in loaded_rules for r in g["rules"]}
     assert names == {"DcpserveKvCacheNearlyFull", "DcpserveAdmissionQueueGrowing", "DcpserveHigh429Rate",
-                     "DcpservePreemptions", "DcpserveReplicaUnhealthy"}
+                     "DcpservePreemptions", "DcpserveReplicaUnhealthy", "DcpserveSloScaleUpBlocked"}
     assert all(r["health"] != "err" for g in loaded_rules for r in g["rules"]), loaded_rules
     documented = documented_metrics()
     for group in yaml.safe_load(rules_path.read_text())["groups"]:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from ray.util import metrics as ray_metrics
 
-from deployments.metrics import METRIC_NAMES, AdmissionMetrics, IngressMetrics, ReplicaMetrics
+from deployments.metrics import METRIC_NAMES, AdmissionMetrics, AutoscalingMetrics, IngressMetrics, ReplicaMetrics
 from tests.deployments.promql_labels import query_labels
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,16 +37,19 @@ SERVE_OWN = {name: frozenset({"application", "deployment"}) | RAY_LABELS
 def series_labels() -> dict[str, frozenset[str]]:
     """Every series name Prometheus shows for dcpserve's metrics (a histogram's _bucket, _sum and _count) -> the
     labels it carries."""
-    recorders = (ReplicaMetrics(pool="default", tp=2, dcp=2, num_kv_heads=1, target_sequences_per_replica=4),
-                 AdmissionMetrics(), IngressMetrics())
+    # Each recorder with the labels added to its own tags: Serve's and Ray's in a replica; Ray's only in Serve's
+    # controller, where the autoscaling policy tags its application and deployment itself.
+    recorders = ((ReplicaMetrics(pool="default", tp=2, dcp=2, num_kv_heads=1, target_sequences_per_replica=4),
+                  SERVE_LABELS | RAY_LABELS), (AdmissionMetrics(), SERVE_LABELS | RAY_LABELS),
+                 (IngressMetrics(), SERVE_LABELS | RAY_LABELS), (AutoscalingMetrics(), RAY_LABELS))
     labels: dict[str, frozenset[str]] = {}
     shown: set[str] = set()  # the names of METRIC_NAMES
-    for recorder in recorders:
+    for recorder, added in recorders:
         for metric in vars(recorder).values():
             if not isinstance(metric, ray_metrics.Metric):
                 continue
             name = f"ray_{metric._name}"
-            tags = frozenset(metric._tag_keys) | SERVE_LABELS | RAY_LABELS
+            tags = frozenset(metric._tag_keys) | added
             if isinstance(metric, ray_metrics.Counter):
                 name += "_total"
                 labels[name] = tags
@@ -100,12 +103,16 @@ def test_every_variable_query_names_a_label_its_metric_carries() -> None:
     assert used <= set(variables), sorted(used - set(variables))
 
 
-def test_the_layout_pools_row_shows_kv_sequences_itl_and_routing_share_by_pool() -> None:
+def row_panels(title: str) -> list[dict]:
+    """The panels of the dashboard's row of this title (up to the next row)."""
     panels = dashboard()["panels"]
-    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Layout pools")
+    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == title)
     following = panels[row + 1:]
-    end = next((i for i, p in enumerate(following) if p["type"] == "row"), len(following))
-    pool_panels = following[:end]
+    return following[:next((i for i, p in enumerate(following) if p["type"] == "row"), len(following))]
+
+
+def test_the_layout_pools_row_shows_kv_sequences_itl_and_routing_share_by_pool() -> None:
+    pool_panels = row_panels("Layout pools")
     metrics_by_pool = {re.sub(r"_(bucket|sum|count|total)$", "", name)
                        for p in pool_panels for t in p["targets"] if re.search(r"by \(pool\b", t["expr"])
                        for name in re.findall(r"\bray_dcpserve_\w+", t["expr"])}
@@ -115,6 +122,47 @@ def test_the_layout_pools_row_shows_kv_sequences_itl_and_routing_share_by_pool()
     shares = [t for p in pool_panels for t in p["targets"] if "pool_grants" in t["expr"]]
     assert {t["legendFormat"] for t in shares} == {"{{pool}}", "{{pool}} {{reason}}"}
     assert all("/ scalar(sum(rate(ray_dcpserve_admission_pool_grants_total" in t["expr"] for t in shares)
+
+
+def test_the_service_levels_row_shows_latency_queue_and_refusals_by_tenant_and_priority() -> None:
+    """Each service-level view groups its metric by the labels it is about (checked in the query's `by`, so a panel
+    that lost its grouping fails here)."""
+    labels = series_labels()
+    grouped: set[tuple[str, frozenset[str]]] = set()
+    for panel in row_panels("Service levels"):
+        for target in panel["targets"]:
+            for name in re.findall(r"\bray_dcpserve_\w+", target["expr"]):
+                grouped.add((re.sub(r"_(bucket|sum|count|total)$", "", name),
+                             query_labels(target["expr"], labels) or frozenset()))
+    for metric, by in [
+        ("ray_dcpserve_time_to_first_token_seconds", {"tenant"}),
+        ("ray_dcpserve_time_to_first_token_seconds", {"priority"}),
+        ("ray_dcpserve_inter_token_latency_seconds", {"tenant"}),
+        ("ray_dcpserve_inter_token_latency_seconds", {"priority"}),
+        ("ray_dcpserve_admission_queued_requests_by_level", {"tenant", "priority"}),
+        ("ray_dcpserve_admission_queue_wait_seconds", {"priority"}),
+        ("ray_dcpserve_admission_requests", {"tenant", "priority"}),
+        ("ray_dcpserve_admission_requests", {"outcome", "tenant"}),
+        ("ray_dcpserve_tenant_limited_requests", {"tenant", "limit"}),
+    ]:
+        assert (metric, frozenset(by)) in grouped, (metric, by)
+    refusals = [t["expr"] for p in row_panels("Service levels") for t in p["targets"] if "outcome, tenant" in t["expr"]]
+    assert refusals and all('outcome=~"rejected_.+"' in expr for expr in refusals)
+
+
+def test_the_autoscaling_row_shows_every_input_replica_count_and_reason_of_the_slo_policy() -> None:
+    exprs = [t["expr"] for p in row_panels("Service-level autoscaling") for t in p["targets"]]
+    shown_inputs = {name for expr in exprs for group in re.findall(r'input=~"([^"]+)"', expr)
+                    for name in group.split("|")}
+    assert shown_inputs == {"ttft_s", "itl_s", "kv_load_blocks", "kv_remaining_blocks", "kv_capacity_blocks",
+                            "kv_usage", "demand"}
+    assert any("by (deployment, replicas) (ray_dcpserve_autoscaling_slo_replicas" in e for e in exprs)
+    # Decisions: each reason's rate over all of the deployment's, so the shares add up to 1.
+    assert any(re.search(r"sum by \(deployment, reason\) \(rate\(ray_dcpserve_autoscaling_slo_decisions_total.*"
+                         r"/ on \(deployment\) group_left sum by \(deployment\)", e) for e in exprs)
+    labels = series_labels()
+    assert labels["ray_dcpserve_autoscaling_slo_input"] == {"application", "deployment", "input"} | RAY_LABELS
+    assert "replica" not in labels["ray_dcpserve_autoscaling_slo_decisions_total"]  # the controller is no replica
 
 
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:

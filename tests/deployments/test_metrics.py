@@ -174,13 +174,13 @@ def test_metric_names_are_the_ones_docs_metrics_md_documents(recorded: Recorded)
     import re
     from pathlib import Path
 
-    from deployments.metrics import METRIC_NAMES, IngressMetrics
+    from deployments.metrics import METRIC_NAMES, AutoscalingMetrics, IngressMetrics
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     documented = dict(re.findall(r"^\| `(ray_[a-z0-9_]+)` \| (gauge|counter|histogram) \|", doc, re.M))
     assert METRIC_NAMES == documented
     created: dict[str, str] = {}
-    for recorder in (replica_metrics(), AdmissionMetrics(), IngressMetrics()):
+    for recorder in (replica_metrics(), AdmissionMetrics(), IngressMetrics(), AutoscalingMetrics()):
         for metric in vars(recorder).values():
             if isinstance(metric, ray_metrics.Counter):
                 created[f"ray_{metric._name}_total"] = "counter"
@@ -197,13 +197,13 @@ def test_the_labels_docs_metrics_md_lists_are_the_tags_each_metric_records() -> 
     import re
     from pathlib import Path
 
-    from deployments.metrics import IngressMetrics
+    from deployments.metrics import AutoscalingMetrics, IngressMetrics
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     documented = {name: set(re.findall(r"`(\w+)`", labels)) for name, labels in re.findall(
         r"^\| `(ray_[a-z0-9_]+)` \| (?:gauge|counter|histogram) \|([^|]*)\|", doc, re.M)}
     tagged: dict[str, set[str]] = {}
-    for recorder in (replica_metrics(), AdmissionMetrics(), IngressMetrics()):
+    for recorder in (replica_metrics(), AdmissionMetrics(), IngressMetrics(), AutoscalingMetrics()):
         for metric in vars(recorder).values():
             if isinstance(metric, ray_metrics.Metric):
                 suffix = "_total" if isinstance(metric, ray_metrics.Counter) else ""

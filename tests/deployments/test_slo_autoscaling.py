@@ -4,12 +4,15 @@ interface (aggregation, the cooldown on an injected clock, its state), the repli
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from ray.util import metrics as ray_metrics
 
 from deployments.autoscaling import (
     GpuLedger,
@@ -156,6 +159,81 @@ def test_the_policy_reads_the_stats_and_returns_its_inputs_and_decision() -> Non
     assert (desired, state["reason"], state["kv_load_blocks"]) == (3, "hold", 2000.0)
     # Stats of a replica no longer running are not read; without any stats the target is kept.
     assert policy(ctx(3, 0, ttft_s=9.0)) == (3, {})
+
+
+Recorded = dict[str, list[tuple[float, dict[str, str]]]]  # metric name -> (value, tags) in the order recorded
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Recorded:
+    """Every value the policy's metrics hand Ray, with the tags Ray would export it with (Metric._record captured,
+    as tests/deployments/test_metrics.py does: default tags merged with the call's, every tag key checked)."""
+    values: Recorded = defaultdict(list)
+
+    def capture(self: ray_metrics.Metric, value: float, tags: dict[str, str] | None = None) -> None:
+        final = self._get_final_tags(tags)
+        self._validate_tags(final)
+        values[self._name].append((value, dict(final)))
+
+    monkeypatch.setattr(ray_metrics.Metric, "_record", capture)
+    return values
+
+
+def by_label(recorded: Recorded, name: str, label: str) -> dict[str, float]:
+    """A gauge's last value for each value of `label`, checking every record names the test's deployment."""
+    deployment = {"application": "dcpserve", "deployment": "EngineReplica"}
+    assert all(tags.items() >= deployment.items() for _, tags in recorded[name]), recorded[name]
+    return {tags[label]: value for value, tags in recorded[name]}
+
+
+def test_the_policy_exports_its_inputs_replica_counts_and_reason_at_each_decision(recorded: Recorded) -> None:
+    now = [100.0]
+    policy = SloAutoscalingPolicy(ttft_target_s=2.0, itl_target_s=0.05, cooldown_s=30.0, ledger=GpuLedger(),
+                                  clock=lambda: now[0])
+    assert not recorded  # built without recording (the simulator's policies, these tests')
+    desired, state = policy(ctx(2, 2, ttft_s=2.5))
+    assert desired == 3 and state["reason"] == "ttft"
+    assert by_label(recorded, "dcpserve_autoscaling_slo_input", "input") == pytest.approx({
+        "ttft_s": 2.5, "itl_s": 0.01, "demand": 2.0, "kv_usage": 0.1, "kv_load_blocks": 100.0,
+        "kv_capacity_blocks": 2000.0, "kv_remaining_blocks": 850.0})  # 1/2 x 2000 x 0.85
+    assert by_label(recorded, "dcpserve_autoscaling_slo_replicas", "replicas") == {
+        "current": 2, "target": 2, "sequences": 1, "wanted": 3, "desired": 3}
+    assert recorded["dcpserve_autoscaling_slo_decisions"] == [
+        (1.0, {"application": "dcpserve", "deployment": "EngineReplica", "reason": "ttft"})]
+    # Serve took it (target 3); nothing finished in the window and no replica has the queue's KV answer: those inputs
+    # are not exported (never a 0), the decision is counted under its own reason.
+    recorded.clear()
+    now[0] = 101.0
+    context = ctx(3, 3, ttft_s=None, itl_s=None)
+    del context.aggregated_metrics["kv_load_blocks"]
+    desired, state = policy(context)
+    assert (desired, state["reason"]) == (3, "hold")
+    assert by_label(recorded, "dcpserve_autoscaling_slo_input", "input") == pytest.approx({
+        "demand": 3.0, "kv_usage": 0.1})
+    assert by_label(recorded, "dcpserve_autoscaling_slo_replicas", "replicas")["desired"] == 3
+    assert [tags["reason"] for _, tags in recorded["dcpserve_autoscaling_slo_decisions"]] == ["hold"]
+    # Without any replica's stats the policy decides nothing: nothing recorded.
+    recorded.clear()
+    assert policy(ctx(3, 0, ttft_s=9.0)) == (3, {})
+    assert not recorded
+
+
+def test_a_failure_to_record_is_logged_and_never_stops_the_decision(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    def fail(self: ray_metrics.Metric, value: float, tags: dict[str, str] | None = None) -> None:
+        raise RuntimeError("no metrics agent")
+
+    monkeypatch.setattr(ray_metrics.Metric, "_record", fail)
+    policy = SloAutoscalingPolicy(ttft_target_s=2.0, ledger=GpuLedger(), clock=lambda: 0.0)
+    with caplog.at_level(logging.DEBUG, logger="ray.serve"):
+        assert policy(ctx(2, 2, ttft_s=2.5))[0] == 3
+        assert policy(ctx(2, 2, ttft_s=0.1))[0] == 1  # Serve's target did not move (no cooldown): well inside
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "could not record its metrics" in warnings[0].getMessage()
+    assert warnings[0].exc_info is not None and "no metrics agent" in str(warnings[0].exc_info[1])
+    # The next failures are logged too, at debug (the controller calls the policy several times a second).
+    assert [r.levelno for r in caplog.records if "could not record" in r.getMessage()] == [
+        logging.WARNING, logging.DEBUG]
 
 
 def test_replica_stats_leave_out_a_latency_without_samples() -> None:
