@@ -144,6 +144,7 @@ class AdmissionQueue:
         fair_share_quantum_s: float = 1.0,
         limits: TenantLimits | None = None,
         order: str = "service_levels",
+        fair_share_reserve: bool = True,
     ) -> None:
         """on_event(outcome, waited_s, level), when given, hears every decision (deployments/metrics.py
         ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the queue, level
@@ -152,7 +153,8 @@ class AdmissionQueue:
         fair_share_*: the tenants' shares (deployments/fair_share.py TenantShares); limits: the tenants' limits,
         checked before a request takes a place in the queue. order "fifo": one line in arrival order, priorities,
         tenants, deadline order and shedding ignored (what the queue did before service levels; deadlines still end
-        a wait).
+        a wait). fair_share_reserve: a tenant over its fair share of the KV leaves the next request of each tenant
+        seen in the last half-life and under its share room (TenantShares.reserve_against).
         on_routed(prompt_blocks, hit_blocks) hears every grant of a request that named its prompt blocks.
         prefix_routing: prefer the replica holding the longest run of the prompt's blocks
         (deployments/replica_choice.py); off: the most free KV alone."""
@@ -186,6 +188,7 @@ class AdmissionQueue:
         if order not in ("service_levels", "fifo"):
             raise ValueError(f"admission_order must be 'service_levels' or 'fifo', got {order!r}")
         self.order = order
+        self.fair_share_reserve = fair_share_reserve
         self._seq = 0
         self.num_shed = 0
         self.num_deadline = 0
@@ -241,6 +244,7 @@ class AdmissionQueue:
                     level: ServiceLevel, now: float) -> str:
         """acquire's grant, at once or after waiting in the queue's order."""
         self._seq += 1
+        self.shares.seen(level, self._need_tokens(need), now)
         waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, self._seq, front,
                          None if level.deadline_s is None else now + level.deadline_s, self._need_tokens(need),
                          now)
@@ -581,6 +585,19 @@ class AdmissionQueue:
             return need * max(per_block.values(), default=1)
         return min(n.blocks * per_block.get(pool, 1) for pool, n in need.items())
 
+    def _keeps_reserve(self, waiter: _Waiter, choice: PoolChoice, usable: set[str]) -> bool:
+        """Whether granting `choice` would leave less free KV (in the pools the waiter could use) than its tenant
+        must leave for the tenants below their fair share (TenantShares.reserve_against)."""
+        replicas = [r for r in self.replicas.values() if r.pool in usable and r.healthy]
+        grant_tokens = choice.need * choice.replica.tokens_per_block
+        holding_after = self.shares.holding.get(waiter.level.tenant, 0) + grant_tokens
+        capacity = sum(r.capacity * r.tokens_per_block for r in replicas)
+        keep = self.shares.reserve_against(waiter.level.tenant, holding_after, capacity, self._clock())
+        if keep <= 0:
+            return False
+        free = sum(max(r.free, 0) * r.tokens_per_block for r in replicas if r.grantable)
+        return free - grant_tokens < keep
+
     def _sheddable(self, level: ServiceLevel) -> bool:
         return (self.order != "fifo" and self.sheddable_priority is not None
                 and level.priority >= self.sheddable_priority)
@@ -636,6 +653,8 @@ class AdmissionQueue:
                 if closed >= pools:
                     break
                 continue
+            if self.fair_share_reserve and self.order != "fifo" and self._keeps_reserve(waiter, choice, usable):
+                continue  # over its share, and the room left is another tenant's next request: it waits
             self._waiters.remove(waiter)
             waiter.future.set_result(self._grant(waiter.ticket, choice, waiter.level))
         saturated = self._saturated_pools()
@@ -654,7 +673,8 @@ class KvAdmission:
     def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True,
                  leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
                  fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
-                 limits: dict[str, Limits] | None = None, order: str = "service_levels") -> None:
+                 fair_share_reserve: bool = True, limits: dict[str, Limits] | None = None,
+                 order: str = "service_levels") -> None:
         self.metrics = AdmissionMetrics({tenant: (limit.max_concurrent_requests, limit.tokens_per_minute)
                                          for tenant, limit in (limits or {}).items()})
         self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, leak_grace_s=leak_grace_s,
@@ -663,7 +683,8 @@ class KvAdmission:
                                     sheddable_priority=sheddable_priority,
                                     fair_share_half_life_s=fair_share_half_life_s,
                                     fair_share_quantum_s=fair_share_quantum_s,
-                                    limits=TenantLimits(limits or {}), order=order)
+                                    fair_share_reserve=fair_share_reserve, limits=TenantLimits(limits or {}),
+                                    order=order)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:

@@ -143,7 +143,8 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
     admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
         args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s,
         sheddable_priority=args.sheddable_priority, fair_share_half_life_s=args.fair_share_half_life_s,
-        fair_share_quantum_s=args.fair_share_quantum_s, order=args.admission_order,
+        fair_share_quantum_s=args.fair_share_quantum_s, fair_share_reserve=args.fair_share_reserve,
+        order=args.admission_order,
         limits={name: Limits(t.max_concurrent_requests, t.tokens_per_minute) for name, t in args.tenants.items()})
     if args.pools:  # one engine deployment per pool; the ingress finds a granted replica's by its pool
         engine: Any = {pool.name: engine_deployment(args, pool).bind(args, admission, pool.name)

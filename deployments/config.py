@@ -264,6 +264,10 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
     fair_share_half_life_s: float = Field(
         60.0, gt=0, description="tenants' shares of KV-seconds count recent use: what they held this long ago "
         "counts half")
+    fair_share_reserve: bool = Field(
+        True, description="a tenant over its fair share of the KV leaves room for the next request of each tenant "
+        "that sent one in the last half-life and holds less than its share, so a light tenant is not queued behind "
+        "a flood's running requests; false: every free block goes to the head of the order (work-conserving)")
     fair_share_quantum_s: float = Field(
         1.0, ge=0, description="a grant charges its tenant need x this at once, so grants made together alternate "
         "between tenants")

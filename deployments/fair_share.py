@@ -84,6 +84,27 @@ class TenantShares:
         self._value: dict[str, float] = {}  # decayed token-seconds as of _as_of
         self._as_of: dict[str, float] = {}
         self.holding: dict[str, int] = {}  # tokens of KV the tenant's live grants hold
+        self._seen: dict[str, tuple[float, int, float]] = {}  # tenant -> (its last request's arrival, tokens, weight)
+
+    def seen(self, level: ServiceLevel, tokens: int, now: float) -> None:
+        """A request of the tenant arrived (what reserve_against remembers of it)."""
+        self._seen[level.tenant] = (now, tokens, level.weight)
+
+    def reserve_against(self, tenant: str, holding_after: int, capacity: int, now: float) -> int:
+        """The KV tokens a grant to `tenant` must leave free, so that a tenant that sent requests in the last
+        half-life and holds less than its fair share finds room for its next one at once: 0 while `tenant` would
+        hold at most its own fair share (capacity x its weight over the weights of the tenants seen in the last
+        half-life); else the last request's tokens of each such tenant that holds less than its share."""
+        window = self.tau * math.log(2)
+        active = {t: (tokens, weight) for t, (at, tokens, weight) in self._seen.items() if now - at <= window}
+        if tenant not in active or len(active) < 2:
+            return 0
+        total = sum(weight for _, weight in active.values())
+        share = capacity * active[tenant][1] / total
+        if holding_after <= share:
+            return 0
+        return sum(tokens for t, (tokens, weight) in active.items()
+                   if t != tenant and self.holding.get(t, 0) + tokens <= capacity * weight / total)
 
     def attained(self, tenant: str, now: float) -> float:
         value = self._value.get(tenant, 0.0)
@@ -114,6 +135,7 @@ class TenantShares:
     def _forget(self, tenant: str) -> None:
         self._value.pop(tenant, None)
         self._as_of.pop(tenant, None)
+        # _seen is kept: reserve_against reads it over its own window (bounded by the number of tenants)
 
     def tenants(self) -> list[str]:
         return sorted(set(self._value) | set(self.holding))

@@ -77,27 +77,42 @@ def test_priority_bands_grant_lower_values_first_and_a_large_head_still_blocks_i
     assert run_simulated(main()) == ["p-1", "p0-big", "p0-small", "p5-a", "p5-b"]
 
 
-def test_a_light_tenant_goes_ahead_of_a_flooding_tenant_in_its_band() -> None:
+def test_a_light_tenant_goes_ahead_of_a_flooding_tenant_and_finds_room_for_its_next_request() -> None:
     """A holds the KV and floods the queue; B's one request, arriving last, is the next granted: A has attained
-    KV-seconds, B none. With FIFO it would wait behind all of A's."""
+    KV-seconds, B none (FIFO would put it behind all of A's). Then A, over its fair share (half the KV with B seen
+    in the last half-life), does not take the last free block: B's next request finds it at once. Once B has been
+    quiet for a half-life, A takes everything again."""
 
     async def main() -> list[str]:
         loop = asyncio.get_running_loop()
-        queue = queue_on(loop, capacity=4)
+        queue = queue_on(loop, capacity=4, fair_share_half_life_s=30.0)
         for i in range(4):
             await queue.acquire(f"a-run{i}", 1, 1.0, level=ServiceLevel("A"))
-        waiting = [start(queue, f"a-wait{i}", 1, tenant="A") for i in range(6)]
+        waiting = [start(queue, f"a-wait{i}", 1, 1000.0, tenant="A") for i in range(6)]
         await asyncio.sleep(2.0)
         b = start(queue, "b", 1, tenant="B")
         await settle()
         granted = track({**{f"a-wait{i}": t for i, t in enumerate(waiting)}, "b": b})
-        queue.release("a-run0")
+        queue.release("a-run0")  # B's request takes it
         await settle()
-        queue.release("a-run1")
+        queue.release("a-run1")  # A holds 2 of 4 blocks, B 1: granting A would leave nothing for B's next
+        await settle()
+        assert granted == ["b"] and queue.replicas["r"].free == 1
+        queue.release("b")  # A may hold 3 of 4: one block stays free for B
+        await settle()
+        assert granted == ["b", "a-wait0"]
+        await asyncio.sleep(1.0)
+        b2 = start(queue, "b2", 1, tenant="B")
+        await settle()
+        assert b2.done() and await b2 == "r"  # at once
+        queue.release("b2")
+        await asyncio.sleep(31.0)  # B quiet for a half-life: A may hold all of the KV
+        queue.release("a-run2")
         await settle()
         return list(granted)
 
-    assert run_simulated(main()) == ["b", "a-wait0"]
+    # a-wait0 when b ended (one block stays free for B), b2 at once, a-wait1 and a-wait2 once B was quiet.
+    assert run_simulated(main()) == ["b", "a-wait0", "a-wait1", "a-wait2"]
 
 
 def test_grants_made_at_one_instant_alternate_between_tenants_by_weight() -> None:
