@@ -120,3 +120,28 @@ def test_the_release_of_a_grant_runs_outside_its_request_so_a_disconnect_cannot_
 
     asyncio.run(run())
     assert seen == [""], seen  # no request context: Serve ties nothing to the request it came from
+
+
+def test_an_unfinished_request_gives_its_grant_back_only_after_its_replica_aborted_it() -> None:
+    """A client that goes away mid-request: the replica aborts the request (its KV freed at the core's next turn,
+    before any request sent after it), and only then does the grant go back to the queue. Released first, the
+    queue granted the KV the replica still held to a waiting request, which the replica refused."""
+    calls: list[str] = []
+
+    async def abort(query: object, ticket: str, attempt: int) -> bool:
+        calls.append("abort started")
+        await asyncio.sleep(0.05)
+        calls.append("abort done")
+        return True
+
+    async def release(ticket: str, ttft_s: float | None, itl_s: float | None) -> None:
+        calls.append(f"release {ticket} ttft={ttft_s}")
+
+    sessions = object.__new__(Sessions)
+    sessions.args = cast(AppArgs, types.SimpleNamespace(dispatch_timeout_s=5.0))
+    engine = types.SimpleNamespace(abort=types.SimpleNamespace(remote=abort))
+    sessions._engines = {"default": engine}
+    sessions.admission = types.SimpleNamespace(release=types.SimpleNamespace(remote=release))
+
+    asyncio.run(sessions._abort_then_release("r1", "t1", 0, 0.5, None))
+    assert calls == ["abort started", "abort done", "release t1 ttft=0.5"]
