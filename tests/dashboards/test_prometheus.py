@@ -68,11 +68,13 @@ _COMMON = dict(
     grant_leak_grace_s=600,  # the test's own grant is never reported by the replica: it must outlast the module
     # A latency target: the service-level policy runs in Serve's controller and exports its metrics (one replica).
     autoscaling={"min_replicas": 1, "max_replicas": 1, "ttft_target_s": 30.0},
-    # A tenant limit no request reaches: its refusal counter is exported (at 0) like every documented series.
-    tenants={"anonymous": {"max_concurrent_requests": 1000}},
+    # A tenant limit (the app has no keys: every request is the tenant `anonymous`) that one request of 5 prompts
+    # passes: its fifth choice is refused while the other four hold their grants (admitted all or none).
+    tenants={"anonymous": {"max_concurrent_requests": 4}},
 )
 NATIVE = Backend("native", tiny_app_args(MODEL, **_COMMON), CAPACITY_BLOCKS, never_fits_prompt=1500,
-                 outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_never_fits"))
+                 outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_never_fits",
+                           "rejected_limit"))
 # vLLM: tp=2 dcp=1 (its CPU attention cannot shard KV), pages of 32 tokens, and a pool that holds one max_model_len
 # request (vLLM's minimum), so the request that never fits is one past max_model_len (the ingress' 400, before
 # admission).
@@ -81,7 +83,7 @@ VLLM = Backend(
     tiny_app_args(MODEL, backend="vllm", decode_context_parallel_size=1, block_size=32, max_model_len=8192,
                   kv_cache_memory_bytes=257 * 16384, **_COMMON),
     capacity_blocks=256, never_fits_prompt=8200,
-    outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout"),
+    outcomes=("admitted", "queued", "rejected_queue_full", "rejected_timeout", "rejected_limit"),
 )
 
 
@@ -180,6 +182,8 @@ def drive_load(stack: Stack) -> dict[str, int | str]:
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code
         statuses["never_fits"] = http.post("/v1/completions", json={
             "model": MODEL, "prompt": prompt_tokens(stack.backend.never_fits_prompt), "max_tokens": 16}).status_code
+        statuses["tenant_limit"] = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": [[5, 6, 7]] * 5, "max_tokens": 2}).status_code
 
     async def contention() -> None:
         need_13 = {"model": MODEL, "prompt": prompt_tokens(380), "max_tokens": 20, "ignore_eos": True}  # (380+20)/32
@@ -270,7 +274,7 @@ def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
 def loaded(stack: Stack) -> Stack:
     statuses = drive_load(stack)
     caching = prefix_caching(stack)
-    assert statuses == {"stream": 200, "chat": 200, "never_fits": 400, "queue_full": 429,
+    assert statuses == {"stream": 200, "chat": 200, "never_fits": 400, "tenant_limit": 429, "queue_full": 429,
                         "timeout": 429, "queued_then_admitted": 200, "prefix_first": 200, "prefix_repeated": 200,
                         **({"prefix_evicting": 200} if caching else {})}, statuses
     # Samples of everything, and the counters' latest values (Ray exports every second, Prometheus scrapes every 5).
