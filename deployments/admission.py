@@ -209,7 +209,9 @@ class AdmissionQueue:
             raise ValueError(f"ticket {ticket!r} already holds a grant")
         now = self._clock()
         try:
-            exceeded = self.limits.check(level.tenant, level.tokens, self.in_flight(level.tenant), now)
+            # A request back after a grant (front) passed its tenant's limits then: it is not counted again.
+            exceeded = None if front else self.limits.check(level.tenant, level.tokens, self.in_flight(level.tenant),
+                                                            now)
             if exceeded is not None:
                 raise LimitExceeded(exceeded)
             if self.replicas and not self._healthy_replicas():
@@ -224,6 +226,8 @@ class AdmissionQueue:
         except AdmissionError as err:
             self._event(err.outcome, None, level)
             raise
+        if front:
+            return await self._wait(ticket, need, timeout_s, front, ask, level, now)
         self.limits.charge(level.tenant, ticket, level.tokens, now)
         try:
             return await self._wait(ticket, need, timeout_s, front, ask, level, now)

@@ -15,7 +15,7 @@ import pytest
 from deployments.admission import AdmissionQueue, DeadlineExceeded, LimitExceeded, QueueFull, QueueTimeout, Shed
 from deployments.fair_share import ServiceLevel, TenantShares, admission_order
 from deployments.latency_window import LatencyWindow, nearest_rank
-from deployments.tenant_limits import Limits, TenantLimits
+from deployments.tenant_limits import Exceeded, Limits, TenantLimits
 from simulator.clock import run_simulated
 
 TOKENS_PER_BLOCK = 16
@@ -286,6 +286,11 @@ def test_tenant_limits_concurrency_and_tokens_per_minute() -> None:
         await asyncio.sleep(30.0)
         assert await queue.acquire("a4", 1, 1.0, level=a) == "r"
         assert [e[0] for e in queue.events].count("rejected_limit") == 3  # type: ignore[attr-defined]
+        # A request a replica refused after its grant comes back (front): its limits are not checked or charged again.
+        queue.release("a4")
+        assert await queue.acquire("a4", 1, 1.0, front=True, level=a) == "r"
+        # In the window: a3 (t=20) and a4 once (t=60), not twice.
+        assert "started 600 tokens" in (limits.check("A", 500, 0, loop.time()) or Exceeded("", "", None)).message
 
     run_simulated(main())
 
