@@ -41,7 +41,7 @@ from typing import Any
 from ray import serve
 
 from deployments.fair_share import ServiceLevel, TenantShares, admission_order, displaced, displaced_why
-from deployments.latency_window import LatencyWindow
+from deployments.latency_window import LatencyWindow, nearest_rank
 from deployments.metrics import AdmissionMetrics
 from deployments.pools import DEFAULT_POOL, Need, PoolChoice, choose, never_fits, pools_of, smallest_blocks
 from deployments.prefix_routing import PrefixAsk
@@ -190,6 +190,7 @@ class AdmissionQueue:
         self.order = order
         self.fair_share_reserve = fair_share_reserve
         self._seq = 0
+        self._waits: dict[str, deque[float]] = {}  # tenant -> how long its last granted requests waited
         self.num_shed = 0
         self.num_deadline = 0
 
@@ -239,6 +240,23 @@ class AdmissionQueue:
         """The queue's clock (what its grants, deadlines and latency window are timed with)."""
         return self._clock()
 
+    def _waited(self, level: ServiceLevel, seconds: float) -> None:
+        self._waits.setdefault(level.tenant, deque(maxlen=1000)).append(seconds)
+
+    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+        """Per tenant: its attained KV token-seconds, the KV it holds, and how long its last (up to 1,000) granted
+        requests waited in the queue (p50, p90, max; 0 for those granted at once)."""
+        now = self._clock()
+        out: dict[str, dict[str, Any]] = {}
+        for tenant in sorted(set(self.shares.tenants()) | set(self._waits)):
+            waits = sorted(self._waits.get(tenant, ()))
+            out[tenant] = {"attained_kv_token_s": round(self.shares.attained(tenant, now), 3),
+                           "holding_kv_tokens": self.shares.holding.get(tenant, 0), "granted": len(waits),
+                           "wait_p50_s": nearest_rank(waits, 0.5) if waits else None,
+                           "wait_p90_s": nearest_rank(waits, 0.9) if waits else None,
+                           "wait_max_s": waits[-1] if waits else None}
+        return out
+
     def in_flight(self, tenant: str) -> int:
         """The tenant's sequences waiting in the queue or holding a grant."""
         return (sum(1 for grant in self._grants.values() if grant.level.tenant == tenant)
@@ -256,6 +274,7 @@ class AdmissionQueue:
         self._fulfill()
         if waiter.future.done():  # granted at once
             self._event("admitted", None, level)
+            self._waited(level, 0.0)
             return waiter.future.result()
         waiting = [w for w in self._waiters if not w.future.done()]
         if len(waiting) > self.max_queued and not front:
@@ -281,6 +300,7 @@ class AdmissionQueue:
         try:
             replica_id = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=wait_s)
             self._event("admitted", self._clock() - now, level)
+            self._waited(level, self._clock() - now)
             return replica_id
         except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
@@ -529,9 +549,7 @@ class AdmissionQueue:
             "num_leaked": self.num_leaked,
             "num_shed": self.num_shed,
             "num_deadline": self.num_deadline,
-            "tenants": {tenant: {"attained_kv_token_s": round(self.shares.attained(tenant, self._clock()), 3),
-                                 "holding_kv_tokens": self.shares.holding.get(tenant, 0)}
-                        for tenant in self.shares.tenants()},
+            "tenants": self.tenant_stats(),
             "prefix_query_blocks": self.num_prefix_query_blocks,
             "prefix_hit_blocks": self.num_prefix_hit_blocks,
             "pool_grants": dict(self.pool_grants),
@@ -672,7 +690,12 @@ class AdmissionQueue:
 @serve.deployment(max_ongoing_requests=100_000, num_replicas=1, ray_actor_options={"num_cpus": 0})
 class KvAdmission:
     """The app's admission queue as a one-replica deployment: the ingress acquires and releases, engine replicas
-    report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them."""
+    report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them.
+
+    Every method is async: Ray Serve runs a deployment's sync methods in a thread pool
+    (RAY_SERVE_RUN_SYNC_IN_THREADPOOL, on by default), which raced them against acquire on the replica's event loop
+    over the queue's state and set its waiters' futures from other threads ("deque mutated during iteration" under
+    load). Async methods all run on the one loop, one at a time between awaits, as AdmissionQueue assumes."""
 
     def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True,
                  leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
@@ -713,19 +736,19 @@ class KvAdmission:
         finally:
             self.metrics.update(self.queue.num_queued, self.queue.queued_blocks, self.queue.queued_by_level())
 
-    def release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
+    async def release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
         self.queue.release(ticket, ttft_s, itl_s)
 
-    def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
+    async def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
         self.queue.refused(ticket, replica_id, free_blocks)
 
-    def unreachable(self, ticket: str, replica_id: str) -> None:
+    async def unreachable(self, ticket: str, replica_id: str) -> None:
         self.queue.unreachable(ticket, replica_id)
 
-    def replica_lost(self, replica_id: str) -> None:
+    async def replica_lost(self, replica_id: str) -> None:
         self.queue.replica_lost(replica_id)
 
-    def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
+    async def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
                healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
                prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0, gpus: int = 1,
                max_seqs: int = 0, prefill_tokens: int = 0, step_tokens: int = 0,
@@ -747,8 +770,8 @@ class KvAdmission:
                          kv_load_blocks=load, kv_capacity_blocks=pool_capacity, pool_replicas=pool_replicas)
         return reply
 
-    def remove_replica(self, replica_id: str) -> None:
+    async def remove_replica(self, replica_id: str) -> None:
         self.queue.remove_replica(replica_id)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         return self.queue.stats()

@@ -471,3 +471,20 @@ def test_a_refusing_replica_reports_first_or_the_queue_grants_it_again() -> None
     queue.refused("b", "r", full.value.free_blocks)
     report()  # what the replica does before it answers Refused
     assert asyncio.run(grant()) is None  # now the queue counts 9 blocks against 8 free: the request waits
+
+
+def test_every_method_of_the_admission_deployment_runs_on_its_event_loop() -> None:
+    """Ray Serve runs a deployment's sync methods in a thread pool (RAY_SERVE_RUN_SYNC_IN_THREADPOOL, on by
+    default): a sync release or report raced acquire over the queue's state from another thread and set its waiters'
+    futures off the loop ("deque mutated during iteration" under load). Every method the ingress and the replicas
+    call must be async, so they all run on the one loop."""
+    import inspect
+
+    from deployments.admission import KvAdmission
+
+    cls = KvAdmission.func_or_class
+    public = {name: member for name, member in vars(cls).items()
+              if callable(member) and not name.startswith("_")}
+    assert {"acquire", "release", "refused", "unreachable", "replica_lost", "report", "remove_replica",
+            "stats"} <= set(public)
+    assert [name for name, member in public.items() if not inspect.iscoroutinefunction(member)] == []
