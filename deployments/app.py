@@ -13,10 +13,10 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from cluster.node_types import check_replica_fits, cluster_config_from_env, node_types
-from deployments.admission import KvAdmission
 from deployments.autoscaling import policy_function, policy_kwargs
 from deployments.config import AppArgs, PoolArgs, parse_args
 from deployments.ingress import OpenAIIngress
+from deployments.kv_admission import KvAdmission
 from deployments.replica import EngineReplica, replica_bundles
 from deployments.tenant_limits import Limits
 from engine.backends import validate_engine_args

@@ -480,9 +480,9 @@ def test_every_method_of_the_admission_deployment_runs_on_its_event_loop() -> No
     call must be async, so they all run on the one loop."""
     import inspect
 
-    from deployments.admission import KvAdmission
+    from deployments.kv_admission import KvAdmission
 
-    cls = KvAdmission.func_or_class
+    cls = KvAdmission.func_or_class  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
     public = {name: member for name, member in vars(cls).items()
               if callable(member) and not name.startswith("_")}
     assert {"acquire", "release", "refused", "unreachable", "replica_lost", "report", "remove_replica",
