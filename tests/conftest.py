@@ -17,6 +17,7 @@ drive one Ray cluster only, so it runs in a process of its own), the rest needin
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -28,6 +29,18 @@ os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.core.engine.
 from deployments.local_cluster import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # before anything imports ray: every Ray this session starts or joins listens on 127.0.0.1
+
+# schemathesis' pytest plugin imports its report writers lazily, in its pytest_sessionfinish hook, and pytest parses
+# them then to rewrite their asserts. By then the session's Ray head has stopped and the garbage of the Serve handles
+# the tests made is being finalized: a finalizer that runs in the middle of CPython 3.11's ast.parse throws its
+# recursion count off ("SystemError: AST constructor recursion depth mismatch", a CPython 3.11 bug), which crashed the
+# cluster tier after all of its tests had passed. Imported now, before any test, they are parsed in a quiet process.
+for _lazy in ("schemathesis.reporting.html.writer", "schemathesis.reporting.html.build",
+              "schemathesis.reporting.junitxml", "schemathesis.reporting._command"):
+    try:
+        importlib.import_module(_lazy)
+    except ImportError:  # another schemathesis: what it does not have, its hook does not import
+        pass
 # Ray reads its auth mode once, at import: the session's head (tests/e2e/cluster.py) uses token auth.
 os.environ["RAY_AUTH_MODE"] = "token"
 # Nothing in a test process may start a Ray of its own by calling into Ray unconnected (Ray's auto-init, also read
