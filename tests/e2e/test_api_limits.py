@@ -147,7 +147,8 @@ def test_service_level_fields_and_tenant_limits_answer_named_errors(cluster: Ser
         assert_openai_error(restricted, 400, "priority=1 is more urgent than this API key allows (min_priority=2)")
         assert http.post("/v1/completions", json=request, headers=bearer("restricted")).status_code == 200
 
-        metered = {**request, "max_tokens": 200}  # prompt + 200 tokens count against the 300 a minute
+        # 198 prompt tokens + 2 count 200 against the 300 a minute, and generate in well under request_timeout_s.
+        metered = {"model": MODEL, "prompt": [7] * 198, "max_tokens": 2}
         assert http.post("/v1/completions", json=metered, headers=bearer("metered")).status_code == 200
         reply = http.post("/v1/completions", json=metered, headers=bearer("metered"))
         error = assert_openai_error(reply, 429, f"past its tokens_per_minute={TOKENS_PER_MINUTE}")
