@@ -40,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 import httpx
 
 from bench.docs_section import DocsSection
+from deployments.latency_window import nearest_rank
 from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
 
 DOCS = DocsSection("bench/fairness.py")
@@ -181,10 +182,7 @@ async def health_latency(http: httpx.AsyncClient, until: float) -> list[float]:
 
 
 def p(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(int(q * len(ordered) + 0.999999) - 1, 0)]
+    return nearest_rank(values, q) if values else None
 
 
 def ttfts(outcomes: list[Outcome]) -> list[float]:

@@ -225,13 +225,13 @@ class AdmissionQueue:
         except AdmissionError as err:
             self._event(err.outcome, None, level)
             raise
-        if front:
-            return await self._wait(ticket, need, timeout_s, front, ask, level, now)
-        self.limits.charge(level.tenant, ticket, level.tokens, now)
+        if not front:
+            self.limits.charge(level.tenant, ticket, level.tokens, now)
         try:
             return await self._wait(ticket, need, timeout_s, front, ask, level, now)
         except AdmissionError:
-            self.limits.refund(level.tenant, ticket)
+            if not front:
+                self.limits.refund(level.tenant, ticket)
             raise
 
     def now(self) -> float:
