@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from engine.structured_output import StructuredOutput
+
 # The most top-k alternatives a request may ask for per token (logprobs and prompt_logprobs; vLLM's default).
 MAX_LOGPROBS = 20
 # Penalty and bias limits (OpenAI's for presence / frequency and logit_bias; repetition as Hugging Face uses it).
@@ -52,6 +54,8 @@ class SamplingParams:
     # False: token ids only, no text (vLLM's option; offline batch work that reads ids, or benchmarks against
     # engines that do not detokenize). Stop strings need the text, so they need True.
     detokenize: bool = True
+    # A constraint on the output text (JSON schema, regex, choice, grammar): tokens it forbids are never sampled.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +105,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}")
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings {list(self.stop)} are matched in the output text: they need "
                              f"detokenize=True (or use stop_token_ids)")

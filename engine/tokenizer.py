@@ -49,6 +49,11 @@ class Tokenizer:
         return self._eos_token_ids
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (the grammar engine reads its vocabulary)."""
+        return self._tokenizer
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._tokenizer.bos_token_id
 
@@ -71,8 +76,15 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template (BOS comes from the template)."""
+    @property
+    def template_renders_tools(self) -> bool:
+        """The chat template takes a `tools` list (Hugging Face's convention): tools go through it."""
+        return self.has_chat_template and "tools" in str(self._tokenizer.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template (BOS comes from the template);
+        `tools` (OpenAI's definitions) are passed to a template that renders them."""
         if not self.has_chat_template:
             raise ValueError(
                 f"{self._source}: the tokenizer has no chat template, so chat messages cannot be turned into a "
@@ -81,7 +93,8 @@ class Tokenizer:
             )
         _check_messages(messages)
         text = self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
         )
         # The template writes BOS itself, as Hugging Face's own tokenize=True path assumes.
         return self.encode(text, add_special_tokens=False)
@@ -105,7 +118,7 @@ def load_tokenizer(model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> 
         ) from err
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _check_messages(messages: list[dict[str, Any]]) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(
             f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
@@ -113,6 +126,8 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
         if not isinstance(message, dict):
             raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {message!r}")
         for key in ("role", "content"):
+            if key == "content" and message.get("tool_calls") and message.get(key) is None:
+                continue  # an assistant's turn of tool calls
             if not isinstance(message.get(key), str):
                 raise ValueError(f"messages[{index}][{key!r}] must be a string, got {message.get(key)!r}")
 

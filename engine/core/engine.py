@@ -24,6 +24,7 @@ from engine.core.step_trace import StepTraceWriter
 from engine.kernels import dcp_local_seq_lens
 from engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammars
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 from engine.worker.executor import Executor, create_executor
 
@@ -57,6 +58,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, frozenset(eos))
         self._text: dict[str, TextStream] = {}
+        self._grammars: Grammars | None = None
         # Prompt logprobs gathered chunk by chunk until the request's first token delivers them.
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._ids = itertools.count()
@@ -98,10 +100,22 @@ class LLMEngine:
     def add(self, request: Request) -> None:
         """Queues a request whose prompt is already token ids checked against the vocabulary (prompt_token_ids):
         the engine core's path, which keeps the Request it measured (its block hashes) instead of building another."""
+        constraint = request.sampling_params.structured_output
+        if constraint is not None:
+            request.grammar = self.grammars().start(constraint)  # GrammarError (a ValueError): refused, not queued
         self.scheduler.add_request(request)
         if request.sampling_params.detokenize:
             self._text[request.request_id] = TextStream.for_params(self.tokenizer, request.prompt_token_ids,
                                                                    request.sampling_params)
+
+    def grammars(self) -> Grammars:
+        """The grammar compiler of this model's vocabulary, made at the first constrained request."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(f"the model directory {self.config.model} has no tokenizer: structured outputs "
+                                 f"need one to know each token's text")
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its KV; the next step tells the workers to drop its state."""

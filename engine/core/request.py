@@ -6,9 +6,13 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.protocol import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -79,6 +83,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list, repr=False)
     num_cached_blocks: int = field(default=0, repr=False)
     num_charged_blocks: int = field(default=0, repr=False)
+    # A constrained request's grammar state (SamplingParams.structured_output), advanced by each output token. It
+    # lives here, in the scheduler, and survives preemption: recompute replays tokens through the model only.
+    grammar: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids

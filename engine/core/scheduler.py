@@ -21,6 +21,7 @@ The waiting queue is FIFO and its head blocks the rest, so a big request is neve
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ from engine.core.block_manager import BlockManager, BlockUsage, check_fits, head
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.step import ScheduledRequest, SchedulerOutput
 from engine.protocol import KvLedger
+from engine.structured_output import grammar_bitmask
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -187,13 +191,16 @@ class Scheduler:
         # vLLM's min_tokens: EOS is masked too when ignore_eos is set (it would not stop the request anyway).
         blocked = (tuple(sorted(self.eos_token_ids | set(params.stop_token_ids or ())))
                    if sample and num_outputs < params.min_tokens else ())
+        allowed = None
+        if sample and request.grammar is not None:
+            allowed, blocked = grammar_bitmask(request.grammar, blocked), ()
         # No block sent yet = the ranks do not know the request (every scheduled entry holds at least one block).
         block_ids = request.block_ids
         sent, request.num_block_ids_sent = request.num_block_ids_sent, len(block_ids)
         if sent:  # the common entry (a running request's decode): positional, the step builds one per request
             return ScheduledRequest(request.request_id, all_token_ids[start:end], start,
                                     block_ids[sent:], sample, num_outputs, None,
-                                    None if sample else all_token_ids[end], blocked, None)
+                                    None if sample else all_token_ids[end], blocked, None, allowed)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=all_token_ids[start:end],
@@ -205,6 +212,7 @@ class Scheduler:
             next_token_id=None if sample else all_token_ids[end],
             blocked_token_ids=blocked,
             prefix_token_ids=all_token_ids[:start] if start and params.has_penalties else None,
+            allowed_token_bitmask=allowed,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[TokenUpdate]:
@@ -224,6 +232,14 @@ class Scheduler:
             token = sampled[entry.request_id]
             request.append_output(token)
             reason = stop_reason(request, token)
+            grammar = request.grammar
+            if grammar is not None:
+                if not grammar.accept(token):  # the mask allows only tokens the grammar accepts: an engine bug
+                    logger.error("request %s: token %d was sampled against its grammar; it ends here",
+                                 request.request_id, token)
+                    reason = reason or FinishReason.ABORT
+                elif reason is None and grammar.is_terminated:
+                    reason = FinishReason.STOP  # satisfied and stopped (ignore_eos cannot extend a finished grammar)
             if reason is not None:
                 self._finish(request, reason)
             updates.append(TokenUpdate(request, token, reason is not None))

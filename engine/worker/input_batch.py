@@ -81,7 +81,7 @@ class InputBatch:
         # The few requests that need per-step work beyond sampling, so that the common step skips them in O(1).
         self.penalized: set[str] = set()  # repetition / frequency / presence penalties: token history kept
         self.wants_prompt_logprobs: set[str] = set()
-        self.not_plain_greedy: set[str] = set()  # anything but argmax: sampling, logprobs, bias, min_tokens
+        self.not_plain_greedy: set[str] = set()  # anything but argmax: sampling, logprobs, bias, min_tokens, grammar
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest row
         # The pages the last apply() handed out fresh (blocks wholly past each request's computed tokens): they may
         # hold a finished request's KV; the model runner zeroes them on CPU (AttentionMetadata.finite_tail).
@@ -164,7 +164,7 @@ class InputBatch:
             if params.prompt_logprobs is not None:
                 self.wants_prompt_logprobs.add(entry.request_id)
             if not (params.greedy and params.logprobs is None and not params.logit_bias and not params.has_penalties
-                    and params.min_tokens == 0):
+                    and params.min_tokens == 0 and params.structured_output is None):
                 self.not_plain_greedy.add(entry.request_id)
         elif state is None:
             raise RuntimeError(

@@ -229,7 +229,8 @@ class ModelRunner:
                 result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, tokens, strict=True)}
             elif self.sampler is not None and result is not None and logits is not None:
                 sampled = self.sampler.sample(logits, [
-                    SamplingRow(entry.request_id, params, entry.num_output_tokens, entry.blocked_token_ids)
+                    SamplingRow(entry.request_id, params, entry.num_output_tokens, entry.blocked_token_ids,
+                                entry.allowed_token_bitmask)
                     for entry, params in inputs.sampling
                 ])
                 result.sampled_token_ids = {

@@ -1,8 +1,9 @@
 """Picks each sampling row's next token from its logits, per request's SamplingParams, and reports logprobs.
 
-Order (vLLM v1's): logprobs are taken from the raw logits (log_softmax over the whole vocabulary); then min_tokens
-masks the stop tokens, logit_bias is added, the repetition penalty (prompt + output tokens) and the frequency and
-presence penalties (output tokens) are applied, then temperature, top-k, top-p, and the draw.
+Order (vLLM v1's): logprobs are taken from the raw logits (log_softmax over the whole vocabulary); then a constrained
+row's grammar bitmask sets the tokens it forbids to -inf, min_tokens masks the stop tokens, logit_bias is added, the
+repetition penalty (prompt + output tokens) and the frequency and presence penalties (output tokens) are applied,
+then temperature, top-k, top-p, and the draw.
 
 A request with a seed draws from its own generator, created at its first token and kept until it finishes, so
 its tokens depend only on its own logits and seed, never on what else is in the batch. Requests without a
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from engine.protocol import TokenLogprob
@@ -119,6 +122,18 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int = 0  # outputs before this one (penalties split the history into prompt and output)
     blocked_token_ids: tuple[int, ...] = ()  # stop tokens min_tokens forbids for now (set by the scheduler)
+    # A constrained row: the int32 bitmask of the tokens its grammar allows (engine.structured_output); None: all.
+    allowed_token_bitmask: Any = None
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask rows [R, words] (bit t of word t // 32: token t allowed) -> bool [R, vocab_size], on the
+    bitmask's device; tokens past the bitmask's words are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed[:, :vocab_size]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -228,10 +243,15 @@ class Sampler:
         blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if t < logits.shape[1]]
         biased = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias_map().items()]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
-        if not (blocked or biased or penalized):
+        constrained = [i for i, row in enumerate(rows) if row.allowed_token_bitmask is not None]
+        if not (blocked or biased or penalized or constrained):
             return logits
         logits = logits.clone()
         device = logits.device
+        if constrained:
+            index = torch.tensor(constrained, dtype=torch.int64, device=device)
+            bitmask = torch.from_numpy(np.stack([rows[i].allowed_token_bitmask for i in constrained])).to(device)
+            logits[index] = logits[index].masked_fill(~unpack_bitmask(bitmask, logits.shape[1]), float("-inf"))
         if blocked:
             index = torch.tensor(blocked, dtype=torch.int64, device=device)
             logits[index[:, 0], index[:, 1]] = float("-inf")

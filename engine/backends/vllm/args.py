@@ -208,6 +208,15 @@ def set_cpu_threads_bind(tp: int) -> None:
         _bind_set_here.append(value)
 
 
+def structured_outputs_config() -> Any:
+    """vLLM's structured outputs as they are natively (engine/structured_output.py): llguidance, compact JSON,
+    additionalProperties: false where a schema does not set it."""
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True,
+                                   disable_additional_properties=True)
+
+
 def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | None = None,
                        kv_events_topic: str = "") -> dict[str, Any]:
     """vLLM's AsyncEngineArgs for our arguments (one meaning per knob: see engine/args.py). kv_events_endpoint: where
@@ -236,6 +245,7 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "disable_log_stats": True,  # our stat logger still records (custom loggers switch stats on)
+        "structured_outputs_config": structured_outputs_config(),
     }
     if args.enable_prefix_caching and kv_events_endpoint is not None:
         kwargs["kv_events_config"] = kv_events_config(kv_events_endpoint, kv_events_topic)

@@ -42,6 +42,7 @@ from engine.core.prefix_cache import PrefixReport
 from engine.core.request import resolve_prompt_token_ids
 from engine.protocol import EngineDeadError, EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -394,6 +395,24 @@ def process_services() -> set[int]:
     return {pid} if pid is not None else set()
 
 
+def to_vllm_structured_outputs(constraint: StructuredOutput | None) -> Any:
+    """vLLM's StructuredOutputsParams for our constraint (None for none): its own structured outputs, on the
+    llguidance backend vllm_engine_kwargs selects."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.kind == "json":
+        return StructuredOutputsParams(json=constraint.spec)
+    if constraint.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if constraint.kind == "choice":
+        return StructuredOutputsParams(choice=constraint.choices())
+    if constraint.kind == "regex":
+        return StructuredOutputsParams(regex=constraint.spec)
+    return StructuredOutputsParams(grammar=constraint.spec)
+
+
 def to_vllm_sampling_params(params: SamplingParams) -> Any:
     """vLLM's SamplingParams for ours, streaming deltas."""
     import vllm
@@ -417,6 +436,7 @@ def to_vllm_sampling_params(params: SamplingParams) -> Any:
         min_tokens=params.min_tokens,
         skip_special_tokens=params.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=to_vllm_structured_outputs(params.structured_output),
         # engine.tokenizer.TextStream makes the text and finds stop strings (include_stop_str_in_output included), as
         # natively; vLLM only generates tokens.
         detokenize=False,
