@@ -9,6 +9,9 @@ shapes, best_of ranking by cumulative logprob); `Tokens` names tokens for logpro
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,18 +60,113 @@ async def collect(choice: Choice, session: AsyncIterator[RequestDelta]) -> Choic
     return choice
 
 
+@functools.cache
+def _byte_level_bytes() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode table reversed: byte-level BPE writes every byte as one printable character (bytes
+    that are printable already as themselves, the others shifted past 255), so a token's string maps back to its
+    raw bytes character by character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+# A SentencePiece byte-fallback token: one raw byte, written "<0x87>".
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class Tokens:
-    """Token names for logprobs: the token's own text (special tokens included), or 'token_id:<id>'."""
+    """Token names for logprobs: the token's own text (special tokens included), 'bytes:\\x..' for a token whose
+    own bytes are not UTF-8 on their own (as OpenAI names them: decoding would give U+FFFD, so distinct tokens would
+    share one name), or 'token_id:<id>'."""
 
     def __init__(self, tokenizer: Any, as_ids: bool) -> None:
         self._tokenizer = tokenizer
         self._as_ids = as_ids or tokenizer is None
+        self._names: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        # The Hugging Face tokenizer, whether it is byte-level and its added token ids: looked up on first use.
+        self._looked_up = False
+        self._hf: Any = None
+        self._byte_level = False
+        self._added: set[int] = set()
 
     def name(self, token_id: int) -> str:
         if self._as_ids:
             return f"token_id:{token_id}"
+        name = self._names.get(token_id)
+        if name is None:
+            raw = self.token_bytes(token_id)
+            try:
+                raw.decode("utf-8")
+                name = self._decode(token_id)
+            except UnicodeDecodeError:
+                name = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._names[token_id] = name
+        return name
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: from a byte-level BPE token's characters or a byte-fallback token's "<0xNN>";
+        for any other token (special and added tokens included) its decoded text's UTF-8."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            own = self._own_bytes(token_id)
+            raw = own if own is not None else self._decode(token_id).encode("utf-8")
+            self._bytes[token_id] = raw
+        return raw
+
+    def _decode(self, token_id: int) -> str:
         text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def _own_bytes(self, token_id: int) -> bytes | None:
+        """The bytes the tokenizer's vocabulary gives the token, or None where it gives none of its own."""
+        if not self._looked_up:
+            self._look_up()
+        if self._hf is None or token_id in self._added:
+            return None
+        try:
+            piece = self._hf.convert_ids_to_tokens(token_id)
+        except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+            return None
+        if not isinstance(piece, str):
+            return None
+        if self._byte_level:
+            table = _byte_level_bytes()
+            if piece and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return None
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        return bytes([int(match.group(1), 16)]) if match else None
+
+    def _look_up(self) -> None:
+        """The Hugging Face tokenizer (engine.tokenizer.Tokenizer keeps it in `_tokenizer`; a bare one is used as it
+        is), whether its decoder is byte-level (a ByteLevel decoder, alone or in a Sequence) and its added tokens
+        (their text is not byte-level encoded, so it is never mapped through the byte table)."""
+        self._looked_up = True
+        candidates = (getattr(self._tokenizer, "hf_tokenizer", None), getattr(self._tokenizer, "_tokenizer", None),
+                      self._tokenizer)
+        hf = next((t for t in candidates if hasattr(t, "convert_ids_to_tokens")), None)
+        if hf is None:
+            return
+        self._hf = hf
+        self._added = {int(i) for i in getattr(hf, "added_tokens_decoder", {}) or {}}
+        self._added.update(int(i) for i in getattr(hf, "all_special_ids", []) or [])
+        if isinstance(getattr(hf, "byte_decoder", None), dict):  # a slow GPT-2 style tokenizer
+            self._byte_level = True
+            return
+        decoder = getattr(getattr(hf, "backend_tokenizer", None), "decoder", None)
+        try:
+            state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        except (AttributeError, TypeError, ValueError):
+            state = {}
+        parts = state.get("decoders", [state]) if isinstance(state, dict) else []
+        self._byte_level = any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
 
     def entry(self, logprob: TokenLogprob | None, token_id: int, k: int) -> protocol.LogprobEntry:
         """(name, logprob, top-k alternatives); logprob None (the first prompt token has none) gives (name, None,
