@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP front (FastAPI through Serve): validate, tokenize, count KV, admit, stream.
 
 Request path: API key (401) and body size (413) -> parse and validate the body (400) -> tokenize (chat template
-for chat) -> max_tokens (unset: the rest of the context, max_model_len minus the prompt) and check max_model_len
-(400) -> need = admission_blocks under the app's policy (prompt + max_tokens for "full", the prompt for "usage")
--> KvAdmission.acquire: a granted replica, or 400 never-fits / 429 queue full or timed out / 503 no healthy
-replica -> EngineReplica.generate through the KV-aware router to that replica, its deltas to come on this ingress'
-delta stream from it (deployments/streams.py) -> a refusal, or a replica that does not take the request within
-dispatch_timeout_s (still starting, draining, gone), gives the grant back and re-queues the request at the head ->
-deltas back as JSON or SSE. Whatever ends the request (finish, error, client disconnect, request_timeout_s) aborts
-it on its replica if it did not finish (which frees its KV) and releases the grant.
+for chat, with the tools: deployments/tool_calls.py) -> compile the output constraint, if any (400 naming the field
+the grammar engine refuses: deployments/structured.py) -> max_tokens (unset: the rest of the context, max_model_len
+minus the prompt) and check max_model_len (400) -> need = admission_blocks under the app's policy (prompt +
+max_tokens for "full", the prompt for "usage") -> KvAdmission.acquire: a granted replica, or 400 never-fits / 429
+queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the KV-aware router to that
+replica, its deltas to come on this ingress' delta stream from it (deployments/streams.py) -> a refusal, or a
+replica that does not take the request within dispatch_timeout_s (still starting, draining, gone), gives the grant
+back and re-queues the request at the head -> deltas back as JSON or SSE. Whatever ends the request (finish, error,
+client disconnect, request_timeout_s) aborts it on its replica if it did not finish (which frees its KV) and
+releases the grant.
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
@@ -34,9 +36,12 @@ from deployments.http_edge import ApiError, api, authorize, read_body, validatio
 from deployments.metrics import IngressMetrics
 from deployments.pools import Need, request_need
 from deployments.sessions import Sessions
+from deployments.structured import FieldError, check_constraint
+from deployments.tool_calls import ToolPlan, ToolStream, builtin_messages, chat_message, finish_reason
 from engine.backends import model_limits
 from engine.protocol import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammars
 from engine.tokenizer import load_tokenizer
 
 
@@ -57,6 +62,7 @@ class OpenAIIngress:
         self.pool_layouts = args.pool_layouts()
         self.admission_policy = limits.admission
         self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
+        self._grammars: Grammars | None = None  # made at the first constrained request
         self._api_keys = [(name, key.encode()) for name, key in args.resolved_tenant_keys()]  # never logged
         self.metrics = IngressMetrics()
         self.sessions = Sessions(args, engine, admission, self.metrics, limits)
@@ -124,11 +130,16 @@ class OpenAIIngress:
             body, tenant = await self._parse(request, protocol.ChatCompletionRequest)
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: chat needs one; use /v1/completions with token ids")
+            plan = self._tool_plan(body)
+            messages = body.chat_messages()
+            renders_tools = self.tokenizer.template_renders_tools
             try:
-                token_ids = self.tokenizer.apply_chat_template(body.chat_messages())
+                token_ids = self.tokenizer.apply_chat_template(
+                    messages if renders_tools else builtin_messages(messages, plan),
+                    tools=plan.openai_tools() if plan is not None and renders_tools else None)
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            response = await self._serve(body, tenant, [token_ids], chat=True)
+            response = await self._serve(body, tenant, [token_ids], chat=True, plan=plan)
         except ApiError as err:
             response = err.response()
         self.metrics.response("chat_completions", response.status_code)
@@ -169,6 +180,32 @@ class OpenAIIngress:
         except ValueError as err:
             raise ApiError(400, str(err), param="deadline") from None
         return ServiceLevel(tenant, priority, settings.weight, deadline_s)
+
+    @staticmethod
+    def _tool_plan(body: Any) -> ToolPlan | None:
+        try:
+            plan: ToolPlan | None = body.tool_plan()
+        except FieldError as err:
+            raise ApiError(400, str(err), param=err.param) from None
+        return plan
+
+    async def _check_constraint(self, body: Any) -> None:
+        """400 naming the field when the request's output constraint is malformed or the grammar engine cannot
+        compile it; compiled off the event loop (a new schema against a large vocabulary takes a while), cached."""
+        try:
+            constraint, param = body.constraint()
+        except FieldError as err:
+            raise ApiError(400, str(err), param=err.param) from None
+        if constraint is None:
+            return
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: structured outputs need one", param=param)
+        if self._grammars is None:
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.vocab_size)
+        try:
+            await asyncio.to_thread(check_constraint, self._grammars, constraint, param or "")
+        except FieldError as err:
+            raise ApiError(400, str(err), param=err.param) from None
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -238,14 +275,15 @@ class OpenAIIngress:
         return sessions
 
     async def _serve(self, body: Any, tenant: str, prompts: list[list[int]], chat: bool,
-                     prompt_texts: list[str] | None = None) -> Response:
+                     prompt_texts: list[str] | None = None, plan: ToolPlan | None = None) -> Response:
         level = self._level(body, tenant)
+        await self._check_constraint(body)
         planned = self._plan(body, prompts, prompt_texts or [])
         sessions = await self._admit(planned, level)  # before any byte is sent: errors are plain HTTP statuses
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         tokens = Tokens(self.tokenizer, body.return_tokens_as_token_ids)
         if body.stream:
-            return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts),
+            return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts, plan),
                                      media_type="text/event-stream")
         results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions, strict=True)),
                                        return_exceptions=True)
@@ -256,15 +294,20 @@ class OpenAIIngress:
         score_only = not chat and body.max_tokens == 0
         used = choices_usage(prompts, planned, score_only)
         if chat:
-            return JSONResponse(protocol.chat_body(request_id, self.model_name, chat_choices(body, planned, tokens),
-                                                   used))
+            choices = chat_choices(body, planned, tokens)
+            if plan is not None:
+                for out, choice in zip(choices, planned, strict=True):
+                    out["message"], out["finish_reason"] = chat_message(plan, out["message"]["content"], choice.finish)
+            return JSONResponse(protocol.chat_body(request_id, self.model_name, choices, used))
         return JSONResponse(protocol.completion_body(
             request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
 
     async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncGenerator[RequestDelta]],
-                   request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]]) -> AsyncIterator[str]:
+                   request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]],
+                   plan: ToolPlan | None = None) -> AsyncIterator[str]:
         """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
-        final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension)."""
+        final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension). With
+        tools, each chat choice's text goes through its ToolStream (content or tool_calls deltas)."""
         queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
 
         async def pump(k: int) -> None:
@@ -278,6 +321,7 @@ class OpenAIIngress:
         pumps = [asyncio.get_running_loop().create_task(pump(k)) for k in range(len(sessions))]
         outputs = [0] * len(planned)
         prompt_tokens = sum(len(p) for p in prompts)
+        tool_streams = [ToolStream(plan) for _ in planned] if plan is not None else None
 
         def event(chunk: dict[str, Any]) -> str:
             if body.continuous_usage:
@@ -323,7 +367,16 @@ class OpenAIIngress:
                 k_top = body.logprobs if not chat else (body.top_logprobs or 0)
                 entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
                            zip(delta.new_token_ids, delta.logprobs or [], strict=False)]
-                if chat:
+                if chat and tool_streams is not None:
+                    logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
+                    stream = tool_streams[k]
+                    parts = stream.feed(delta.new_text) + (stream.finish(finish) if finish is not None else [])
+                    for i, part in enumerate(parts or [{}]):
+                        last = i == max(len(parts), 1) - 1
+                        yield event(protocol.chat_chunk(
+                            request_id, self.model_name, choice.index, part,
+                            finish_reason(finish, stream.num_calls) if last else None, logprobs if i == 0 else None))
+                elif chat:
                     logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
                     yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
                                                     {"content": delta.new_text} if delta.new_text else {},

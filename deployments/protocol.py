@@ -4,10 +4,12 @@ Completions and chat completions with the OpenAI sampling fields (n, temperature
 logit_bias, logprobs / top_logprobs, echo, best_of, stream + stream_options) and vLLM's extensions (top_k,
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, ignore_eos,
 prompt_logprobs, continuous_usage_stats, return_tokens_as_token_ids). Fields that do not change what is generated
-(user, metadata, store: false, service_tier, parallel_tool_calls, request_id) are accepted and ignored; `priority`
+(user, metadata, store: false, service_tier, request_id) are accepted and ignored; `priority`
 (vLLM's: lower first) and `deadline` (ours) set the request's service level (deployments/fair_share.py);
-fields that would silently change results without being implemented (tools, structured outputs, suffix, beam search,
-...) are refused with a 400 that names them. docs/operations.md has the table of every field.
+structured outputs (response_format, vLLM's structured_outputs and guided_*: deployments/structured.py) and tools
+(deployments/tool_calls.py) constrain the output; fields that would silently change results without being
+implemented (suffix, beam search, ...) are refused with a 400 that names them. docs/operations.md has the table of
+every field.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from deployments.fair_share import PRIORITY_MAX, PRIORITY_MIN
+from deployments.structured import request_constraint
+from deployments.tool_calls import ToolPlan, plan_tools
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 # Stop sequences: OpenAI's own count limit, and a length bound (every step scans the text's tail for each).
 MAX_STOP_SEQUENCES = 4
@@ -94,6 +99,15 @@ class _SamplingFields(BaseModel):
     priority: StrictInt | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     deadline: StrictInt | StrictFloat | StrictStr | None = None
     spaces_between_special_tokens: bool = True
+    # Structured outputs (deployments/structured.py): OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields; at most one constraint per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -160,6 +174,19 @@ class _SamplingFields(BaseModel):
         """Sequences generated per prompt (best_of where it exceeds n)."""
         return self.n
 
+    def tool_plan(self) -> ToolPlan | None:
+        return None
+
+    def constraint(self) -> tuple[StructuredOutput | None, str | None]:
+        """The output constraint the request asks for and the field that asked (deployments.structured
+        .request_constraint; FieldError naming the field)."""
+        plan = self.tool_plan()
+        return request_constraint({
+            "response_format": self.response_format, "structured_outputs": self.structured_outputs,
+            "guided_json": self.guided_json, "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar, "guided_decoding_backend": self.guided_decoding_backend,
+        }, plan.constraint() if plan is not None else None)
+
     def sampling_params(self, context_left: int, choice: int = 0) -> SamplingParams:
         """Choice `choice`'s sampling parameters; an unset max_tokens becomes context_left (max_model_len minus the
         prompt). With a seed, choice j gets seed + j: the same tokens as a one-choice request with that seed."""
@@ -183,6 +210,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.constraint()[0],
         )
 
     def prompt_logprobs_k(self) -> int | None:
@@ -276,12 +304,31 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ... are not used by the template
+    model_config = ConfigDict(extra="ignore")  # name, refusal, ... are not used by the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None only for an assistant's turn of tool calls
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's past calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool result's call
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may have none)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for a chat template: role and text, plus tool_calls / tool_call_id where present."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -294,7 +341,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM's: only true (the template always adds the assistant's turn)
     continue_final_message: bool = False
 
@@ -302,12 +348,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.tools:
-            raise ValueError("tools are not supported (no tool-call parser); send no tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported without tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported (no structured outputs)")
         if not self.add_generation_prompt or self.continue_final_message:
             raise ValueError("only add_generation_prompt=true and continue_final_message=false are supported")
         return self
@@ -318,8 +358,11 @@ class ChatCompletionRequest(_SamplingFields):
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def tool_plan(self) -> ToolPlan | None:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
@@ -338,10 +381,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
-    """The engine's reasons (stop, length, abort) in OpenAI's vocabulary."""
+    """The engine's reasons (stop, length, abort) in OpenAI's vocabulary; "tool_calls" (deployments/tool_calls.py)
+    as it is."""
     if reason is None:
         return None
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None,

@@ -198,8 +198,14 @@ class Grammars:
                 self.stats.cache_hits += 1
                 return grammar
         start = time.perf_counter()
-        grammar = self._grammar(constraint)
-        matcher = self._llg.LLMatcher(self._tokenizer, grammar)
+        try:
+            grammar = self._grammar(constraint)
+            matcher = self._llg.LLMatcher(self._tokenizer, grammar)
+        except GrammarError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as err:
+            # The converters' own errors (a schema or grammar they cannot read): the client's input, not a fault.
+            raise GrammarError(f"the {constraint.kind} constraint cannot be compiled: {_reason(str(err))}") from None
         if matcher.is_error():
             raise GrammarError(f"the {constraint.kind} constraint cannot be compiled: {_reason(matcher.get_error())}")
         with self._lock:

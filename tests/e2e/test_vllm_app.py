@@ -24,6 +24,11 @@ import pytest
 import torch
 
 from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
+from tests.e2e.structured_checks import (
+    check_bad_constraints_are_400s,
+    check_constraints_and_tools,
+    check_thirty_schemas,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -208,3 +213,11 @@ def test_client_features_pass_through_vllm(cluster: ServeCluster) -> None:
     chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        temperature=0, logprobs=True, top_logprobs=2)
     assert all(len(item.top_logprobs) == 2 for item in present(present(chat.choices[0].logprobs).content))
+
+
+def test_structured_outputs_and_tools_pass_through_to_vllm(cluster: ServeCluster) -> None:
+    """The same constraints as the native app's (tests/e2e/structured_checks.py), on vLLM's own structured outputs."""
+    check_thirty_schemas(f"{cluster.url}/v1", MODEL, concurrency=1)  # this app queues nothing
+    check_constraints_and_tools(client(cluster), MODEL)
+    check_bad_constraints_are_400s(client(cluster), MODEL)
+    wait_quiet(cluster)
