@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import Any, cast
 
 import jsonschema
 import pytest
@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from tests.engine.json_schemas import SCHEMAS
 
-MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
+MESSAGES: Any = [{"role": "user", "content": "Answer in JSON."}]  # the openai client's message params
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"]}
@@ -41,8 +41,8 @@ def check_thirty_schemas(base_url: str, model: str, concurrency: int = 30) -> No
         async with gate:
             response = await client.chat.completions.create(
                 model=model, messages=MESSAGES, temperature=1.0, seed=i, max_tokens=300,
-                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
-                                                                        "strict": True}})
+                response_format=cast(Any, {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                                  "strict": True}}))
         choice = response.choices[0]
         assert choice.finish_reason == "stop", (i, choice)
         jsonschema.validate(json.loads(choice.message.content or ""), schema)
