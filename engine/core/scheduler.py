@@ -30,7 +30,7 @@ from engine.core.block_manager import BlockManager, BlockUsage, check_fits, head
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.step import ScheduledRequest, SchedulerOutput
 from engine.protocol import KvLedger
-from engine.structured_output import grammar_bitmask
+from engine.structured_output import fill_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption (computed again later)
+        # This step's constrained sampling rows (entry, request, min_tokens' stop tokens), masked at its end.
+        self._constrained: list[tuple[ScheduledRequest, Request, tuple[int, ...]]] = []
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
@@ -163,6 +165,12 @@ class Scheduler:
             scheduled.append(self._entry(request, count))
             budget -= count
 
+        if self._constrained:  # every constrained row's bitmask, filled in one call (min_tokens' stops folded in)
+            states = [r.grammar for _, r, _ in self._constrained if r.grammar is not None]
+            masks = fill_bitmasks(states, [b for _, _, b in self._constrained])
+            for (entry, _, _), mask in zip(self._constrained, masks, strict=True):
+                entry.allowed_token_bitmask = mask
+            self._constrained = []
         # Decodes first, each part in scheduling order (running requests, then admitted ones).
         decodes = [entry for entry in scheduled if len(entry.token_ids) == 1]
         if len(decodes) < len(scheduled):
@@ -191,17 +199,18 @@ class Scheduler:
         # vLLM's min_tokens: EOS is masked too when ignore_eos is set (it would not stop the request anyway).
         blocked = (tuple(sorted(self.eos_token_ids | set(params.stop_token_ids or ())))
                    if sample and num_outputs < params.min_tokens else ())
-        allowed = None
-        if sample and request.grammar is not None:
-            allowed, blocked = grammar_bitmask(request.grammar, blocked), ()
+        constrained = sample and request.grammar is not None
         # No block sent yet = the ranks do not know the request (every scheduled entry holds at least one block).
         block_ids = request.block_ids
         sent, request.num_block_ids_sent = request.num_block_ids_sent, len(block_ids)
         if sent:  # the common entry (a running request's decode): positional, the step builds one per request
-            return ScheduledRequest(request.request_id, all_token_ids[start:end], start,
-                                    block_ids[sent:], sample, num_outputs, None,
-                                    None if sample else all_token_ids[end], blocked, None, allowed)
-        return ScheduledRequest(
+            entry = ScheduledRequest(request.request_id, all_token_ids[start:end], start,
+                                     block_ids[sent:], sample, num_outputs, None,
+                                     None if sample else all_token_ids[end], () if constrained else blocked, None)
+            if constrained:
+                self._constrained.append((entry, request, blocked))
+            return entry
+        entry = ScheduledRequest(
             request_id=request.request_id,
             token_ids=all_token_ids[start:end],
             start_position=start,
@@ -210,10 +219,12 @@ class Scheduler:
             num_output_tokens=num_outputs,
             sampling_params=params,
             next_token_id=None if sample else all_token_ids[end],
-            blocked_token_ids=blocked,
+            blocked_token_ids=() if constrained else blocked,
             prefix_token_ids=all_token_ids[:start] if start and params.has_penalties else None,
-            allowed_token_bitmask=allowed,
         )
+        if constrained:
+            self._constrained.append((entry, request, blocked))
+        return entry
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[TokenUpdate]:
         """Applies a step's results: advances computed tokens, appends sampled tokens, finishes requests."""

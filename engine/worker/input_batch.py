@@ -82,6 +82,7 @@ class InputBatch:
         self.penalized: set[str] = set()  # repetition / frequency / presence penalties: token history kept
         self.wants_prompt_logprobs: set[str] = set()
         self.not_plain_greedy: set[str] = set()  # anything but argmax: sampling, logprobs, bias, min_tokens, grammar
+        self.masked_greedy: set[str] = set()  # of those, greedy with a grammar and nothing else: masked argmax
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest row
         # The pages the last apply() handed out fresh (blocks wholly past each request's computed tokens): they may
         # hold a finished request's KV; the model runner zeroes them on CPU (AttentionMetadata.finite_tail).
@@ -104,6 +105,7 @@ class InputBatch:
             self.penalized.discard(request_id)
             self.wants_prompt_logprobs.discard(request_id)
             self.not_plain_greedy.discard(request_id)
+            self.masked_greedy.discard(request_id)
             if state is not None:
                 # The row keeps its stale pages: the next request in it rewrites every column when it is learned.
                 self._free_rows.append(state.row)
@@ -163,9 +165,12 @@ class InputBatch:
                 self.penalized.add(entry.request_id)
             if params.prompt_logprobs is not None:
                 self.wants_prompt_logprobs.add(entry.request_id)
-            if not (params.greedy and params.logprobs is None and not params.logit_bias and not params.has_penalties
-                    and params.min_tokens == 0 and params.structured_output is None):
+            plain = params.greedy and params.logprobs is None and not params.logit_bias and not params.has_penalties
+            if not (plain and params.min_tokens == 0 and params.structured_output is None):
                 self.not_plain_greedy.add(entry.request_id)
+            if plain and params.structured_output is not None:
+                # min_tokens too: a constrained row's stop tokens are folded into its bitmask by the scheduler.
+                self.masked_greedy.add(entry.request_id)
         elif state is None:
             raise RuntimeError(
                 f"request {entry.request_id!r} is scheduled as running but this rank never learned it (a step was "

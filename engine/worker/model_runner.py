@@ -27,7 +27,7 @@ from engine.worker.input_batch import InputBatch
 from engine.worker.loader import load_model
 from engine.worker.parallel import ParallelState
 from engine.worker.pcp import PcpSplit, unsplit_rows
-from engine.worker.sampler import Sampler, SamplingRow, greedy_tokens, token_logprobs
+from engine.worker.sampler import Sampler, SamplingRow, greedy_tokens, mask_logits, token_logprobs
 from engine.worker.step_timer import ExchangeTimer
 
 logger = logging.getLogger(__name__)
@@ -223,9 +223,12 @@ class ModelRunner:
             rows = (hidden if len(inputs.sample_rows) == hidden.shape[0]  # every row samples: a decode-only step
                     else hidden[torch.tensor(inputs.sample_rows, device=hidden.device)])
             logits = self.model.compute_logits(rows, driver_only=True)
-            if result is not None and logits is not None and not self.batch.not_plain_greedy:
-                # Every row greedy with nothing else asked: the argmax is the whole sampler.
-                tokens = greedy_tokens(logits).tolist()
+            if result is not None and logits is not None and self.batch.not_plain_greedy <= self.batch.masked_greedy:
+                # Every row greedy with nothing else asked but a grammar: the argmax of the masked logits is the whole
+                # sampler.
+                masked = [(i, e.allowed_token_bitmask) for i, (e, _) in enumerate(inputs.sampling)
+                          if e.allowed_token_bitmask is not None]
+                tokens = greedy_tokens(mask_logits(logits, masked) if masked else logits).tolist()
                 result.sampled_token_ids = {e.request_id: t for (e, _), t in zip(inputs.sampling, tokens, strict=True)}
             elif self.sampler is not None and result is not None and logits is not None:
                 sampled = self.sampler.sample(logits, [

@@ -136,6 +136,20 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed[:, :vocab_size]
 
 
+def mask_logits(logits: torch.Tensor, masks: Sequence[tuple[int, Any]], inplace: bool = False) -> torch.Tensor:
+    """logits [R, vocab] with each (row, int32 bitmask) row's forbidden tokens at -inf, in one batched op on the
+    logits' device (a copy unless inplace)."""
+    device = logits.device
+    bitmask = torch.from_numpy(np.stack([mask for _, mask in masks])).to(device)
+    forbidden = ~unpack_bitmask(bitmask, logits.shape[1])
+    out = logits if inplace else logits.clone()
+    if len(masks) == logits.shape[0] and all(i == row for i, (row, _) in enumerate(masks)):
+        return out.masked_fill_(forbidden, float("-inf"))
+    index = torch.tensor([row for row, _ in masks], dtype=torch.int64, device=device)
+    out[index] = out[index].masked_fill(forbidden, float("-inf"))
+    return out
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of logits [rows, vocab]: the first maximal index, as Tensor.argmax gives. max(dim)'s
     indices are the same (first maximum, NaN propagates) and on CPU about 2.5x faster than argmax (18 vs 45 us for
@@ -249,9 +263,7 @@ class Sampler:
         logits = logits.clone()
         device = logits.device
         if constrained:
-            index = torch.tensor(constrained, dtype=torch.int64, device=device)
-            bitmask = torch.from_numpy(np.stack([rows[i].allowed_token_bitmask for i in constrained])).to(device)
-            logits[index] = logits[index].masked_fill(~unpack_bitmask(bitmask, logits.shape[1]), float("-inf"))
+            logits = mask_logits(logits, [(i, rows[i].allowed_token_bitmask) for i in constrained], inplace=True)
         if blocked:
             index = torch.tensor(blocked, dtype=torch.int64, device=device)
             logits[index[:, 0], index[:, 1]] = float("-inf")

@@ -24,7 +24,7 @@ from engine.structured_output import (
     StructuredOutput,
     allowed_tokens,
     bitmask_words,
-    grammar_bitmask,
+    fill_bitmasks,
     no_additional_properties,
 )
 from engine.worker.sampler import Sampler, SamplingRow, unpack_bitmask
@@ -172,10 +172,12 @@ def test_min_tokens_clears_stop_tokens_unless_nothing_would_be_left(tiny: Path) 
     eos = sorted(tokenizer.eos_token_ids)
     done = grammars.start(StructuredOutput.choice(["a"]))
     assert done.accept(tokenizer.encode("a", add_special_tokens=False)[0])
-    only_stop = allowed_tokens(grammar_bitmask(done, eos), 512)
-    assert set(np.flatnonzero(only_stop)) == set(eos)  # nothing else could follow: the stop tokens stay
     fresh = grammars.start(StructuredOutput.json_object())
-    assert not allowed_tokens(grammar_bitmask(fresh, eos), 512)[eos].any()
+    masks = fill_bitmasks([done, fresh, grammars.start(StructuredOutput.json_object())], [eos, eos, ()])
+    only_stop = allowed_tokens(masks[0], 512)
+    assert set(np.flatnonzero(only_stop)) == set(eos)  # nothing else could follow: the stop tokens stay
+    assert not allowed_tokens(masks[1], 512)[eos].any()
+    assert (masks[2] == fresh.allowed()).all()
 
 
 def test_refused_constraints_are_clear_errors_before_queueing(llm: LLM) -> None:
