@@ -218,3 +218,40 @@ def test_objects_get_no_additional_properties_unless_they_say() -> None:
     assert out["properties"]["open"]["additionalProperties"] is True
     assert out["$defs"]["x"]["additionalProperties"] is False
     assert out["items"][0]["additionalProperties"] is False
+
+
+def test_the_grammar_sees_the_whole_vocabulary_special_tokens_included(tiny: Path) -> None:
+    """Special tokens other than the stop tokens are never allowed; the stop tokens exactly when the grammar is
+    satisfied; ids past the tokenizer's vocabulary (the model's padding rows) never."""
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny)
+    assert tokenizer is not None
+    grammars = Grammars.for_tokenizer(tokenizer, 512 + 64)  # 64 padding rows past the tokenizer's 512
+    state = grammars.start(StructuredOutput.json_object())
+    start = allowed_tokens(state.allowed(), 512 + 64)
+    specials = set(tokenizer.hf_tokenizer.all_special_ids) | set(tokenizer.eos_token_ids)
+    assert not start[sorted(specials)].any() and not start[512:].any()
+    for token in tokenizer.encode("{}", add_special_tokens=False):
+        assert state.accept(token)
+    assert set(np.flatnonzero(allowed_tokens(state.allowed(), 512 + 64))) == set(tokenizer.eos_token_ids)
+
+
+def test_a_template_that_takes_tools_gets_them(tiny: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from engine.tokenizer import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if tools %}TOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                               "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer is not None and tokenizer.template_renders_tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = tokenizer.decode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools))
+    assert text.startswith("TOOLS get_weather") and "user: hi" in text
+    plain = load_tokenizer(tiny)
+    assert plain is not None and not plain.template_renders_tools
