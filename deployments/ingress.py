@@ -371,6 +371,8 @@ class OpenAIIngress:
                     logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
                     stream = tool_streams[k]
                     parts = stream.feed(delta.new_text) + (stream.finish(finish) if finish is not None else [])
+                    if not parts and finish is None and logprobs is None:
+                        continue  # text held back (a call in progress): nothing to send yet
                     for i, part in enumerate(parts or [{}]):
                         last = i == max(len(parts), 1) - 1
                         yield event(protocol.chat_chunk(
