@@ -469,7 +469,10 @@ class AdmissionQueue:
             if ticket not in held and now - granted_at > self.leak_grace_s:
                 self._drop_grant(ticket)  # granted long ago, never arrived or never released: the caller died
                 self.num_leaked += 1
-        replica.external = sum(blocks for ticket, blocks in held.items() if ticket not in replica.grants)
+        # Released tickets the report still names were freed before their release (a finished request's KV at its
+        # end, an unfinished one's abort completes first): the report was made before it, and is stale for them.
+        replica.external = sum(blocks for ticket, blocks in held.items()
+                               if ticket not in replica.grants and ticket not in replica.released)
         self._fulfill()
 
     def remove_replica(self, replica_id: str) -> None:

@@ -59,7 +59,8 @@ class ReplicaKv:
     num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
     held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported
     # Tickets released here that its last report may still name (a report made before they ended): not counted as
-    # sequences. Each report keeps only the tickets it names, so the set never outgrows `held` past the next one.
+    # sequences nor as external blocks. Each report keeps only the tickets it names, so the set never outgrows `held`
+    # past the next one.
     released: set[str] = field(default_factory=set)
     external: int = 0  # blocks the replica holds for tickets not granted here
     headroom: int = 0  # blocks the replica's "usage" admission keeps free as growth room
