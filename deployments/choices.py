@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments import protocol
+from deployments.logprob_shapes import LogprobEntry, chat_logprobs, completion_logprobs
 from deployments.pools import Need
 from engine.protocol import RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -168,7 +169,7 @@ class Tokens:
         parts = state.get("decoders", [state]) if isinstance(state, dict) else []
         self._byte_level = any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
 
-    def entry(self, logprob: TokenLogprob | None, token_id: int, k: int) -> protocol.LogprobEntry:
+    def entry(self, logprob: TokenLogprob | None, token_id: int, k: int) -> LogprobEntry:
         """(name, logprob, top-k alternatives); logprob None (the first prompt token has none) gives (name, None,
         None)."""
         if logprob is None:
@@ -216,13 +217,13 @@ def completion_choices(body: protocol.CompletionRequest, choices: list[Choice], 
         logprobs = None
         if body.logprobs is not None:
             k = body.logprobs
-            entries: list[protocol.LogprobEntry] = []
+            entries: list[LogprobEntry] = []
             if body.echo:
                 prompt_lp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
                 entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)]
             if not score_only:
                 entries += [tokens.entry(lp, t, k) for t, lp in zip(choice.token_ids, choice.logprobs, strict=False)]
-            logprobs = protocol.completion_logprobs(entries)
+            logprobs = completion_logprobs(entries)
         prompt_logprobs = None
         if body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
             prompt_logprobs = tokens.vllm_prompt_logprobs(choice.prompt_ids, choice.prompt_logprobs)
@@ -238,7 +239,7 @@ def chat_choices(body: protocol.ChatCompletionRequest, choices: list[Choice], to
         logprobs = None
         if body.logprobs:
             k = body.top_logprobs or 0
-            logprobs = protocol.chat_logprobs([tokens.entry(lp, t, k)
+            logprobs = chat_logprobs([tokens.entry(lp, t, k)
                                                for t, lp in zip(choice.token_ids, choice.logprobs, strict=False)])
         out.append(protocol.chat_choice(choice.index, "".join(choice.text), choice.finish, logprobs))
     return out

@@ -33,6 +33,7 @@ from deployments.choices import usage as choices_usage
 from deployments.config import AppArgs
 from deployments.fair_share import ServiceLevel
 from deployments.http_edge import ApiError, api, authorize, read_body, validation_message
+from deployments.logprob_shapes import chat_logprobs, completion_logprobs
 from deployments.metrics import IngressMetrics
 from deployments.pools import Need, request_need
 from deployments.sessions import Sessions
@@ -351,7 +352,7 @@ class OpenAIIngress:
                     logprobs = None
                     if body.logprobs is not None:
                         prompt_lp = delta.prompt_logprobs or [None] * len(choice.prompt_ids)
-                        logprobs = protocol.completion_logprobs(
+                        logprobs = completion_logprobs(
                             [tokens.entry(lp, t, body.logprobs)
                              for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)])
                     yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
@@ -368,7 +369,7 @@ class OpenAIIngress:
                 entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
                            zip(delta.new_token_ids, delta.logprobs or [], strict=False)]
                 if chat and tool_streams is not None:
-                    logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
+                    logprobs = chat_logprobs(entries) if body.logprobs else None
                     stream = tool_streams[k]
                     parts = stream.feed(delta.new_text) + (stream.finish(finish) if finish is not None else [])
                     if not parts and finish is None and logprobs is None:
@@ -379,12 +380,12 @@ class OpenAIIngress:
                             request_id, self.model_name, choice.index, part,
                             finish_reason(finish, stream.num_calls) if last else None, logprobs if i == 0 else None))
                 elif chat:
-                    logprobs = protocol.chat_logprobs(entries) if body.logprobs else None
+                    logprobs = chat_logprobs(entries) if body.logprobs else None
                     yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
                                                     {"content": delta.new_text} if delta.new_text else {},
                                                     finish, logprobs))
                 else:
-                    logprobs = protocol.completion_logprobs(entries) if body.logprobs is not None else None
+                    logprobs = completion_logprobs(entries) if body.logprobs is not None else None
                     yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
                         choice.index, delta.new_text, finish, logprobs)))
             if body.include_usage:

@@ -70,8 +70,7 @@ class ToolPlan:
     def constraint(self) -> StructuredOutput | None:
         """The output constraint tool_choice implies: the named tool's parameters, or for "required" an array of
         calls to any of the tools; none for "none" and "auto"."""
-        if self.mode == "named":
-            assert self.named is not None
+        if self.named is not None:  # set exactly when tool_choice names a function
             return StructuredOutput.json(self.parameters(self.named))
         if self.mode != "required":
             return None
@@ -180,8 +179,7 @@ def parse_output(plan: ToolPlan, text: str, finish: str | None) -> tuple[str | N
     is the content, a valid prefix of what the constraint allows."""
     if finish == "length" or plan.mode == "none":
         return text, []
-    if plan.mode == "named":
-        assert plan.named is not None
+    if plan.named is not None:
         return None, [_call(plan.named, text)]
     if plan.mode == "required":
         try:

@@ -13,6 +13,7 @@ import pytest
 from cluster.tiny_model import BOS_TOKEN, END_OF_TURN_TOKEN, EOS_TOKEN, train_tokenizer
 from deployments import protocol
 from deployments.choices import Choice, Tokens, _byte_level_bytes, chat_choices, completion_choices
+from deployments.logprob_shapes import chat_logprobs, completion_logprobs
 from engine.protocol import RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -114,10 +115,10 @@ def test_completions_top_logprobs_keep_k_distinct_byte_tokens(tokenizer: Tokeniz
 
 
 def test_alternatives_sharing_a_name_keep_the_highest_logprob() -> None:
-    shaped = protocol.completion_logprobs([("\ufffd", -0.1, [("\ufffd", -0.1), ("a", -0.5), ("\ufffd", -0.7)])])
+    shaped = completion_logprobs([("\ufffd", -0.1, [("\ufffd", -0.1), ("a", -0.5), ("\ufffd", -0.7)])])
     assert shaped["top_logprobs"] == [{"\ufffd": -0.1, "a": -0.5}]
     # Not in top-k order: still the higher one.
-    shaped = protocol.completion_logprobs([("x", -0.1, [("a", -2.0), ("a", -1.0)])])
+    shaped = completion_logprobs([("x", -0.1, [("a", -2.0), ("a", -1.0)])])
     assert shaped["top_logprobs"] == [{"a": -1.0}]
 
 
@@ -126,12 +127,12 @@ def test_text_offsets_index_the_decoded_text(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("aé€b", add_special_tokens=False)
     names = [tokens.name(t) for t in ids]
     assert names == ["a", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xac", "b"]
-    offsets = protocol.completion_logprobs([(name, -1.0, None) for name in names], text_offset=2)["text_offset"]
+    offsets = completion_logprobs([(name, -1.0, None) for name in names], text_offset=2)["text_offset"]
     # A character's bytes all sit at its offset, and it counts once, after its last byte: a, é, €, b at 2, 3, 4, 5.
     assert offsets == [2, 3, 3, 4, 4, 4, 5]
 
     def offsets_of(*parts: str) -> list[int]:
-        return protocol.completion_logprobs([(part, -1.0, None) for part in parts])["text_offset"]
+        return completion_logprobs([(part, -1.0, None) for part in parts])["text_offset"]
 
     # Bytes that make no character count as the U+FFFD the detokenizer writes for them ("\ufffdbc", "\ufffda",
     # "\ufffd\u00e9b"), and a token of two bytes of one character is at that character's offset.
@@ -156,7 +157,7 @@ def test_a_byte_fallback_tokens_name_is_its_byte() -> None:
 
 
 def test_chat_bytes_of_a_plain_name_are_its_utf8() -> None:
-    shaped = protocol.chat_logprobs([("é", -0.5, [("é", -0.5), ("bytes:\\xc3\\xa9x", -1.0)])])
+    shaped = chat_logprobs([("é", -0.5, [("é", -0.5), ("bytes:\\xc3\\xa9x", -1.0)])])
     [content] = shaped["content"]
     assert content["bytes"] == [0xC3, 0xA9]
     # Not a run of \xNN escapes: a name like any other.

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from deployments import protocol
 from deployments.choices import Choice, Tokens, completion_choices, pick_best
+from deployments.logprob_shapes import chat_logprobs
 from engine.protocol import RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -148,6 +149,6 @@ def test_echo_with_logprobs_puts_the_scored_prompt_first() -> None:
 
 
 def test_chat_logprobs_shape() -> None:
-    shaped = protocol.chat_logprobs([("a", -0.5, [("a", -0.5), ("b", -1.0)])])
+    shaped = chat_logprobs([("a", -0.5, [("a", -0.5), ("b", -1.0)])])
     assert shaped == {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
         {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.0, "bytes": [98]}]}]}
