@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 #   on it; `faults`: processes of the head killed, run last), in one process, after the fast tier and never beside
 #   it: the end-to-end tests wait on conditions, but a core taken by the Triton interpreter or a gloo group beside
 #   them only makes them slower.
-# - nodes: a multi-node cluster of its own with Ray's autoscaler (`make cluster`'s, tests/nodes), last: a pytest
+# - nodes: a multi-node cluster of its own with Ray's autoscaler (`make cluster`'s, tests/local), last: a pytest
 #   process drives one Ray cluster only, and the session head of the cluster tier is gone by then.
 FAST_TIER := not ray and not e2e and not faults and not nodes
 CLUSTER_TIER := ray or e2e or faults
@@ -99,7 +99,7 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # The embedded default on this machine: a local Ray head with logical GPUs, the tiny model, TP=2 x DCP=2, served at
-# http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see deployments/local_cluster.py.
+# http://127.0.0.1:$(DCPSERVE_PORT)/v1. Ctrl-C stops what it started. Variables: see dcpserve/local/serve.py.
 # MODEL=tiny-mla serves the tiny DeepSeek-V2 (MLA + MoE) at TP=4 x DCP=4 instead (serve_config.local.mla.yaml).
 # BACKEND=vllm serves the tiny Llama through vLLM's CPU build instead (serve_config.local.vllm.yaml, TP=2, in
 # .venv-vllm, built when missing).
@@ -124,25 +124,25 @@ serve-args:
 	@case "$(MODEL)" in tiny|tiny-mla) ;; *) echo "MODEL must be tiny or tiny-mla, got '$(MODEL)'" >&2; exit 2;; esac
 	@if [ "$(BACKEND)" = vllm ] && [ "$(MODEL)" != tiny ]; then echo "BACKEND=vllm serves MODEL=tiny only" >&2; exit 2; fi
 serve: serve-args $(SERVE_VENV)/.installed
-	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_MODEL=$(MODEL) DCPSERVE_CONFIG=$${DCPSERVE_CONFIG:-$(SERVE_CONFIG)} $(SERVE_VENV)/bin/python -m deployments.local_cluster
+	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_MODEL=$(MODEL) DCPSERVE_CONFIG=$${DCPSERVE_CONFIG:-$(SERVE_CONFIG)} $(SERVE_VENV)/bin/python -m dcpserve.local.serve
 
 # ray_cluster.yaml's cluster on this machine: a CPU head and GPU worker nodes (logical GPUs) that Ray's real autoscaler
 # adds when replicas need them and removes idle (ray_cluster.local.yaml says what differs locally). It prints how to
 # `serve deploy` the tiny model's config onto it; Ctrl-C or `make cluster-down` (another terminal) stops all of it.
-# WORKER_GPUS=2 makes each worker node hold one TP=2 replica. Variables: see deployments/local_nodes.py.
+# WORKER_GPUS=2 makes each worker node hold one TP=2 replica. Variables: see dcpserve/local/nodes.py.
 .PHONY: cluster cluster-down
 WORKER_GPUS ?=
 cluster: $(VENV)/.installed
-	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_WORKER_GPUS=$(WORKER_GPUS) $(PY) -m deployments.local_nodes up
+	DCPSERVE_PORT=$(DCPSERVE_PORT) DCPSERVE_WORKER_GPUS=$(WORKER_GPUS) $(PY) -m dcpserve.local.nodes up
 cluster-down: $(VENV)/.installed
-	$(PY) -m deployments.local_nodes down
+	$(PY) -m dcpserve.local.nodes down
 
 # Prometheus on 127.0.0.1:$(DCPSERVE_PROMETHEUS_PORT) scraping the `make serve` cluster (run it in a second terminal),
-# with the alert rules of dashboards/prometheus; prints where to point Grafana. See deployments/observe.py.
+# with the alert rules of dashboards/prometheus; prints where to point Grafana. See dcpserve/local/observe.py.
 .PHONY: observe
 DCPSERVE_PROMETHEUS_PORT ?= 9090
 observe: $(VENV)/.installed
-	DCPSERVE_PROMETHEUS_PORT=$(DCPSERVE_PROMETHEUS_PORT) $(PY) -m deployments.observe
+	DCPSERVE_PROMETHEUS_PORT=$(DCPSERVE_PROMETHEUS_PORT) $(PY) -m dcpserve.local.observe
 
 # Engine decode tokens/s and per-step overhead vs transformers on the tiny model (tp=1, tp=2 x dcp=2 on a local Ray
 # instance of its own); writes its section of docs/benchmarks.md.

@@ -1,15 +1,15 @@
 """Admission policies measured through the deployed app: "full" (reserve prompt + max_tokens) vs "usage".
 
-One replica of tp=2 x dcp=2 (4 logical GPUs on a Ray head of this script's own, deployments/local_cluster.py, as
+One replica of tp=2 x dcp=2 (4 logical GPUs on a Ray head of this script's own, dcpserve/local/serve.py, as
 `make serve` and bench/capacity.py), the tiny model, the same per-rank KV budget for both policies, sized so that
 "full" holds only a few of the burst's requests. The burst asks for a large max_tokens, but every request stops
 much earlier on a stop string (greedy, so the stop position is known beforehand): "full" reserves KV for 1024
 output tokens that are never written, "usage" admits by the prompt plus a headroom and preempts (recomputing, so
 greedy outputs do not change) when decode runs out of blocks.
 
-Before the runs it generates the same prompts offline (engine.frontend.llm.LLM, tp=1, in process, greedy, ignore_eos)
-and picks, for request i, a 2-4 character stop string whose first occurrence in the greedy text lies at a token
-position spread over the workload's range; the app then cuts the output there. For each policy it `serve deploy`s
+Before the runs it generates the same prompts offline (dcpserve.engine.frontend.llm.LLM, tp=1, in process, greedy,
+ignore_eos) and picks, for request i, a 2-4 character stop string whose first occurrence in the greedy text lies at a
+token position spread over the workload's range; the app then cuts the output there. For each policy it `serve deploy`s
 the app, sends the burst at once through the official `openai` async client (streaming), polls /health for the
 sequences the admission queue has granted, reads the replica's preemption counter from the Ray node's metrics
 endpoint, then shuts Serve down before the next policy.
@@ -40,9 +40,9 @@ if str(REPO_ROOT) not in sys.path:
 from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
 from bench.prometheus import metric_lines
-from cluster.tiny_model import write_tiny_model
-from engine.config import ModelConfig
-from engine.core.block_manager import blocks_needed
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.config import ModelConfig
+from dcpserve.engine.core.block_manager import blocks_needed
 
 TP, DCP, BLOCK_SIZE, MAX_MODEL_LEN = 2, 2, 16, 2048
 TOKENS_PER_BLOCK = BLOCK_SIZE * DCP  # a logical block
@@ -121,12 +121,12 @@ def plan_stops(model_dir: Path, candidates: list[list[int]],
     """Greedy text of every candidate prompt (offline, tp=1); then, per target stop position, a prompt whose text
     is still new there (the random-weight model's greedy text often falls into a loop, after which every substring
     has occurred before) and a stop string at that position. Returns the burst's prompts and their plans."""
-    from engine.frontend.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import IncrementalDetokenizer
+    from dcpserve.engine.frontend.llm import LLM
+    from dcpserve.engine.sampling_params import SamplingParams
+    from dcpserve.engine.tokenizer import IncrementalDetokenizer
 
     horizon = workload.stop_last + 64
-    say(f"offline greedy run (engine.frontend.llm.LLM, tp=1): {len(candidates)} candidate prompts x {horizon} "
+    say(f"offline greedy run (dcpserve.engine.frontend.llm.LLM, tp=1): {len(candidates)} candidate prompts x {horizon} "
         f"tokens, to pick stop strings")
     start = time.monotonic()
     with LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN) as llm:
@@ -282,7 +282,8 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
         f"{compare.cpu_run_line(TP)} (with the Ray head, Serve and this client). Per-step cost is dominated by fixed "
         f"gloo / Ray overhead, so throughput tracks how many sequences each step batches; the admission and "
         f"concurrency numbers are exact",
-        f"model: the tiny model (cluster.tiny_model), float32, {model.kv_bytes_per_token_per_rank(TP, torch.float32)} "
+        f"model: the tiny model (dcpserve.cluster.tiny_model), float32, "
+        f"{model.kv_bytes_per_token_per_rank(TP, torch.float32)} "
         f"KV bytes per token per rank before DCP sharding",
         f"layout: one replica (autoscaling min = max = 1) of tp={TP} x dcp={DCP}, block_size {BLOCK_SIZE} (a logical "
         f"block is {TOKENS_PER_BLOCK} tokens), max_model_len {MAX_MODEL_LEN}; per-rank KV budget {budget_bytes:,} "
@@ -294,7 +295,8 @@ def header_lines(workload: Workload, model: ModelConfig, budget_bytes: int, resu
         f"whose greedy text has not fallen into a loop by the request's stop position), max_tokens "
         f"{workload.max_tokens}, greedy (temperature 0), ignore_eos, streamed through the deployed app with the "
         f"openai client; request i stops on a 2-4 character stop string chosen from an offline greedy run "
-        f"(engine.frontend.llm.LLM, tp=1) so that it ends after {workload.stop_first}-{workload.stop_last} output "
+        f"(dcpserve.engine.frontend.llm.LLM, tp=1) so that it ends after "
+        f"{workload.stop_first}-{workload.stop_last} output "
         f"tokens (spread evenly, shuffled)",
         "concurrent sequences: the admission queue's grants (num_grants in /health) every "
         f"{compare.HEALTH_PERIOD_S}s; under \"usage\" a granted request may be preempted inside the engine (waiting to "

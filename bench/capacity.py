@@ -1,7 +1,7 @@
 """The claim DCP exists for, measured through the deployed app: KV capacity and throughput of dcp=1 vs dcp=4.
 
 Same machine, same per-rank KV memory, the tiny model (1 KV head) at tp=4 on a Ray head of this script's own with
-4 logical GPUs (deployments/local_cluster.py, as `make serve`). For each of dcp=1 and dcp=4 it `serve deploy`s
+4 logical GPUs (dcpserve/local/serve.py, as `make serve`). For each of dcp=1 and dcp=4 it `serve deploy`s
 one replica, sends the same long-context burst through the OpenAI API (official `openai` async client,
 streaming), polls /health for the sequences the admission queue has granted (= sequences in the engine, which
 reserves prompt + max_tokens up front), then shuts Serve down before the next layout. The per-rank KV budget is
@@ -53,9 +53,9 @@ if str(REPO_ROOT) not in sys.path:
 from bench import compare
 from bench.compare import BurstResult, Row, ServeHead, metric_row
 from bench.docs_section import DocsSection
-from cluster.tiny_model import write_tiny_mla_model, write_tiny_model
-from engine.config import ModelConfig
-from engine.core.block_manager import blocks_needed
+from dcpserve.cluster.tiny_model import write_tiny_mla_model, write_tiny_model
+from dcpserve.engine.config import ModelConfig
+from dcpserve.engine.core.block_manager import blocks_needed
 
 TP, DCPS, BLOCK_SIZE = 4, (1, 4), 16
 BACKENDS_TP, BACKENDS_BLOCK_SIZE = 2, 32  # --backend both: vLLM's CPU attention pages in multiples of 32 tokens
@@ -73,8 +73,9 @@ MLA_COMPARISON = compare.Comparison("bench/capacity.py --model tiny-mla", ("dcp=
                                     REPO_ROOT / "docs" / "img" / "capacity_mla.png", "dcp=1 vs dcp=4, MLA")
 # --model -> (how the checkpoint is written, what the docs call it, its comparison)
 MODELS: dict[str, tuple[Callable[[Path], Path], str, compare.Comparison]] = {
-    "tiny": (write_tiny_model, "the tiny model (cluster.tiny_model)", COMPARISON),
-    "tiny-mla": (write_tiny_mla_model, "the tiny DeepSeek-V2 (cluster.tiny_model.write_tiny_mla_model: MLA + MoE)",
+    "tiny": (write_tiny_model, "the tiny model (dcpserve.cluster.tiny_model)", COMPARISON),
+    "tiny-mla": (write_tiny_mla_model,
+                 "the tiny DeepSeek-V2 (dcpserve.cluster.tiny_model.write_tiny_mla_model: MLA + MoE)",
                  MLA_COMPARISON),
 }
 BACKENDS_COMPARISON = compare.Comparison(
@@ -391,7 +392,8 @@ def stream_header_lines(workload: Workload, model: ModelConfig, budget_bytes: in
         f"on a rank",
         f"layout: one replica of tp={TP}, dcp=1 vs dcp=4, block_size {BLOCK_SIZE}; the same per-rank KV budget "
         f"{budget_bytes:,} bytes, sized so dcp=1 holds {workload.dcp1_sequences} sequences and dcp=4 "
-        f"{workload.dcp1_sequences * 4}; admission full; stream_interval_s (deployments/config.py AppArgs) set in the "
+        f"{workload.dcp1_sequences * 4}; admission full; stream_interval_s (dcpserve/deployments/config.py AppArgs) "
+        f"set in the "
         f"app config of each run, everything else the same",
         f"workload: a burst of {workload.num_requests} requests at once, random prompt ids (seed {workload.seed}) of "
         f"{workload.prompt_tokens} tokens, {workload.max_tokens} output tokens each (greedy, ignore_eos), streamed "
@@ -525,7 +527,7 @@ def main_backends(argv: list[str]) -> int:
         info = [
             f"{compare.cpu_run_line(BACKENDS_TP)}; vLLM's CPU build runs the model in processes of its own (one core "
             f"per rank), the native engine in Ray rank actors over gloo",
-            f"model: the tiny model (cluster.tiny_model), float32; per-rank KV budget {budget_bytes:,} bytes "
+            f"model: the tiny model (dcpserve.cluster.tiny_model), float32; per-rank KV budget {budget_bytes:,} bytes "
             f"(kv_cache_memory_bytes) = {pages} pages of {BACKENDS_BLOCK_SIZE} tokens: {pages - 1} for the sequences "
             f"and the one vLLM keeps as its null page (the native engine keeps no null page, so it has one more)",
             f"workload: a burst of {workload.num_requests} requests, random prompt ids (seed {workload.seed}) of "

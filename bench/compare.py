@@ -1,7 +1,7 @@
 """Two app configurations measured side by side through the deployed app: what bench/capacity.py and
 bench/admission.py share.
 
-Each of those scripts starts a Ray head of its own with 4 logical GPUs (deployments/local_cluster.py, as `make
+Each of those scripts starts a Ray head of its own with 4 logical GPUs (dcpserve/local/serve.py, as `make
 serve`), then for each of its two configurations `serve deploy`s one replica of the tiny model, sends the same burst
 at once through the OpenAI API (official `openai` async client, streaming), polls /health for the sequences the
 admission queue has granted, and shuts Serve down before the next configuration. This module holds that machinery,
@@ -37,8 +37,8 @@ import httpx
 import yaml
 
 from bench.docs_section import DocsSection
-from deployments import local_cluster
-from engine.config import ModelConfig
+from dcpserve.engine.config import ModelConfig
+from dcpserve.local import serve as local_serve
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "dcpserve-tiny"
@@ -144,7 +144,7 @@ def app_config(tp: int, dcp: int, block_size: int, budget_bytes: int, max_model_
     per rank; requests wait in the admission FIFO up to `max_queued_requests`, and for up to 900 s. A
     `stream_interval_s` given sets the replica's (None: the app's default)."""
     args = {
-        "model": "filled in by local_cluster.write_config",
+        "model": "filled in by local_serve.write_config",
         "served_model_name": MODEL_NAME,
         "backend": backend,
         "tensor_parallel_size": tp,
@@ -165,7 +165,7 @@ def app_config(tp: int, dcp: int, block_size: int, budget_bytes: int, max_model_
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
+        "applications": [{"name": "dcpserve", "route_prefix": "/", "import_path": "dcpserve.deployments.app:build_app",
                           "args": args}],
     }
 
@@ -189,13 +189,13 @@ def state_dir(prefix: str, say: Callable[[str], None]) -> Iterator[Path]:
 class ServeHead:
     """A Ray head of this process's own with NUM_GPUS logical GPUs, on which one app at a time is deployed."""
 
-    settings: local_cluster.LocalSettings
+    settings: local_serve.LocalSettings
     env: dict[str, str]
     head: subprocess.Popen[bytes]
 
     @property
-    def api(self) -> local_cluster.ServeApi:
-        return local_cluster.ServeApi(self.settings.dashboard_port, Path(self.env["RAY_AUTH_TOKEN_PATH"]))
+    def api(self) -> local_serve.ServeApi:
+        return local_serve.ServeApi(self.settings.dashboard_port, Path(self.env["RAY_AUTH_TOKEN_PATH"]))
 
     @property
     def base_url(self) -> str:
@@ -207,7 +207,7 @@ class ServeHead:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         start = time.monotonic()
         settings = dataclasses.replace(self.settings, config=path)
-        local_cluster.deploy_and_wait(settings, self.env, local_cluster.write_config(settings, model_dir), self.head)
+        local_serve.deploy_and_wait(settings, self.env, local_serve.write_config(settings, model_dir), self.head)
         return time.monotonic() - start
 
     def replica(self, label: str) -> tuple[str, dict[str, Any]]:
@@ -241,7 +241,7 @@ class ServeHead:
     def shutdown_serve(self, timeout_s: float = 120) -> None:
         """`serve shutdown`, then waits until no application is left (its replicas' GPUs are free again)."""
         address = f"http://127.0.0.1:{self.settings.dashboard_port}"
-        subprocess.run([local_cluster.ray_bin("serve"), "shutdown", "-y", "--address", address], env=self.env,
+        subprocess.run([local_serve.ray_bin("serve"), "shutdown", "-y", "--address", address], env=self.env,
                        check=True, capture_output=True, timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
         while self.api.details().get("applications"):
@@ -253,18 +253,18 @@ class ServeHead:
 @contextlib.contextmanager
 def serve_head(state: Path, deploy_timeout_s: float) -> Iterator[ServeHead]:
     """Starts a Ray head on free ports with its state under `state`, and stops it afterwards."""
-    http_port, ray_port, dashboard_port = local_cluster.free_ports(3)
-    settings = local_cluster.LocalSettings(
+    http_port, ray_port, dashboard_port = local_serve.free_ports(3)
+    settings = local_serve.LocalSettings(
         http_port=http_port, ray_port=ray_port, dashboard_port=dashboard_port, num_gpus=NUM_GPUS, state_dir=state,
         config=state / "unused.yaml", deploy_timeout_s=deploy_timeout_s,
     )
-    env = local_cluster.ray_env(state)
-    head = local_cluster.start_head(settings, env, state / "ray")
+    env = local_serve.ray_env(state)
+    head = local_serve.start_head(settings, env, state / "ray")
     try:
-        local_cluster.wait_for_dashboard(settings, head)
+        local_serve.wait_for_dashboard(settings, head)
         yield ServeHead(settings, env, head)
     finally:
-        local_cluster.stop_head(head)
+        local_serve.stop_head(head)
 
 
 # ---- the burst ---------------------------------------------------------------------------------------------------

@@ -5,11 +5,11 @@ The engine is being split so that one "engine core" loop alone owns the schedule
 loop sends it typed messages (add request, abort, queries) and gets back one output batch per engine step (each
 request's new tokens, text, logprobs, finish reason). Two choices are measured here, side by side in one run:
 
-1. handoff: one output batch of B RequestDeltas (engine.protocol) from a producer loop to an asyncio consumer, and one
-   add-request message (a 2k-token prompt) the other way: a core THREAD (outputs through loop.call_soon_threadsafe,
-   inputs through a queue.Queue) vs a core PROCESS (pickle over a multiprocessing Pipe, read with loop.add_reader,
-   as vLLM v1's EngineCore does over ZMQ). Lockstep: each item waits for the previous one to be consumed, with an
-   idle gap in between, as steps milliseconds apart do.
+1. handoff: one output batch of B RequestDeltas (dcpserve.engine.protocol) from a producer loop to an asyncio consumer,
+   and one add-request message (a 2k-token prompt) the other way: a core THREAD (outputs through
+   loop.call_soon_threadsafe, inputs through a queue.Queue) vs a core PROCESS (pickle over a multiprocessing Pipe, read
+   with loop.add_reader, as vLLM v1's EngineCore does over ZMQ). Lockstep: each item waits for the previous one to be
+   consumed, with an idle gap in between, as steps milliseconds apart do.
 2. wire format of a batch crossing the replica -> ingress hop: pickle of a list of the dataclasses, today's asdict()
    dict pickled once per delta, msgspec msgpack of Structs (array_like, omit_defaults: vLLM's EngineCoreOutputs
    shape) and msgspec msgpack of the same dataclasses; encode, decode (to typed objects) and bytes.
@@ -55,16 +55,16 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deployments.local_cluster import bind_ray_to_loopback  # noqa: E402
+from dcpserve.local.serve import bind_ray_to_loopback  # noqa: E402
 
 bind_ray_to_loopback()  # the local Ray this bench may start listens on 127.0.0.1 only (ray is imported later)
 
 import msgspec  # noqa: E402  (measurement only: not a dependency of dcpserve)
 
 from bench.docs_section import DocsSection  # noqa: E402
-from engine.core.request import Request  # noqa: E402
-from engine.protocol import RequestDelta, TokenLogprob  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from dcpserve.engine.core.request import Request  # noqa: E402
+from dcpserve.engine.protocol import RequestDelta, TokenLogprob  # noqa: E402
+from dcpserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 DOCS = DocsSection("bench/core_transport.py")
 PICKLE = pickle.HIGHEST_PROTOCOL
@@ -122,9 +122,9 @@ def as_structs(batch: list[RequestDelta]) -> list[DeltaStruct]:
 
 
 def add_request(prompt_len: int, lean: bool, seed: int = 0) -> Any:
-    """An add-request message with a prompt of `prompt_len` random token ids: engine.core.request.Request as it is today
-    (it pickles prompt_token_ids and its copy all_token_ids), or a lean message (id, prompt ids, SamplingParams,
-    arrival time) like vLLM's EngineCoreRequest."""
+    """An add-request message with a prompt of `prompt_len` random token ids: dcpserve.engine.core.request.Request as it
+    is today (it pickles prompt_token_ids and its copy all_token_ids), or a lean message (id, prompt ids,
+    SamplingParams, arrival time) like vLLM's EngineCoreRequest."""
     rng = random.Random(seed)
     prompt = [rng.randrange(32000) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=256, seed=1234, stop=("\n\n",))
@@ -334,7 +334,7 @@ def measure_handoff(args: argparse.Namespace, ctx: Any) -> tuple[list[list[str]]
     input_rows = []
     for lean, s in sorted(inputs.items()):
         label = ("lean message (id, prompt ids, SamplingParams, arrival)" if lean else
-                 "engine.core.request.Request (prompt_token_ids + its copy all_token_ids)")
+                 "dcpserve.engine.core.request.Request (prompt_token_ids + its copy all_token_ids)")
         input_rows.append([label, f"{in_bytes[lean]:,}", us(s["t_lat"]), us(s["t_cost"]), us(s["p_lat"]),
                            us(s["p_cost"])])
         summary[f"in {lean}"] = {k: statistics.median(v) for k, v in s.items()}
@@ -425,8 +425,8 @@ def measure_formats(args: argparse.Namespace) -> tuple[list[str], list[list[str]
 def build_engine(model_dir: Path, batch: int, prompt_len: int, max_tokens: int) -> Any:
     import torch
 
-    from engine.args import EngineArgs
-    from engine.core.engine import LLMEngine
+    from dcpserve.engine.args import EngineArgs
+    from dcpserve.engine.core.engine import LLMEngine
 
     torch.set_num_threads(1)
     kv_bytes_per_token = 2 * 2 * 1 * 32 * 4  # tiny model: 2 layers, 1 KV head, head_dim 32, float32
@@ -610,7 +610,7 @@ ENGINE_MODES = ["alone (no loop)", "today: asyncio.to_thread per step", "core th
 
 
 def measure_engine(args: argparse.Namespace, ctx: Any, work_dir: Path) -> tuple[list[list[str]], dict[str, Any]]:
-    from cluster.tiny_model import write_tiny_model
+    from dcpserve.cluster.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(work_dir / "tiny", seed=0)
     rows = []
@@ -834,14 +834,15 @@ def section(command: str, info: list[str], parts: dict[str, Any], args: argparse
     lines += ["", "### Wire format of an output batch (replica -> ingress)", "",
               "- encode and decode of one batch (decode to typed objects: dataclasses, dicts for asdict, Structs), "
               "us; bytes on the wire; every format is checked to round-trip the batch",
-              "- asdict+pickle: today's shape, one dict per delta (deployments/replica.py yields asdict(delta) per "
+              "- asdict+pickle: today's shape, one dict per delta "
+              "(dcpserve/deployments/replica/engine_replica.py yields asdict(delta) per "
               "token per request), pickled one by one (Ray pickles each stream item; its own framing comes on top); "
               "msgspec Structs: array_like=True, omit_defaults=True (vLLM's EngineCoreOutputs); msgspec "
               "dataclasses: msgspec.msgpack.Encoder / Decoder(list[RequestDelta]) on the existing dataclasses", "",
               *markdown_table(parts["format_columns"], parts["formats"])]
     if parts.get("engine"):
         lines += ["", "### In the loop: the tiny model's decode steps", "",
-                  f"- the tiny model (cluster.tiny_model, tp=1, float32, 1 torch thread per engine), batch "
+                  f"- the tiny model (dcpserve.cluster.tiny_model, tp=1, float32, 1 torch thread per engine), batch "
                   f"{'/'.join(map(str, args.engine_batches))}, {args.engine_prompt_len}-token random prompts, "
                   f"{args.engine_tokens} greedy tokens each (ignore_eos, detokenized, logprobs "
                   f"{args.engine_logprobs}), {args.engine_rounds} rounds per mode; the prefill step is left out",

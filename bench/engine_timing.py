@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 import torch
 
-from engine.args import EngineArgs
-from engine.config import ModelConfig
-from engine.core.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.worker.executor import InProcessExecutor
+from dcpserve.engine.args import EngineArgs
+from dcpserve.engine.config import ModelConfig
+from dcpserve.engine.core.engine import LLMEngine
+from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.engine.worker.executor import InProcessExecutor
 
 # label -> (backend, tensor_parallel_size, decode_context_parallel_size). --backend picks the rows: native (default)
 # the native layouts; vllm vLLM's (dcp=1: vLLM's CPU attention cannot shard KV); both adds native tp=2 dcp=1 so the
@@ -115,7 +115,7 @@ class Instrumented:
             import ray
             import ray.cloudpickle
 
-            from engine.worker.ray_executor import RayWorkerGroup
+            from dcpserve.engine.worker.ray_executor import RayWorkerGroup
 
             assert isinstance(executor, RayWorkerGroup)
             self.rank0 = executor.workers[0]
@@ -191,17 +191,18 @@ class Instrumented:
 
 class VllmInstrumented:
     """vLLM's synchronous engine (the backend's engine with the same arguments,
-    engine.backends.vllm.engine.vllm_engine_kwargs). vLLM's engine core runs steps in a process of its own, ahead of
-    LLMEngine.step() (which only collects outputs), so its steps cannot be timed one by one: finish() runs the whole
-    generation alone (step() during the alternation does nothing) and records one sample per round, the mean decode step
-    = (time of the last token - time of the first) / (decode steps). Its runner / forward split is not observable."""
+    dcpserve.engine.backends.vllm.engine.vllm_engine_kwargs). vLLM's engine core runs steps in a process of its own,
+    ahead of LLMEngine.step() (which only collects outputs), so its steps cannot be timed one by one: finish() runs the
+    whole generation alone (step() during the alternation does nothing) and records one sample per round, the mean
+    decode step = (time of the last token - time of the first) / (decode steps). Its runner / forward split is not
+    observable."""
 
     def __init__(self, args: Any) -> None:
         import os
 
         import vllm
 
-        from engine.backends.vllm.args import vllm_engine_kwargs
+        from dcpserve.engine.backends.vllm.args import vllm_engine_kwargs
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":  # one core per rank, as the native ranks get --threads 1 each

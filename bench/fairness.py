@@ -40,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 import httpx
 
 from bench.docs_section import DocsSection
-from deployments.latency_window import nearest_rank
+from dcpserve.deployments.admission.latency_window import nearest_rank
 from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
 
 DOCS = DocsSection("bench/fairness.py")

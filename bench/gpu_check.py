@@ -41,8 +41,8 @@ class Stage:
 STAGES = [
     Stage("kernel tests, fp32 / fp16 / bf16, native", [*PYTEST, "tests/kernels"], 180),
     Stage("model vs transformers, tp=1, Triton, fp32 and bf16",
-          [*PYTEST, "tests/engine/test_model_vs_hf.py", "-k", "triton"], 120),
-    Stage("decode CUDA graphs vs eager", [*PYTEST, "tests/engine/test_cuda_graphs.py"], 90),
+          [*PYTEST, "tests/engine/models/test_model_vs_hf.py", "-k", "triton"], 120),
+    Stage("decode CUDA graphs vs eager", [*PYTEST, "tests/engine/worker/test_cuda_graphs.py"], 90),
     Stage("bench/kernels.py gqa", [sys.executable, "bench/kernels.py", "--write-docs"], 120),
     Stage("bench/kernels.py mla", [sys.executable, "bench/kernels.py", "--shape", "mla", "--write-docs"], 90),
     Stage("bench/engine.py tp=1, CUDA graphs vs eager",

@@ -1,5 +1,5 @@
 """xgrammar against llguidance on this project's vocabulary and schemas: compile time, per-token mask time, and
-whether what each lets through is valid JSON (why engine/structured_output.py uses llguidance).
+whether what each lets through is valid JSON (why dcpserve/engine/structured_output.py uses llguidance).
 
 Each engine walks every schema of tests/engine/json_schemas.py `--walks` times: at each step it fills the allowed-
 token bitmask, random logits (seeded: the same draws for both engines) are masked with it, a token is sampled, and
@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.docs_section import DocsSection  # noqa: E402
-from engine.structured_output import no_additional_properties  # noqa: E402
+from dcpserve.engine.structured_output import no_additional_properties  # noqa: E402
 from tests.engine.json_schemas import SCHEMAS  # noqa: E402
 
 
@@ -169,7 +169,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from cluster.tiny_model import write_tiny_model
+            from dcpserve.cluster.tiny_model import write_tiny_model
 
             model = write_tiny_model(Path(tmp) / "tiny", seed=0)
         tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.docs_section import DocsSection
-from engine.kernels._triton import HAS_TRITON, triton
-from engine.kernels.combine import combine_lse, combine_lse_ref
-from engine.kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref
+from dcpserve.kernels._triton import HAS_TRITON, triton
+from dcpserve.kernels.combine import combine_lse, combine_lse_ref
+from dcpserve.kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref
 
 BLOCK_SIZE = 16
 

@@ -1,8 +1,8 @@
 """Exactness at 128k tokens: the native engine's model code against transformers at one very long prompt, at the
 DCP layouts the suite covers, for a one-KV-head Llama and a DeepSeek-V2 MLA tiny random model.
 
-tests/engine/test_long_context.py checks every covered layout at 32,768 tokens in the suite; this runs the same check
-(its checkpoints, scenario and `check_long_against_hf`: greedy tokens equal, logits within 1e-4 at the last prompt
+tests/engine/models/test_long_context.py checks every covered layout at 32,768 tokens in the suite; this runs the same
+check (its checkpoints, scenario and `check_long_against_hf`: greedy tokens equal, logits within 1e-4 at the last prompt
 position and every decode step, every rank bit-identical to rank 0, the far context shown to matter) at a length the
 suite cannot afford, and prints how far our logits are from transformers' and how long each side took.
 
@@ -27,10 +27,10 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.docs_section import DocsSection
-from engine.config import ModelConfig, ParallelConfig
-from engine.worker.parallel import ParallelState
+from dcpserve.engine.config import ModelConfig, ParallelConfig
+from dcpserve.engine.worker.parallel import ParallelState
 from tests.engine.model_harness import Job, run_job, run_rank
-from tests.engine.test_long_context import (
+from tests.engine.models.test_long_context import (
     BLOCK_SIZE,
     LLAMA_MQA,
     MLA,
@@ -128,7 +128,7 @@ def main() -> int:
         f"`python {SCRIPT} {' '.join(sys.argv[1:])}`; torch {torch.__version__}, python {platform.python_version()}, "
         f"date {time.strftime('%Y-%m-%dT%H:%M:%S')}", "",
         f"One {args.tokens:,}-token prompt of seeded random tokens, prefilled in chunks of {args.chunk:,}, then 8 "
-        f"greedy tokens, on tests/engine/test_long_context.py's tiny random models (positions up to "
+        f"greedy tokens, on tests/engine/models/test_long_context.py's tiny random models (positions up to "
         f"{case.max_positions:,}, RoPE scaled 4x), against transformers' fp32 forward (sdpa) on the same weights. "
         "Tokens: greedy tokens equal transformers' at every step; error: the largest logit difference at the last "
         "prompt position and every decode step (the suite's bound is 1e-4). Every rank's tokens are rank 0's, and the "

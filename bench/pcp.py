@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.docs_section import DocsSection
-from cluster.tiny_model import TinyModelSpec, write_tiny_model
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from dcpserve.cluster.tiny_model import TinyModelSpec, write_tiny_model
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.sampling_params import SamplingParams
 
 SCRIPT = "bench/pcp.py"
 BLOCK_SIZE = 16

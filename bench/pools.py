@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import compare
 from bench.docs_section import DocsSection
-from cluster.tiny_model import write_tiny_model
-from engine.config import ModelConfig
-from simulator.metrics import percentile
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.config import ModelConfig
+from dcpserve.simulator.metrics import percentile
 
 SCRIPT = "bench/pools.py"
 PLOT = Path("docs/img/pools.png")

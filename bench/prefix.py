@@ -40,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench import compare
 from bench.docs_section import DocsSection
-from cluster.tiny_model import write_tiny_model
+from dcpserve.cluster.tiny_model import write_tiny_model
 
 SCRIPT = "bench/prefix.py"
 REPLICAS = 2

@@ -4,7 +4,8 @@ trip takes and what the ranks cost while they wait for the next step.
 Three transports, measured in alternating rounds on one local Ray instance so load spikes hit all of them:
 - ray.put + one actor task per rank per step (the worker group's transport before the step channel),
 - a Ray compiled graph (ray.dag InputNode -> one bind per rank -> MultiOutputNode, experimental_compile()),
-- the step channel the worker group uses (engine.worker.rank_channel: one authenticated TCP connection per rank).
+- the step channel the worker group uses (dcpserve.engine.worker.rank_channel: one authenticated TCP connection per
+  rank).
 Each step is a pickled stand-in of a SchedulerOutput (per sequence: an id, one new token, its position, its block
 table and a dict of sampling parameters); rank 0 replies with one sampled token per sequence, the others with None.
 
@@ -31,14 +32,14 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deployments.local_cluster import bind_ray_to_loopback
+from dcpserve.local.serve import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
+from dcpserve.engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
 
 # (label, sequences, block-table entries per sequence)
 STEPS = [("decode, batch 8", 8, 4), ("decode, batch 64", 64, 4), ("batch 64, 4096 blocks each", 64, 4096)]

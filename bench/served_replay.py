@@ -14,10 +14,10 @@ import httpx
 
 from bench import compare
 from bench.prometheus import metric_lines
-from simulator.metrics import percentile
-from simulator.step_fit import LinearStepModel
-from simulator.step_time import StepWork
-from simulator.trace import TraceRequest
+from dcpserve.simulator.metrics import percentile
+from dcpserve.simulator.step_fit import LinearStepModel
+from dcpserve.simulator.step_time import StepWork
+from dcpserve.simulator.trace import TraceRequest
 
 HEALTH_PERIOD_S = 0.05
 PROBES = 9

@@ -1,8 +1,8 @@
 """Layout pools at cluster scale in the simulator: the best pooled split against the best single layout, same GPUs.
 
 Kimi K2 (4-bit weights, fp8 KV, 256k context) on 8 x H200 per replica, every replica tp=8. The trace mixes the
-`chat` and `agentic` presets (simulator/synth.py `mix`): short chat turns and long agentic coding sessions, open
-loop at rates scaled with the nodes so that every node sees the same load. Each configuration replays the same
+`chat` and `agentic` presets (dcpserve/simulator/synth.py `mix`): short chat turns and long agentic coding sessions,
+open loop at rates scaled with the nodes so that every node sees the same load. Each configuration replays the same
 trace through the app's real admission queue (pool choice included) and schedulers on simulated GPUs:
 
 - single layouts: every replica tp=8 dcp=1, or every replica tp=8 dcp=8;
@@ -10,8 +10,8 @@ trace through the app's real admission queue (pool choice included) and schedule
   half and three quarters of the replicas.
 
 Goodput is the requests that finished with TTFT <= --ttft-target-s and their own mean ITL <= --itl-target-s, per
-second of the window in which sessions start (the same for every configuration: simulator/metrics.py `goodput`);
-the table gives the share met per class of request too.
+second of the window in which sessions start (the same for every configuration: dcpserve/simulator/metrics.py
+`goodput`); the table gives the share met per class of request too.
 
     python bench/simulate_pools.py --nodes 64          # 512 GPUs (about an hour on 2 cores)
     python bench/simulate_pools.py --nodes 4 --quick   # a quick look
@@ -36,16 +36,16 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import deployments.pools
+import dcpserve.deployments.admission.pools as admission_pools
 from bench.docs_section import DocsSection
-from cluster.published_models import model_spec
-from engine.config import SchedulerConfig
-from simulator.gpus import gpu_spec
-from simulator.metrics import goodput, mean_itl_s, meets_slo
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, SimPool, Simulation, SimulationConfig
-from simulator.step_time import RooflineModel
-from simulator.synth import PRESETS, generate, mix
+from dcpserve.cluster.published_models import model_spec
+from dcpserve.engine.config import SchedulerConfig
+from dcpserve.simulator.gpus import gpu_spec
+from dcpserve.simulator.metrics import goodput, mean_itl_s, meets_slo
+from dcpserve.simulator.replica import ReplicaShape
+from dcpserve.simulator.run import ServeSettings, SimPool, Simulation, SimulationConfig
+from dcpserve.simulator.step_time import RooflineModel
+from dcpserve.simulator.synth import PRESETS, generate, mix
 
 SCRIPT = "bench/simulate_pools.py"
 GPUS_PER_NODE = 8
@@ -98,7 +98,7 @@ def shape_of(dcp: int) -> tuple[ReplicaShape, RooflineModel]:
 def run_setup(job: tuple[Setup, Load]) -> dict[str, Any]:
     setup, load = job
     if load.rule == "fastest":  # this process runs only this rule's setups
-        deployments.pools.gpu_seconds_per_token = step_alone
+        admission_pools.gpu_seconds_per_token = step_alone
     pools = []
     for name, dcp, replicas in (("chat", 1, setup.dcp1), ("long", 8, setup.dcp8)):
         if replicas:

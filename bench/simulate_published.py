@@ -1,7 +1,7 @@
 """dcpserve simulate against published DCP results: the direction and size of each published effect, side by side.
 
 Two published comparisons of plain TP against TP + DCP on one 8-GPU node, rerun in the simulator with the roofline
-step model (simulator/step_time.py) and the app's own control plane:
+step model (dcpserve/simulator/step_time.py) and the app's own control plane:
 
 - vLLM's DCP blog post (2026-07-27): Kimi K2.6 NVFP4 on 8 x B200, an agentic trace (median ~67k input, ~400
   output tokens). TP8 fills its KV at concurrency 64 and flattens at ~1,863 output tok/s per GPU; TP8 + DCP8 reaches
@@ -31,13 +31,13 @@ sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolv
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.docs_section import DocsSection
-from cluster.published_models import model_spec
-from engine.config import SchedulerConfig
-from simulator.gpus import gpu_spec
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_time import RooflineModel
-from simulator.synth import PRESETS, generate
+from dcpserve.cluster.published_models import model_spec
+from dcpserve.engine.config import SchedulerConfig
+from dcpserve.simulator.gpus import gpu_spec
+from dcpserve.simulator.replica import ReplicaShape
+from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
+from dcpserve.simulator.step_time import RooflineModel
+from dcpserve.simulator.synth import PRESETS, generate
 
 SCRIPT = "bench/simulate_published.py"
 # Queue bound and timeout past anything a run reaches: the published runs queue requests in the engine, unbounded.

@@ -23,13 +23,13 @@ sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolv
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.docs_section import DocsSection
-from cluster.published_models import model_spec
-from engine.config import SchedulerConfig
-from simulator.gpus import gpu_spec
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_time import RooflineModel
-from simulator.synth import PRESETS, generate
+from dcpserve.cluster.published_models import model_spec
+from dcpserve.engine.config import SchedulerConfig
+from dcpserve.simulator.gpus import gpu_spec
+from dcpserve.simulator.replica import ReplicaShape
+from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
+from dcpserve.simulator.step_time import RooflineModel
+from dcpserve.simulator.synth import PRESETS, generate
 
 SCRIPT = "bench/simulate_scale.py"
 REQUESTS_PER_NODE = 1563  # 100,032 requests at 64 nodes

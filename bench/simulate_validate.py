@@ -4,8 +4,8 @@ For each layout (default: the tiny model at tp=2 x dcp=2 and tp=2 x dcp=1, the s
 twice the tokens):
 1. calibration, on a trace of the same shape with another seed, through the real app: the app's engine records
    every step it takes (step_trace_path), and the simulator's step model is fitted to those steps, each with the
-   host's gap before it (simulator.step_fit.read_step_trace): the served engine's own cycle, on 2 cores it shares
-   with the ingress, the proxy, the queue and the client. The app's latency outside the steps (HTTP, the ingress,
+   host's gap before it (dcpserve.simulator.step_fit.read_step_trace): the served engine's own cycle, on 2 cores it
+   shares with the ingress, the proxy, the queue and the client. The app's latency outside the steps (HTTP, the ingress,
    the hops to the queue and the replica: the simulator's request_latency_s) is fitted to the same run: the median
    over its requests of the real TTFT less the simulated one without that latency. A probe of the idle app
    (one-token answers to short prompts, one at a time) measures it without load, for comparison;
@@ -50,15 +50,15 @@ if str(REPO_ROOT) not in sys.path:
 from bench import compare
 from bench.docs_section import DocsSection
 from bench.served_replay import HEALTH_PERIOD_S, RealRun, probe_latency, real_metrics, replay, scrape
-from cluster.tiny_model import write_tiny_model
-from engine.args import EngineArgs
-from engine.config import ModelConfig
-from simulator.metrics import RequestRecord, percentile
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_fit import LinearStepModel, read_step_trace
-from simulator.synth import LengthDist, TraceShape, generate
-from simulator.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.args import EngineArgs
+from dcpserve.engine.config import ModelConfig
+from dcpserve.simulator.metrics import RequestRecord, percentile
+from dcpserve.simulator.replica import ReplicaShape
+from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
+from dcpserve.simulator.step_fit import LinearStepModel, read_step_trace
+from dcpserve.simulator.synth import LengthDist, TraceShape, generate
+from dcpserve.simulator.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 DOCS = DocsSection("bench/simulate_validate.py")
 BLOCK_SIZE = 16

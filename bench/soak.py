@@ -48,7 +48,7 @@ if str(REPO_ROOT) not in sys.path:
 import httpx
 
 from bench.docs_section import DocsSection
-from deployments.replica import ReplicaQuery
+from dcpserve.deployments.replica.engine_replica import ReplicaQuery
 from tests.e2e import faults
 from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
 
@@ -61,7 +61,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 SHEDDABLE_PRIORITY = 10
 PRIORITIES = (0, 5, SHEDDABLE_PRIORITY)  # urgent, normal, sheddable
 SECOND_TENANT_MAX_CONCURRENT = 3  # below what a burst sends as `batch`: its limit_exceeded 429s are part of the mix
-# The 429s the app owes requests it cannot take now (deployments/admission.py's refusals): none is a loss.
+# The 429s the app owes requests it cannot take now (dcpserve/deployments/admission/queue.py's refusals): none is a
+# loss.
 REFUSALS = ("shed", "limit_exceeded", "queue_full", "queue_timeout", "deadline_exceeded")
 FAULTS = ("TP rank", "engine replica", "admission queue", "ingress")
 BODY_LIMIT = 256 * 1024

@@ -29,12 +29,12 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.tiny_model import write_tiny_model
-from engine.core.step import SchedulerOutput
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
-from simulator.step_fit import LinearStepModel, read_step_trace
-from simulator.step_time import StepWork
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.core.step import SchedulerOutput
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.simulator.step_fit import LinearStepModel, read_step_trace
+from dcpserve.simulator.step_time import StepWork
 
 WARMUP_STEPS = 5
 

@@ -27,10 +27,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.docs_section import DocsSection  # noqa: E402
-from cluster.tiny_model import write_tiny_model  # noqa: E402
-from engine.frontend.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured_output import Grammars, StructuredOutput  # noqa: E402
+from dcpserve.cluster.tiny_model import write_tiny_model  # noqa: E402
+from dcpserve.engine.frontend.llm import LLM  # noqa: E402
+from dcpserve.engine.sampling_params import SamplingParams  # noqa: E402
+from dcpserve.engine.structured_output import Grammars, StructuredOutput  # noqa: E402
 from tests.engine.json_schemas import SCHEMAS  # noqa: E402
 
 

@@ -1,9 +1,9 @@
-"""The `dcpserve` command line: the planner's and engine's commands (cluster/cli.py) and the simulator's
-(simulator/cli.py). `dcpserve --help` lists them; `dcpserve COMMAND --help` describes one.
+"""The `dcpserve` command line: the planner's and engine's commands (dcpserve/cluster/cli.py) and the simulator's
+(dcpserve/simulator/cli.py). `dcpserve --help` lists them; `dcpserve COMMAND --help` describes one.
 
 The commands live with the package they use; this module only assembles them, from the top of the package table
-(it may import every package, and nothing imports it), so `dcpserve plan --trace` (simulator/plan.py's
-`extend_plan` on cluster/cli.py's plan command) can use the simulator without the planner importing it.
+(it may import every package, and nothing imports it), so `dcpserve plan --trace` (dcpserve/simulator/plan.py's
+`extend_plan` on dcpserve/cluster/cli.py's plan command) can use the simulator without the planner importing it.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.cli import add_commands as add_cluster_commands
-from simulator.cli import add_commands as add_simulator_commands
-from simulator.plan import extend_plan
+from dcpserve.cluster.cli import add_commands as add_cluster_commands
+from dcpserve.simulator.cli import add_commands as add_simulator_commands
+from dcpserve.simulator.plan import extend_plan
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,8 @@
 
 TRITON_INTERPRET must be set before triton.jit decorates the kernels, so before `kernels` is imported.
 
-DCPSERVE_VERIFY_PREFIX_HITS=1 (engine.core.engine.VERIFY_PREFIX_HITS_ENV) makes every engine of the suite keep each
-cached block's token ids and compare them on every prefix cache hit, so a hash collision or a block named for the
+DCPSERVE_VERIFY_PREFIX_HITS=1 (dcpserve.engine.core.engine.VERIFY_PREFIX_HITS_ENV) makes every engine of the suite keep
+each cached block's token ids and compare them on every prefix cache hit, so a hash collision or a block named for the
 wrong tokens fails the test (PrefixCacheCorruption) instead of serving another prefix's KV. Set here, at import,
 so engines in processes the tests start (a `ray start` cluster's replicas) inherit it too; a value set outside wins.
 
@@ -11,7 +11,7 @@ Ray: one head for the whole session (`ray_head`, tests/e2e/cluster.py), on loopb
 (`ray_cluster`) and every e2e and dashboard module use it, each module deploying its app and deleting it after.
 Tiers (markers, set here from what a test uses, so none is forgotten): `e2e` (an app on the head), `ray` (the head
 alone: the engine's multi-rank tests), `faults` (kills processes of the head: run after every other test on it),
-`nodes` (a multi-node cluster of its own with Ray's autoscaler, `make cluster`'s: tests/nodes; a pytest process can
+`nodes` (a multi-node cluster of its own with Ray's autoscaler, `make cluster`'s: tests/local; a pytest process can
 drive one Ray cluster only, so it runs in a process of its own), the rest needing no cluster (`make test-fast`).
 """
 
@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.core.engine.VERIFY_PREFIX_HITS_ENV; see above
 
-from deployments.local_cluster import bind_ray_to_loopback
+from dcpserve.local.serve import bind_ray_to_loopback
 
 bind_ray_to_loopback()  # before anything imports ray: every Ray this session starts or joins listens on 127.0.0.1
 
@@ -46,7 +46,7 @@ os.environ["RAY_AUTH_MODE"] = "token"
 # Nothing in a test process may start a Ray of its own by calling into Ray unconnected (Ray's auto-init, also read
 # at import): after the session head's ray.shutdown(), a Serve handle's metrics thread still calls ray.wait, and
 # auto-init then started a fresh local Ray under /tmp/ray whose GCS never came up, 30 s per try, several tries per
-# pytest process. Code that needs Ray connects to a head explicitly (ray_head, engine.worker.ray_executor).
+# pytest process. Code that needs Ray connects to a head explicitly (ray_head, dcpserve.engine.worker.ray_executor).
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.published_models import DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from dcpserve.cli import main
+from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE, DEEPSEEK_V3
 
 
 def dcpserve(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,5 @@
 """The local cluster's config agrees with ray_cluster.yaml, and a replica layout no node type can hold is refused
-with the node types, their GPUs and the layout named (cluster/node_types.py, deployments/app.py)."""
+with the node types, their GPUs and the layout named (dcpserve/cluster/node_types.py, dcpserve/deployments/app.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.node_types import (
+from dcpserve.cluster.node_types import (
     CLUSTER_CONFIG_ENV,
     NodeType,
     ReplicaDoesNotFit,
@@ -39,7 +39,7 @@ def test_local_cluster_has_the_cloud_node_types_and_is_valid_for_ray() -> None:
         assert local_type["node_config"] == {}
     assert config["max_workers"] == CLOUD["max_workers"]
     provider = config["provider"]
-    assert provider["module"] == "cluster.local_provider.LocalNodeProvider"
+    assert provider["module"] == "dcpserve.local.provider.LocalNodeProvider"
     assert provider["gcs_address"] == "127.0.0.1:6390" and provider["head_node_type"] == CLOUD["head_node_type"]
     # Nothing of the cloud path runs locally: no SSH setup, no installs on nodes, no files copied.
     assert config["setup_commands"] == [] and config["worker_start_ray_commands"] == [] and config["file_mounts"] == {}
@@ -104,8 +104,8 @@ def test_cluster_config_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_the_app_refuses_a_layout_the_cluster_config_cannot_hold(monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:
-    from deployments.app import check_cluster_fits
-    from deployments.config import parse_args
+    from dcpserve.deployments.app import check_cluster_fits
+    from dcpserve.deployments.config import parse_args
 
     config = local_cluster_config(CLOUD, LOCAL, gcs_address="127.0.0.1:1", worker_gpus=2)
     path = tmp_path / "cluster.yaml"

@@ -11,17 +11,17 @@ import pytest
 import torch
 import yaml
 
-from cluster.model_specs import GqaSpec, MlaSpec, load_model_spec, model_spec_from_dict
-from cluster.planner import (
+from dcpserve.cluster.model_specs import GqaSpec, MlaSpec, load_model_spec, model_spec_from_dict
+from dcpserve.cluster.planner import (
     PlanRequest,
     count_parameters,
     format_plan,
     plan_layouts,
     weight_bytes_per_rank,
 )
-from cluster.published_models import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2
-from engine.args import parse_bytes, parse_tokens
-from engine.config import ModelConfig
+from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE, DEEPSEEK_V3, KIMI_K2
+from dcpserve.engine.args import parse_bytes, parse_tokens
+from dcpserve.engine.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def llama(**overrides: object) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-# The tiny model's shape (cluster/tiny_model.py defaults).
+# The tiny model's shape (dcpserve/cluster/tiny_model.py defaults).
 TINY = llama(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=1, head_dim=32, max_position_embeddings=8192)
 LLAMA_8B = llama()
@@ -336,12 +336,12 @@ def test_load_model_spec_reads_a_deepseek_directory(tmp_path: Path) -> None:
 def test_vllm_serve_config_is_a_valid_mla_layout_for_v2_lite() -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.config import AppArgs
+    from dcpserve.deployments.config import AppArgs
 
     config = yaml.safe_load((REPO / "serve_config.vllm.yaml").read_text())
     ServeDeploySchema.model_validate(config)
     app = config["applications"][0]
-    assert app["import_path"] == "deployments.app:build_app"
+    assert app["import_path"] == "dcpserve.deployments.app:build_app"
     args = app["args"]
     assert args["backend"] == "vllm"
     # Not AppArgs(**args): `backend` is being added on another branch. Every other key must be one of AppArgs'.

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.tiny_model import (
+from dcpserve.cluster.tiny_model import (
     MARKER_FILE,
     TinyMlaSpec,
     TinyModelSpec,
@@ -17,8 +17,8 @@ from cluster.tiny_model import (
     write_tiny_mla_model,
     write_tiny_model,
 )
-from engine.config import ModelConfig, ParallelConfig
-from engine.deepseek_config import YarnScaling
+from dcpserve.engine.config import ModelConfig, ParallelConfig
+from dcpserve.engine.deepseek_config import YarnScaling
 
 WRITTEN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", MARKER_FILE)

@@ -4,7 +4,7 @@ One app per engine backend (native: TP=2 x DCP=2 on logical GPUs, 32 KV blocks o
 test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, deployed on the
 session's Ray head (tests/e2e/cluster.py) under an application name of its own, so that every query below can select
 this app's series by their `application` label; Prometheus started the way `make observe` starts it
-(deployments/observe.py), with the project's scrape config pointed at the head's service-discovery file. A bounded
+(dcpserve/local/observe.py), with the project's scrape config pointed at the head's service-discovery file. A bounded
 load makes every metric move: a normal stream, a never-fits 400, and, while the test itself holds the whole KV (a
 grant of its own, ServeCluster.held_kv), a queued request that times out (429), one refused by a full queue (429)
 and one that waits and is admitted when the test lets go; then one prompt twice (a prefix cache hit, the second
@@ -32,7 +32,8 @@ import httpx
 import pytest
 import yaml
 
-from deployments import local_cluster, observe
+from dcpserve.local import observe
+from dcpserve.local import serve as local_serve
 from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +129,7 @@ def stack(request: pytest.FixtureRequest, ray_head: RayHead, tmp_path_factory: p
     state = tmp_path_factory.mktemp("observe")
     with deploy_app(ray_head, backend.app_args, app_name=APP) as cluster:
         prometheus_config = observe.write_config(ray_head.temp_dir, state / "prometheus")
-        port = local_cluster.free_port()
+        port = local_serve.free_port()
         prometheus = observe.start_prometheus(binary, prometheus_config, port, state / "prometheus" / "data",
                                               state / "prometheus" / "prometheus.log")
         try:

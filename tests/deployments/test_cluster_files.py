@@ -33,12 +33,12 @@ def test_ray_cluster_yaml_is_valid_for_ray_up() -> None:
 def test_serve_configs_validate(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.config import parse_args
+    from dcpserve.deployments.config import parse_args
 
     raw = yaml.safe_load((REPO / name).read_text())
     schema = ServeDeploySchema.model_validate(raw)
     app = schema.applications[0]
-    assert app.import_path == "deployments.app:build_app" and app.runtime_env in (None, {})
+    assert app.import_path == "dcpserve.deployments.app:build_app" and app.runtime_env in (None, {})
     args = parse_args(app.args)  # every key known, every value valid
     # Every example shards KV with DCP, except vLLM on CPU, whose attention cannot (the engine refuses dcp > 1 there).
     assert args.decode_context_parallel_size > 1 or name == "serve_config.local.vllm.yaml"

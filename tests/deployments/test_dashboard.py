@@ -2,9 +2,9 @@
 query names only metrics that exist and only labels those series carry (in its selectors, its `by` / `on` /
 `group_left` clauses and its panel's legend), every variable it uses is defined, and the panels do not overlap.
 
-The labels each series carries come from deployments/metrics.py's recorders (their tag keys; a replica's include its
-pool), plus the labels Ray Serve and Ray add to every series (docs/metrics.md). A small reader of the PromQL the
-dashboard uses (promql_labels.py) works out the labels of each expression's result; it refuses syntax it does not
+The labels each series carries come from dcpserve/deployments/metrics.py's recorders (their tag keys; a replica's
+include its pool), plus the labels Ray Serve and Ray add to every series (docs/metrics.md). A small reader of the PromQL
+the dashboard uses (promql_labels.py) works out the labels of each expression's result; it refuses syntax it does not
 know, so a query it cannot check fails here instead of passing unread. tests/dashboards runs the same queries against
 a real Prometheus.
 """
@@ -19,7 +19,13 @@ import pytest
 import yaml
 from ray.util import metrics as ray_metrics
 
-from deployments.metrics import METRIC_NAMES, AdmissionMetrics, AutoscalingMetrics, IngressMetrics, ReplicaMetrics
+from dcpserve.deployments.metrics import (
+    METRIC_NAMES,
+    AdmissionMetrics,
+    AutoscalingMetrics,
+    IngressMetrics,
+    ReplicaMetrics,
+)
 from tests.deployments.promql_labels import query_labels
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""deployments/metrics.py's recorders without a Ray cluster: what each update and event records.
+"""dcpserve/deployments/metrics.py's recorders without a Ray cluster: what each update and event records.
 
 Ray's metric objects work outside a replica (no Serve labels then); every value they would export goes through
 Metric._record, which the `recorded` fixture captures instead, with the tags Ray would export it with (the metric's
@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 from ray.util import metrics as ray_metrics
 
-from deployments.fair_share import ServiceLevel
-from deployments.metrics import AdmissionMetrics, ReplicaMetrics
-from deployments.replica import EngineReplica
-from engine.protocol import EngineStats, KvLedger, RankKvStats
+from dcpserve.deployments.admission.fair_share import ServiceLevel
+from dcpserve.deployments.metrics import AdmissionMetrics, ReplicaMetrics
+from dcpserve.deployments.replica.engine_replica import EngineReplica
+from dcpserve.engine.protocol import EngineStats, KvLedger, RankKvStats
 
 
 class Recorded:
@@ -132,9 +132,9 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
     its prompt blocks; the counters then equal the queue's own counts."""
     import asyncio
 
-    from deployments.admission import AdmissionQueue
-    from deployments.prefix_routing import PrefixAsk
-    from engine.core.prefix_cache import CACHED, PrefixReporter, prompt_hashes
+    from dcpserve.deployments.admission.prefix_routing import PrefixAsk
+    from dcpserve.deployments.admission.queue import AdmissionQueue
+    from dcpserve.engine.core.prefix_cache import CACHED, PrefixReporter, prompt_hashes
 
     metrics = AdmissionMetrics()
     calls: list[tuple[int, int]] = []
@@ -174,7 +174,7 @@ def test_metric_names_are_the_ones_docs_metrics_md_documents(recorded: Recorded)
     import re
     from pathlib import Path
 
-    from deployments.metrics import METRIC_NAMES, AutoscalingMetrics, IngressMetrics
+    from dcpserve.deployments.metrics import METRIC_NAMES, AutoscalingMetrics, IngressMetrics
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     documented = dict(re.findall(r"^\| `(ray_[a-z0-9_]+)` \| (gauge|counter|histogram) \|", doc, re.M))
@@ -197,7 +197,7 @@ def test_the_labels_docs_metrics_md_lists_are_the_tags_each_metric_records() -> 
     import re
     from pathlib import Path
 
-    from deployments.metrics import AutoscalingMetrics, IngressMetrics
+    from dcpserve.deployments.metrics import AutoscalingMetrics, IngressMetrics
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     documented = {name: set(re.findall(r"`(\w+)`", labels)) for name, labels in re.findall(
@@ -293,9 +293,9 @@ def test_the_engine_replica_tags_its_metrics_with_its_pool(recorded: Recorded, m
 
     from ray import serve
 
-    import engine.backends
-    from deployments import replica as replica_module
-    from deployments.config import parse_args
+    import dcpserve.engine.backends as backends
+    from dcpserve.deployments.config import parse_args
+    from dcpserve.deployments.replica import engine_replica as replica_module
 
     started: list[object] = []
 
@@ -303,7 +303,7 @@ def test_the_engine_replica_tags_its_metrics_with_its_pool(recorded: Recorded, m
         started.append(args)
         return _StubEngine()
 
-    monkeypatch.setattr(engine.backends, "start_engine", start_engine)
+    monkeypatch.setattr(backends, "start_engine", start_engine)
     monkeypatch.setattr(replica_module, "_node_tags", lambda: {"node_id": "n1", "node_type": "head"})
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="r1")))
@@ -335,14 +335,14 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
     import types
     from typing import cast
 
-    from deployments.config import AppArgs
-    from deployments.metrics import IngressMetrics
-    from deployments.pools import PoolNeed
-    from deployments.replica import Accepted
-    from deployments.sessions import Sessions
-    from deployments.streams import DeltaLinks
-    from engine.protocol import RequestDelta
-    from engine.sampling_params import SamplingParams
+    from dcpserve.deployments.admission.pools import PoolNeed
+    from dcpserve.deployments.config import AppArgs
+    from dcpserve.deployments.dispatch.sessions import Sessions
+    from dcpserve.deployments.dispatch.streams import DeltaLinks
+    from dcpserve.deployments.metrics import IngressMetrics
+    from dcpserve.deployments.replica.engine_replica import Accepted
+    from dcpserve.engine.protocol import RequestDelta
+    from dcpserve.engine.sampling_params import SamplingParams
 
     levels: list[ServiceLevel] = []
     released: list[tuple[str, float | None, float | None]] = []

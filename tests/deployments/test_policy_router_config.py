@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments.autoscaling import desired_replicas
-from deployments.config import parse_args
-from deployments.router import rank_by_free_kv
+from dcpserve.deployments.autoscaling import desired_replicas
+from dcpserve.deployments.config import parse_args
+from dcpserve.deployments.dispatch.router import rank_by_free_kv
 
 
 def test_desired_replicas_by_sequences_and_kv() -> None:
@@ -56,7 +56,7 @@ def test_args_name_unknown_and_invalid_keys(tmp_path: Path) -> None:
         parse_args({"model": str(tmp_path), "autoscaling": {"min_replicas": 3, "max_replicas": 2}})
     with pytest.raises(ValueError, match="queue_timeout_s"):
         parse_args({"model": str(tmp_path), "queue_timeout_s": -1})
-    # The engine fields' ranges are EngineArgs' own checks (engine/args.py), named the same way.
+    # The engine fields' ranges are EngineArgs' own checks (dcpserve/engine/args.py), named the same way.
     with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got 1.0"):
         parse_args({"model": str(tmp_path), "kv_headroom": 1.0})
     with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got -0.1"):
@@ -71,7 +71,7 @@ def test_args_name_unknown_and_invalid_keys(tmp_path: Path) -> None:
 
 
 def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:
-    from deployments.app import build_app
+    from dcpserve.deployments.app import build_app
 
     with pytest.raises(ValueError, match="dcp|DCP|decode_context"):
         build_app({"model": str(tiny_model_dir), "tensor_parallel_size": 2, "decode_context_parallel_size": 4})
@@ -82,8 +82,8 @@ def test_build_app_rejects_a_bad_layout(tiny_model_dir: Path) -> None:
 
 
 def test_a_pcp_replica_reserves_tp_times_pcp_gpus_and_a_bad_pcp_layout_is_refused(tiny_model_dir: Path) -> None:
-    from deployments.app import build_app, engine_deployment
-    from deployments.config import parse_args
+    from dcpserve.deployments.app import build_app, engine_deployment
+    from dcpserve.deployments.config import parse_args
 
     args = {"model": str(tiny_model_dir), "tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
             "decode_context_parallel_size": 4}
@@ -97,7 +97,7 @@ def test_a_pcp_replica_reserves_tp_times_pcp_gpus_and_a_bad_pcp_layout_is_refuse
 
 
 def test_build_app_refuses_pools_none_of_which_holds_a_whole_request(tiny_model_dir: Path) -> None:
-    from deployments.app import build_app
+    from dcpserve.deployments.app import build_app
 
     # 256 KiB per rank at tp=2: 512 tokens at dcp=1, 1,024 at dcp=2.
     pools = [{"name": "short", "tensor_parallel_size": 2},
@@ -111,7 +111,7 @@ def test_build_app_refuses_pools_none_of_which_holds_a_whole_request(tiny_model_
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cluster.tiny_model import write_tiny_model
+    from dcpserve.cluster.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from deployments.autoscaling import GpuLedger, SequenceAutoscalingPolicy, within_budget
+from dcpserve.deployments.autoscaling import GpuLedger, SequenceAutoscalingPolicy, within_budget
 
 
 def ctx(deployment: str, current: int, sequences: list[float], queued: float = 0.0, max_replicas: int = 8) -> Any:

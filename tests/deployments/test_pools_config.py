@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.config import parse_args
+from dcpserve.deployments.config import parse_args
 
 TWO_POOLS = [{"name": "short", "tensor_parallel_size": 2},
              {"name": "long", "tensor_parallel_size": 2, "decode_context_parallel_size": 2,

@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 from ray.util import metrics as ray_metrics
 
-from deployments.autoscaling import (
+from dcpserve.deployments.autoscaling import (
     GpuLedger,
     SequenceAutoscalingPolicy,
     SloAutoscalingPolicy,
@@ -27,8 +27,8 @@ from deployments.autoscaling import (
     replica_stats,
     slo_decision,
 )
-from deployments.config import AutoscalingArgs, parse_args
-from engine.protocol import KvLedger
+from dcpserve.deployments.config import AutoscalingArgs, parse_args
+from dcpserve.engine.protocol import KvLedger
 
 TARGETS = SloTargets(ttft_target_s=2.0, itl_target_s=0.05, target_sequences_per_replica=8.0, kv_usage_scale_up=0.85,
                      scale_down_fraction=0.7, cooldown_s=60.0)
@@ -252,11 +252,11 @@ def test_replica_stats_leave_out_a_latency_without_samples() -> None:
 
 def test_the_policy_is_chosen_by_the_targets() -> None:
     plain = AutoscalingArgs()
-    assert policy_function(plain) == "deployments.autoscaling:SequenceAutoscalingPolicy"
+    assert policy_function(plain) == "dcpserve.deployments.autoscaling:SequenceAutoscalingPolicy"
     assert policy_kwargs(plain, None, 2) == {"target_sequences_per_replica": 8.0, "kv_usage_scale_up": 0.85,
                                              "gpu_budget": None, "tensor_parallel_size": 2}
     slo = AutoscalingArgs(itl_target_s=0.04, cooldown_s=10.0)
-    assert policy_function(slo) == "deployments.autoscaling:SloAutoscalingPolicy"
+    assert policy_function(slo) == "dcpserve.deployments.autoscaling:SloAutoscalingPolicy"
     kwargs = policy_kwargs(slo, 8, 2)
     assert kwargs["itl_target_s"] == 0.04 and kwargs["ttft_target_s"] is None and kwargs["cooldown_s"] == 10.0
     assert kwargs["scale_down_fraction"] == 0.7

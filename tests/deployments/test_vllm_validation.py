@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from deployments.app import build_app
-from engine.frontend.llm import LLM
+from dcpserve.deployments.app import build_app
+from dcpserve.engine.frontend.llm import LLM
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cluster.tiny_model import write_tiny_model
+    from dcpserve.cluster.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
 

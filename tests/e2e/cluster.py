@@ -2,7 +2,7 @@
 tests.
 
 `ray_head(state_dir)` starts one head (`ray start`, loopback only, logical GPUs, token auth, ports of its own; the
-same code as `make serve`, deployments/local_cluster.py), joins this process to it as a Ray driver and, on exit,
+same code as `make serve`, dcpserve/local/serve.py), joins this process to it as a Ray driver and, on exit,
 stops exactly the processes it started. tests/conftest.py holds it as the session fixture `ray_head`: one head for
 the whole session. `deploy_app(head, app_args)` deploys the app onto it through Serve's REST API (what `serve
 deploy` calls; `via_cli=True` runs the CLI itself), waits until Serve's API says RUNNING, and on exit deletes the app
@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from cluster.tiny_model import write_tiny_model
-from deployments import local_cluster
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.local import serve as local_serve
 
 APP_NAME = "dcpserve"
 
@@ -69,7 +69,7 @@ def tiny_app_args(served_model_name: str, **overrides: Any) -> dict[str, Any]:
 class RayHead:
     """One running head: its ports, environment and temp dir, the tiny model, and this process as its driver."""
 
-    settings: local_cluster.LocalSettings
+    settings: local_serve.LocalSettings
     env: dict[str, str]  # RAY_AUTH_MODE=token with this head's own token file, loopback only
     temp_dir: Path  # Ray's temp dir (session logs under session_latest/logs)
     model_dir: Path  # the tiny Llama, written once for the session
@@ -82,8 +82,8 @@ class RayHead:
         return f"127.0.0.1:{self.settings.ray_port}"
 
     @property
-    def api(self) -> local_cluster.ServeApi:
-        return local_cluster.ServeApi(self.settings.dashboard_port, Path(self.env["RAY_AUTH_TOKEN_PATH"]))
+    def api(self) -> local_serve.ServeApi:
+        return local_serve.ServeApi(self.settings.dashboard_port, Path(self.env["RAY_AUTH_TOKEN_PATH"]))
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -148,7 +148,7 @@ def non_loopback_listeners(head: RayHead) -> list[tuple[int, str, str, int]]:
     return [s for s in head.listening_sockets() if s[2] not in LOOPBACK]
 
 
-def serve_inter_deployment_grpc_ports(api: local_cluster.ServeApi) -> dict[int, int]:
+def serve_inter_deployment_grpc_ports(api: local_serve.ServeApi) -> dict[int, int]:
     """pid -> port of the inter-deployment gRPC server of every running Serve replica on the head. Ray 2.60 starts one
     in each replica, bound to "[::]:0" in its code (ray/serve/_private/replica.py, `_on_initialized`) with no setting
     to move it (ray-project/ray#64544): the one listener of the cluster that cannot be kept on loopback. Read from
@@ -203,7 +203,7 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
     it at import); the token file is the head's own, set when the head is up."""
     saved = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}
     os.environ["RAY_AUTH_MODE"] = "token"
-    local_cluster.bind_ray_to_loopback()  # this driver too listens on loopback only
+    local_serve.bind_ray_to_loopback()  # this driver too listens on loopback only
     from ray._raylet import (  # type: ignore[attr-defined]  # Ray's stub of the Cython _raylet lacks them
         AuthenticationMode,
         get_authentication_mode,
@@ -214,32 +214,32 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
                            "with token auth; set RAY_AUTH_MODE=token before importing ray")
     state.mkdir(parents=True, exist_ok=True)
     model_dir = write_tiny_model(state / "model")
-    http_port, ray_port, dashboard_port = local_cluster.free_ports(3)
-    settings = local_cluster.LocalSettings(
+    http_port, ray_port, dashboard_port = local_serve.free_ports(3)
+    settings = local_serve.LocalSettings(
         http_port=http_port, ray_port=ray_port, dashboard_port=dashboard_port, num_gpus=num_gpus, state_dir=state,
         config=state / "serve_config.yaml", deploy_timeout_s=240,
     )
-    env = local_cluster.ray_env(state)
+    env = local_serve.ray_env(state)
     env.update(SESSION_ENV)
     env.update(extra_env or {})
     # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
     temp_dir = Path(tempfile.mkdtemp(prefix="dcpray-", dir="/tmp"))
-    process = local_cluster.start_head(settings, env, temp_dir)
+    process = local_serve.start_head(settings, env, temp_dir)
     head = RayHead(settings, env, temp_dir, model_dir, process, num_gpus)
     try:
-        local_cluster.wait_for_dashboard(settings, process)
+        local_serve.wait_for_dashboard(settings, process)
         with driver_of(head.address, Path(env["RAY_AUTH_TOKEN_PATH"])):
             yield head
     finally:
         restore_env(saved)
-        local_cluster.stop_head(process)
+        local_serve.stop_head(process)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def serve_config(head: RayHead, app_args: dict[str, Any], runtime_env: dict[str, Any] | None = None,
                  app_name: str = APP_NAME) -> dict[str, Any]:
     """A serve deploy config of the app with these args on this head (its HTTP port, the session's tiny model)."""
-    app: dict[str, Any] = {"name": app_name, "route_prefix": "/", "import_path": "deployments.app:build_app",
+    app: dict[str, Any] = {"name": app_name, "route_prefix": "/", "import_path": "dcpserve.deployments.app:build_app",
                            "args": {"model": str(head.model_dir), **app_args}}
     if runtime_env:
         app["runtime_env"] = runtime_env
@@ -256,7 +256,7 @@ class ServeCluster:
     app_name: str = APP_NAME  # Serve's application name, also the `application` label of the app's metrics
 
     @property
-    def settings(self) -> local_cluster.LocalSettings:
+    def settings(self) -> local_serve.LocalSettings:
         return self.head.settings
 
     @property
@@ -302,7 +302,7 @@ class ServeCluster:
     def every_replica_stats(self) -> list[dict[str, Any]]:
         """EngineReplica.stats() of each replica the admission queue knows, each call addressed to its replica
         (ReplicaQuery): Serve's own choice among idle replicas may send every unaddressed call to one of them."""
-        from deployments.replica import ReplicaQuery
+        from dcpserve.deployments.replica.engine_replica import ReplicaQuery
 
         return [self.call("EngineReplica", "stats", ReplicaQuery(replica_id))
                 for replica_id in self.admission_stats()["replicas"]]
@@ -336,12 +336,12 @@ def deploy_app(head: RayHead, app_args: dict[str, Any], runtime_env: dict[str, A
     if via_cli:
         path = head.settings.state_dir / f"serve_config.{len(head.deployed)}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        subprocess.run([local_cluster.ray_bin("serve"), "deploy", str(path), "--address",
+        subprocess.run([local_serve.ray_bin("serve"), "deploy", str(path), "--address",
                         f"http://127.0.0.1:{head.settings.dashboard_port}"], env=head.env, check=True)
     else:
         head.api.deploy(config)
     try:
-        local_cluster.wait_until_running(head.api, app_name, deploy_timeout_s, head.process,
+        local_serve.wait_until_running(head.api, app_name, deploy_timeout_s, head.process,
                                          head.settings.state_dir / "ray_head.log", progress)
         yield ServeCluster(head, f"http://127.0.0.1:{head.settings.http_port}", app_name)
     finally:

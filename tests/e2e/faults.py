@@ -23,7 +23,7 @@ from tests.e2e.cluster import APP_NAME, ServeCluster
 
 
 class Served(Protocol):
-    """An app answering at url (the session head's ServeCluster, or tests/nodes' local multi-node cluster)."""
+    """An app answering at url (the session head's ServeCluster, or tests/local' local multi-node cluster)."""
 
     @property
     def url(self) -> str: ...

@@ -84,8 +84,8 @@ def test_sdk_n_seeds_logprobs_and_batched_prompts(cluster: ServeCluster) -> None
 
 def test_the_choices_of_concurrent_requests_are_all_delivered(cluster: ServeCluster) -> None:
     """Every choice of concurrent requests with many choices is delivered (each its own Serve call: choices that
-    shared their HTTP request's internal id waited out dispatch_timeout_s; tests/deployments/test_sessions.py holds
-    the mechanism)."""
+    shared their HTTP request's internal id waited out dispatch_timeout_s; tests/deployments/dispatch/test_sessions.py
+    holds the mechanism)."""
     import asyncio
 
     import httpx

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.sampling_params import SamplingParams
 from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]

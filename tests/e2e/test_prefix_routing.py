@@ -6,7 +6,7 @@ hit rates against KV-only routing) are bench/prefix.py's. Here the counts that h
 asserted (every prompt block and token was looked up, no more was served from a cache than earlier turns left there,
 a repeated prompt computes only its last block and its answer); the shares themselves depend on when the replicas'
 reports land, so they are printed, and the rule behind them (every turn returns to its history) is asserted exactly,
-for many seeded interleavings, in tests/deployments/test_admission_sim.py.
+for many seeded interleavings, in tests/deployments/admission/test_admission_sim.py.
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ def test_openai_client_completions_chat_and_streams(server: str) -> None:
 
 
 def test_greedy_output_equals_engine_llm(server: str, model_dir: Path) -> None:
-    from engine.frontend.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from dcpserve.engine.frontend.llm import LLM
+    from dcpserve.engine.sampling_params import SamplingParams
 
     prompts = ["def hello", "import json\n"]
     llm = LLM(model_dir, max_model_len=2048)

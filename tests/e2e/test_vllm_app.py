@@ -75,7 +75,7 @@ def wait_quiet(cluster: ServeCluster, timeout_s: float = 60) -> dict:
 def test_greedy_tokens_equal_transformers(cluster: ServeCluster) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.tokenizer import load_tokenizer
+    from dcpserve.engine.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
     tokenizer = present(load_tokenizer(str(cluster.model_dir), ()), "tokenizer")

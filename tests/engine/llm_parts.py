@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.core.engine import LLMEngine
-from engine.frontend.llm import LLM
-from engine.worker.executor import InProcessExecutor
+from dcpserve.engine.core.engine import LLMEngine
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.worker.executor import InProcessExecutor
 
 if TYPE_CHECKING:
-    from engine.worker.model_runner import ModelRunner
-    from engine.worker.ray_executor import RayWorkerGroup
+    from dcpserve.engine.worker.model_runner import ModelRunner
+    from dcpserve.engine.worker.ray_executor import RayWorkerGroup
 
 
 def engine_of(llm: LLM) -> LLMEngine:
@@ -29,7 +29,7 @@ def runner_of(llm: LLM | LLMEngine) -> ModelRunner:
 
 def worker_group_of(llm: LLM | LLMEngine) -> RayWorkerGroup:
     """The Ray worker group of a tp > 1 engine."""
-    from engine.worker.ray_executor import RayWorkerGroup
+    from dcpserve.engine.worker.ray_executor import RayWorkerGroup
 
     executor = (engine_of(llm) if isinstance(llm, LLM) else llm).executor
     assert isinstance(executor, RayWorkerGroup), f"not a tp > 1 engine: {executor!r}"

@@ -2,7 +2,7 @@
 
 Paged KV caches per layer (poisoned with NaN so any over-read shows), block tables in logical blocks of
 block_size * dcp tokens taken from a shuffled free list (the same on every rank: same seed, same steps),
-slot mappings from engine.kernels.dcp_slot_mapping and local lengths from engine.kernels.dcp_local_seq_lens, greedy
+slot mappings from dcpserve.kernels.dcp_slot_mapping and local lengths from dcpserve.kernels.dcp_local_seq_lens, greedy
 decoding with chunked prefill. Rows of a step: decodes first, then prefill chunks, as AttentionMetadata requires.
 
 Imports no transformers, so spawned ranks start fast; `run_rank` is the body of one spawned rank.
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping
-from engine.layers.attention import Attention, KernelBackend
-from engine.models import CausalLM
-from engine.worker.attention_metadata import AttentionMetadata
-from engine.worker.loader import load_model
-from engine.worker.parallel import ParallelState, destroy_parallel_state, init_parallel_state
-from engine.worker.pcp import unsplit_rows
+from dcpserve.engine.config import ModelConfig
+from dcpserve.engine.layers.attention import Attention, KernelBackend
+from dcpserve.engine.models import CausalLM
+from dcpserve.engine.worker.attention_metadata import AttentionMetadata
+from dcpserve.engine.worker.loader import load_model
+from dcpserve.engine.worker.parallel import ParallelState, destroy_parallel_state, init_parallel_state
+from dcpserve.engine.worker.pcp import unsplit_rows
+from dcpserve.kernels import dcp_local_seq_lens, dcp_slot_mapping
 from tests.engine.llm_parts import engine_of
 
 
@@ -257,8 +257,8 @@ def dcp_capacity_and_concurrency(model_dir: Path, kv_cache_memory_bytes: int) ->
     requests of 100 + 28 tokens under admission "full" (the concurrency of sequences whose whole prompt +
     max_tokens fits), checking every step that reservations stay within the pool. Prefix caching off: every
     sequence holds KV of its own."""
-    from engine.frontend.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from dcpserve.engine.frontend.llm import LLM
+    from dcpserve.engine.sampling_params import SamplingParams
 
     long_request = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
     prompt = list(range(5, 105))  # 100 + 28 = 128 tokens per sequence

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from engine.core.engine import LLMEngine
-from engine.core.outputs import ModelRunnerOutput
-from engine.core.request import RequestOutput
-from engine.core.step import SchedulerOutput
-from engine.frontend.llm import LLM
-from engine.protocol import TokenLogprob
-from engine.sampling_params import SamplingParams
+from dcpserve.engine.core.engine import LLMEngine
+from dcpserve.engine.core.outputs import ModelRunnerOutput
+from dcpserve.engine.core.request import RequestOutput
+from dcpserve.engine.core.step import SchedulerOutput
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.protocol import TokenLogprob
+from dcpserve.engine.sampling_params import SamplingParams
 from tests.engine.llm_parts import engine_of
 
 LOGPROB_ATOL = 1e-4  # fp32, as the model-vs-transformers tests (test_sampling_features.py)

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from dcpserve.cli import main as dcpserve_main
-from deployments.config import AppArgs, parse_args
-from engine.args import EngineArgs, cli_flags
-from engine.frontend.llm import LLM
+from dcpserve.deployments.config import AppArgs, parse_args
+from dcpserve.engine.args import EngineArgs, cli_flags
+from dcpserve.engine.frontend.llm import LLM
 
 FIELDS = dataclasses.fields(EngineArgs)
 ROOT = Path(__file__).resolve().parents[2]

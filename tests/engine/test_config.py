@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig, ParallelConfig
-from engine.deepseek_config import YarnScaling
+from dcpserve.engine.config import ModelConfig, ParallelConfig
+from dcpserve.engine.deepseek_config import YarnScaling
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -87,7 +87,7 @@ def test_valid_layouts_pass() -> None:
 
 
 def test_scheduler_config_names_a_bad_admission_or_headroom() -> None:
-    from engine.config import SchedulerConfig
+    from dcpserve.engine.config import SchedulerConfig
 
     with pytest.raises(ValueError, match=r"kv_headroom must be a fraction of the KV cache in \[0, 1\), got 1.5"):
         SchedulerConfig(max_model_len=64, kv_headroom=1.5)
@@ -97,7 +97,7 @@ def test_scheduler_config_names_a_bad_admission_or_headroom() -> None:
 
 def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:
     """vLLM's meaning: total * utilization for weights, activations and KV; the KV cache gets it less the weights."""
-    from engine.config import CacheConfig
+    from dcpserve.engine.config import CacheConfig
 
     gib = 1 << 30
     cache = CacheConfig(gpu_memory_utilization=0.9)
@@ -116,7 +116,7 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory() -> None:
 
 
 def test_reads_deepseek_v2_lite_as_one_latent_kv_head() -> None:
-    from cluster.published_models import DEEPSEEK_V2_LITE
+    from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
     config = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
     assert config.mla is not None and config.moe is not None
@@ -136,8 +136,8 @@ def test_reads_deepseek_v2_lite_as_one_latent_kv_head() -> None:
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_mla_kv_cache_is_one_latent_head_on_every_rank_and_agrees_with_the_planner(tp: int) -> None:
-    from cluster.model_specs import MlaSpec
-    from cluster.published_models import DEEPSEEK_V2_LITE
+    from dcpserve.cluster.model_specs import MlaSpec
+    from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
     config = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
     spec = config.kv_cache_spec(tp)
@@ -151,7 +151,7 @@ def test_mla_kv_cache_is_one_latent_head_on_every_rank_and_agrees_with_the_plann
 
 
 def test_reads_deepseek_v3_routing_and_refuses_its_fp8_weights() -> None:
-    from cluster.published_models import DEEPSEEK_V3
+    from dcpserve.cluster.published_models import DEEPSEEK_V3
 
     with pytest.raises(ValueError, match="quantization_config \\(quant_method='fp8'\\) is not supported"):
         ModelConfig.from_dict(DEEPSEEK_V3)
@@ -167,9 +167,9 @@ def test_reads_deepseek_v3_routing_and_refuses_its_fp8_weights() -> None:
 
 
 def test_mtp_layers_are_accepted_and_said_to_be_unused(caplog: pytest.LogCaptureFixture) -> None:
-    from cluster.published_models import DEEPSEEK_V2_LITE
+    from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
-    with caplog.at_level(logging.INFO, logger="engine.deepseek_config"):
+    with caplog.at_level(logging.INFO, logger="dcpserve.engine.deepseek_config"):
         ModelConfig.from_dict({**DEEPSEEK_V2_LITE, "num_nextn_predict_layers": 1})
     assert "num_nextn_predict_layers=1" in caplog.text and "not used" in caplog.text
 
@@ -190,7 +190,7 @@ def test_mtp_layers_are_accepted_and_said_to_be_unused(caplog: pytest.LogCapture
     ({"moe_intermediate_size": None}, r"missing required field 'moe_intermediate_size'"),
 ])
 def test_unsupported_deepseek_configs_are_refused_by_name(change: dict, message: str) -> None:
-    from cluster.published_models import DEEPSEEK_V2_LITE
+    from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**DEEPSEEK_V2_LITE, **change})
@@ -198,7 +198,7 @@ def test_unsupported_deepseek_configs_are_refused_by_name(change: dict, message:
 
 def test_mla_layouts_are_every_dcp_dividing_tp() -> None:
     """One latent KV head: dcp may be any divisor of tp (dcp = tp removes all duplication), tp divides the heads."""
-    from cluster.published_models import DEEPSEEK_V2_LITE
+    from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
     model = ModelConfig.from_dict(DEEPSEEK_V2_LITE)  # 16 heads
     for tp, dcp in [(1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 8), (16, 16)]:

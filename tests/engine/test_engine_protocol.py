@@ -1,5 +1,5 @@
-"""One protocol-level suite, run against both engine backends (engine.protocol.EngineClient): the native engine
-here, vLLM's AsyncLLM behind engine.backends.vllm.engine in `make test-vllm` (the real CPU wheel, no mock).
+"""One protocol-level suite, run against both engine backends (dcpserve.engine.protocol.EngineClient): the native engine
+here, vLLM's AsyncLLM behind dcpserve.engine.backends.vllm.engine in `make test-vllm` (the real CPU wheel, no mock).
 
 What the serving layer relies on: greedy tokens equal transformers' on the same random weights, the KV ledger in
 logical blocks (capacity, per-request commitments, KvFull when full), abort frees the request inside the engine,
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.tiny_model import write_tiny_model
-from engine.args import EngineArgs
-from engine.backends import start_engine
-from engine.protocol import EngineClient, EngineStats, KvFull, KvLedger
-from engine.sampling_params import SamplingParams
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.args import EngineArgs
+from dcpserve.engine.backends import start_engine
+from dcpserve.engine.protocol import EngineClient, EngineStats, KvFull, KvLedger
+from dcpserve.engine.sampling_params import SamplingParams
 from tests.engine.model_harness import hf_greedy
 
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 1 block, several, short
@@ -279,8 +279,9 @@ def test_a_seeded_prompt_longer_than_the_token_budget(backend: str, tiny: Path) 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_llm_with_the_vllm_backend_generates_transformers_greedy_tokens(tp: int, tiny: Path, hf_expected) -> None:
     """LLM(..., backend="vllm"): vLLM's multiprocessing executor on CPU at tp=1 and tp=2 (the native engine's tokens
-    are the same: the native cases above and tests/engine/test_ray_executor.py check them against transformers)."""
-    from engine.frontend.llm import LLM
+    are the same: the native cases above and tests/engine/worker/test_ray_executor.py check them against
+    transformers)."""
+    from dcpserve.engine.frontend.llm import LLM
 
     llm = LLM(tiny, backend="vllm", tensor_parallel_size=tp, dtype="float32", block_size=BLOCK_SIZE,
               kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, device="cpu")

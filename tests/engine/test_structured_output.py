@@ -1,5 +1,5 @@
-"""Structured outputs in the native engine (engine/structured_output.py): the tiny random model's outputs are 100%
-valid under every constraint kind, the grammar survives preemption and recompute, max_tokens cuts a valid prefix,
+"""Structured outputs in the native engine (dcpserve/engine/structured_output.py): the tiny random model's outputs are
+100% valid under every constraint kind, the grammar survives preemption and recompute, max_tokens cuts a valid prefix,
 an allow-everything constraint changes nothing, and a constraint the grammar engine refuses is a clear error before
 anything is queued."""
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.tiny_model import write_tiny_model
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured_output import (
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.engine.structured_output import (
     MAX_SPEC_BYTES,
     GrammarError,
     Grammars,
@@ -27,7 +27,7 @@ from engine.structured_output import (
     fill_bitmasks,
     no_additional_properties,
 )
-from engine.worker.sampler import Sampler, SamplingRow, unpack_bitmask
+from dcpserve.engine.worker.sampler import Sampler, SamplingRow, unpack_bitmask
 from tests.engine.json_schemas import SCHEMAS
 from tests.engine.llm_parts import engine_of
 
@@ -164,7 +164,7 @@ def test_bitmasks_unpack_the_same_on_host_and_device_side() -> None:
 
 
 def test_min_tokens_clears_stop_tokens_unless_nothing_would_be_left(tiny: Path) -> None:
-    from engine.tokenizer import load_tokenizer
+    from dcpserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny)
     assert tokenizer is not None
@@ -223,7 +223,7 @@ def test_objects_get_no_additional_properties_unless_they_say() -> None:
 def test_the_grammar_sees_the_whole_vocabulary_special_tokens_included(tiny: Path) -> None:
     """Special tokens other than the stop tokens are never allowed; the stop tokens exactly when the grammar is
     satisfied; ids past the tokenizer's vocabulary (the model's padding rows) never."""
-    from engine.tokenizer import load_tokenizer
+    from dcpserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny)
     assert tokenizer is not None
@@ -240,7 +240,7 @@ def test_the_grammar_sees_the_whole_vocabulary_special_tokens_included(tiny: Pat
 def test_a_template_that_takes_tools_gets_them(tiny: Path, tmp_path: Path) -> None:
     import shutil
 
-    from engine.tokenizer import load_tokenizer
+    from dcpserve.engine.tokenizer import load_tokenizer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, tmp_path / name)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.tiny_model import write_tiny_model
-from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, load_tokenizer
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 TEXTS = [
     "def main():\n    return 1  # ascii",

@@ -11,27 +11,27 @@ from typing import Any
 import pytest
 import torch
 
-import engine.kernels
-from engine.kernels.decode_attention import paged_decode_attention_split
+import dcpserve.kernels as kernels
+from dcpserve.kernels.decode_attention import paged_decode_attention_split
 
 IMPLS: dict[str, dict[str, Callable[..., Any]]] = {
     "ref": {
-        "store_kv": engine.kernels.store_kv_ref,
-        "decode": engine.kernels.paged_decode_attention_ref,
-        "prefill": engine.kernels.paged_prefill_attention_ref,
-        "combine": engine.kernels.combine_lse_ref,
+        "store_kv": kernels.store_kv_ref,
+        "decode": kernels.paged_decode_attention_ref,
+        "prefill": kernels.paged_prefill_attention_ref,
+        "combine": kernels.combine_lse_ref,
     },
     "triton": {
-        "store_kv": engine.kernels.store_kv,
-        "decode": engine.kernels.paged_decode_attention,
-        "prefill": engine.kernels.paged_prefill_attention,
-        "combine": engine.kernels.combine_lse,
+        "store_kv": kernels.store_kv,
+        "decode": kernels.paged_decode_attention,
+        "prefill": kernels.paged_prefill_attention,
+        "combine": kernels.combine_lse,
     },
     "cpu": {
-        "store_kv": engine.kernels.store_kv_ref,
-        "decode": engine.kernels.paged_decode_attention_cpu,
-        "prefill": engine.kernels.paged_prefill_attention_cpu,
-        "combine": engine.kernels.combine_lse_ref,
+        "store_kv": kernels.store_kv_ref,
+        "decode": kernels.paged_decode_attention_cpu,
+        "prefill": kernels.paged_prefill_attention_cpu,
+        "combine": kernels.combine_lse_ref,
     },
 }
 # The implementations with attention kernels of their own (store_kv and combine: "ref" and "triton" only).

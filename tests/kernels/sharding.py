@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping
+from dcpserve.kernels import dcp_local_seq_lens, dcp_slot_mapping
 
 Impl = str  # "ref" or "triton"
 

@@ -9,14 +9,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.kernels import (
+from dcpserve.kernels import (
     paged_decode_attention_cpu,
     paged_decode_attention_ref,
     paged_prefill_attention_cpu,
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-from engine.kernels.cpu_attention import _pieces
+from dcpserve.kernels.cpu_attention import _pieces
 from tests.kernels.impls import poisoned
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
@@ -118,7 +118,7 @@ def test_decode_batches(lengths, dtype) -> None:
 def test_a_step_plan_gives_the_same_bits_in_every_layer(lengths: list[int]) -> None:
     """The engine plans a decode step once (plan_decode_cpu) and every layer reuses it: the same output as planning
     in the call, for another layer's cache too; a plan made for another batch is refused."""
-    from engine.kernels import plan_decode_cpu
+    from dcpserve.kernels import plan_decode_cpu
 
     gen = torch.Generator().manual_seed(len(lengths))
     keys = [torch.randn(n, 1, 32, generator=gen) for n in lengths]
@@ -147,7 +147,7 @@ def test_a_finite_tail_plan_masks_without_zeroing(lengths: list[int]) -> None:
     """finite_tail: the caller keeps every slot past each length finite (the engine zeroes fresh pages, and padding
     columns repeat the row's own last page), so the plan skips zeroing the gathered tails: the -inf mask alone
     gives those slots zero weight, the same bits as the default plan."""
-    from engine.kernels import plan_decode_cpu
+    from dcpserve.kernels import plan_decode_cpu
 
     gen = torch.Generator().manual_seed(sum(lengths) + 1)
     keys = [torch.randn(n, 1, 32, generator=gen) for n in lengths]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.kernels import (
+from dcpserve.kernels import (
     DcpAttentionExchange,
     combine_lse_ref,
     dcp_local_seq_lens,
@@ -23,7 +23,7 @@ from engine.kernels import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-from engine.kernels.exchange import ExchangeMethod
+from dcpserve.kernels.exchange import ExchangeMethod
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 
 HEADS_PER_RANK = 2

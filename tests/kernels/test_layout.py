@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
+from dcpserve.kernels import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 
 
 def test_worked_example_nine_tokens_two_ranks_interleave_one() -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.kernels import dcp_local_seq_lens
+from dcpserve.kernels import dcp_local_seq_lens
 from tests.kernels.impls import ATTENTION_IMPLS, IMPLS, attention_params, poisoned
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import dcp_slot_mapping
+from dcpserve.kernels import dcp_slot_mapping
 from tests.kernels.impls import IMPLS, TEST_DTYPES
 
 

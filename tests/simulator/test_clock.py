@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from deployments.admission import AdmissionQueue, QueueTimeout
-from simulator.clock import SimulatedLoop, SimulationStalled, run_simulated
+from dcpserve.deployments.admission.queue import AdmissionQueue, QueueTimeout
+from dcpserve.simulator.clock import SimulatedLoop, SimulationStalled, run_simulated
 
 
 def test_sleep_moves_the_clock_not_the_wall() -> None:

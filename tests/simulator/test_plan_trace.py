@@ -1,8 +1,8 @@
-"""`dcpserve plan --trace` (simulator/plan.py) and goodput (simulator/metrics.py): the capacity table unchanged, then
-the layouts ranked by simulated goodput; the goodput rule on hand-made requests (targets are inclusive, refused
-requests never meet them, a one-token request has no gap to miss); bad input stopped with the flag or line named.
-With --gpu-budget (simulator/pool_split.py): the splits tried, the layouts and splits ranked together, each split's
-row its own pooled run, and the best split's serve config valid app args."""
+"""`dcpserve plan --trace` (dcpserve/simulator/plan.py) and goodput (dcpserve/simulator/metrics.py): the capacity table
+unchanged, then the layouts ranked by simulated goodput; the goodput rule on hand-made requests (targets are inclusive,
+refused requests never meet them, a one-token request has no gap to miss); bad input stopped with the flag or line
+named. With --gpu-budget (dcpserve/simulator/pool_split.py): the splits tried, the layouts and splits ranked together,
+each split's row its own pooled run, and the best split's serve config valid app args."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.planner import PlanRequest, format_plan, plan_layouts
-from cluster.published_models import model_spec
 from dcpserve.cli import build_parser, main
-from deployments.config import parse_args
-from simulator.build import PoolOption, build
-from simulator.cli import DEFAULT_MAX_NUM_SEQS
-from simulator.gpus import H100
-from simulator.metrics import Goodput, RequestRecord, goodput, mean_itl_s, meets_slo, span_s
-from simulator.plan import (
+from dcpserve.cluster.planner import PlanRequest, format_plan, plan_layouts
+from dcpserve.cluster.published_models import model_spec
+from dcpserve.deployments.config import parse_args
+from dcpserve.simulator.build import PoolOption, build
+from dcpserve.simulator.cli import DEFAULT_MAX_NUM_SEQS
+from dcpserve.simulator.gpus import H100
+from dcpserve.simulator.metrics import Goodput, RequestRecord, goodput, mean_itl_s, meets_slo, span_s
+from dcpserve.simulator.plan import (
     DEFAULT_ITL_TARGET_S,
     DEFAULT_TTFT_TARGET_S,
     LayoutResult,
@@ -30,8 +30,8 @@ from simulator.plan import (
     simulate_args,
     with_trace_defaults,
 )
-from simulator.pool_split import SHARES, Split, serve_config_snippet, split_candidates
-from simulator.synth import parse_preset_or_path
+from dcpserve.simulator.pool_split import SHARES, Split, serve_config_snippet, split_candidates
+from dcpserve.simulator.synth import parse_preset_or_path
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int | str | None, str, str]:

@@ -1,4 +1,4 @@
-"""The plots `dcpserve simulate --out` writes (simulator/plots.py): a run's timeline.png and its samples in
+"""The plots `dcpserve simulate --out` writes (dcpserve/simulator/plots.py): a run's timeline.png and its samples in
 summary.json, a sweep's sweep.png and a timeline per point; matplotlib only when a plot is written."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from simulator.cli import SAMPLE_KEYS
+from dcpserve.simulator.cli import SAMPLE_KEYS
 from tests.simulator.test_simulation import ROOT, simulate_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.published_models import model_spec
-from engine.config import SchedulerConfig
-from simulator.gpus import gpu_spec
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_time import RooflineModel
-from simulator.synth import PRESETS, generate
+from dcpserve.cluster.published_models import model_spec
+from dcpserve.engine.config import SchedulerConfig
+from dcpserve.simulator.gpus import gpu_spec
+from dcpserve.simulator.replica import ReplicaShape
+from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
+from dcpserve.simulator.step_time import RooflineModel
+from dcpserve.simulator.synth import PRESETS, generate
 
 
 def simulate(dcp: int, preset: str, concurrency: int, requests: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""`dcpserve simulate --pool` (simulator/build.py): an app of layout pools from the command line. Each pool's text
-parsed or refused naming the value and the fix; pools that cannot be placed or budgeted refused before anything
+"""`dcpserve simulate --pool` (dcpserve/simulator/build.py): an app of layout pools from the command line. Each pool's
+text parsed or refused naming the value and the fix; pools that cannot be placed or budgeted refused before anything
 runs; each pool built with its own layout's KV pool and step model and its own autoscaling; a pooled run through
 the command's entry point reporting each pool and where the queue granted; without --pool, the setup as before."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster.published_models import model_spec
 from dcpserve.cli import build_parser
-from simulator.build import PoolOption, build, parse_pool, place_replicas
-from simulator.gpus import H100
-from simulator.step_fit import LinearStepModel
-from simulator.step_time import RooflineModel
-from simulator.trace import TraceRequest, expected_hash_ids, write_trace
+from dcpserve.cluster.published_models import model_spec
+from dcpserve.simulator.build import PoolOption, build, parse_pool, place_replicas
+from dcpserve.simulator.gpus import H100
+from dcpserve.simulator.step_fit import LinearStepModel
+from dcpserve.simulator.step_time import RooflineModel
+from dcpserve.simulator.trace import TraceRequest, expected_hash_ids, write_trace
 
 from .test_simulation import simulate_cli
 

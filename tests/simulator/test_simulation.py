@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from dcpserve.cli import main
-from deployments.config import AutoscalingArgs
-from engine.config import SchedulerConfig
-from simulator.replica import ReplicaShape
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.step_fit import LinearStepModel
-from simulator.synth import PRESETS, generate
-from simulator.trace import TraceRequest, expected_hash_ids
+from dcpserve.deployments.config import AutoscalingArgs
+from dcpserve.engine.config import SchedulerConfig
+from dcpserve.simulator.replica import ReplicaShape
+from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
+from dcpserve.simulator.step_fit import LinearStepModel
+from dcpserve.simulator.synth import PRESETS, generate
+from dcpserve.simulator.trace import TraceRequest, expected_hash_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 # 2 ms a step, 20 us a token, 1 ns a context token: a small GPU-like replica.
@@ -160,7 +160,7 @@ def test_the_same_seed_gives_the_same_summary_bit_for_bit(tmp_path: Path) -> Non
     """Two runs of the CLI in processes with different string-hash seeds write identical summary.json files."""
     model = tmp_path / "model"
     model.mkdir()
-    from cluster.published_models import DEEPSEEK_V2_LITE
+    from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
     (model / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
     outputs = []
@@ -275,7 +275,7 @@ def test_a_pooled_app_sends_long_requests_only_where_they_fit_and_loses_nothing(
     """Two pools behind one queue: short (dcp=1, 16-token blocks, 150 blocks: at most 2,400 tokens) and long
     (dcp=2, 32-token blocks, 400 blocks), the short one faster. Requests of ~1,350-2,700 tokens in all: those past
     the short pool's capacity go to the long pool only; the others fill the faster pool first and overflow."""
-    from simulator.run import SimPool
+    from dcpserve.simulator.run import SimPool
 
     trace = single_turn(60, gap_ms=50.0, input_tokens=1200, output_tokens=150)
     totals = [r.input_length + r.output_length for r in trace]
@@ -306,7 +306,7 @@ def test_pools_autoscale_within_one_gpu_budget() -> None:
     """Two pools of tp=2, each allowed 1-3 replicas, under a budget of 8 GPUs (4 replicas in all): a burst far past
     both pools' KV makes both want 3; at no moment do their replicas hold more than 8 GPUs, and every request is
     still answered."""
-    from simulator.run import SimPool
+    from dcpserve.simulator.run import SimPool
 
     scaling = AutoscalingArgs(min_replicas=1, max_replicas=3, target_sequences_per_replica=2.0,
                               upscale_delay_s=1.0, downscale_delay_s=5.0, look_back_period_s=2.0)

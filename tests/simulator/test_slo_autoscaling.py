@@ -9,11 +9,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.autoscaling import SequenceAutoscalingPolicy, SloAutoscalingPolicy
-from deployments.config import AutoscalingArgs
-from simulator.build import build
-from simulator.run import ServeSettings, Simulation, SimulationConfig
-from simulator.trace import TraceRequest, expected_hash_ids
+from dcpserve.deployments.autoscaling import SequenceAutoscalingPolicy, SloAutoscalingPolicy
+from dcpserve.deployments.config import AutoscalingArgs
+from dcpserve.simulator.build import build
+from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
+from dcpserve.simulator.trace import TraceRequest, expected_hash_ids
 
 from .test_simulate_pools import DSV2_ON_H100, simulate_args
 from .test_simulation import STEP_MODEL, assert_drained, shape, simulate_cli

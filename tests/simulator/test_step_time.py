@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cluster.model_specs import GqaSpec, MlaSpec, model_spec_from_dict
-from cluster.planner import PlanRequest, plan_layouts
-from cluster.published_models import DEEPSEEK_V3, KIMI_K2
-from simulator.gpus import GPUS, gpu_spec
-from simulator.step_fit import FitReport, LinearStepModel
-from simulator.step_time import RooflineModel, StepTimeModel, StepWork, expected_experts_touched
+from dcpserve.cluster.model_specs import GqaSpec, MlaSpec, model_spec_from_dict
+from dcpserve.cluster.planner import PlanRequest, plan_layouts
+from dcpserve.cluster.published_models import DEEPSEEK_V3, KIMI_K2
+from dcpserve.simulator.gpus import GPUS, gpu_spec
+from dcpserve.simulator.step_fit import FitReport, LinearStepModel
+from dcpserve.simulator.step_time import RooflineModel, StepTimeModel, StepWork, expected_experts_touched
 
 H100, H200, B200 = gpu_spec("h100"), gpu_spec("h200"), gpu_spec("b200")
 LLAMA_8B_RAW: dict[str, Any] = {

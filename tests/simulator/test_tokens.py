@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_manager import BlockManager
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
-from simulator.tokens import PromptTokens, SequenceTokens, trace_block_hashes
+from dcpserve.engine.core.block_manager import BlockManager
+from dcpserve.engine.core.request import Request
+from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.simulator.tokens import PromptTokens, SequenceTokens, trace_block_hashes
 
 
 def test_sequence_tokens_act_like_the_list_they_stand_for() -> None:

@@ -1,4 +1,5 @@
-"""simulator/trace.py and simulator/synth.py: the Mooncake JSONL reader and writer, and the generated traces."""
+"""dcpserve/simulator/trace.py and dcpserve/simulator/synth.py: the Mooncake JSONL reader and writer, and the generated
+traces."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from simulator.synth import PRESETS, LengthDist, TraceShape, generate, parse_preset_or_path, preset
-from simulator.trace import (
+from dcpserve.simulator.synth import PRESETS, LengthDist, TraceShape, generate, parse_preset_or_path, preset
+from dcpserve.simulator.trace import (
     MOONCAKE_BLOCK_TOKENS,
     TraceError,
     TraceRequest,

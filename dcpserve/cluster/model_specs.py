@@ -1,0 +1,339 @@
+"""What the capacity planner needs of a model, for each attention kind it plans: KV bytes per token on one TP rank,
+parameters on one TP rank, and the TP x DCP layout rules.
+
+Two kinds, read from a model directory's config.json by `load_model_spec`:
+
+- GQA / MQA (Llama, Qwen2, Qwen3): `GqaSpec`, a view of the engine's own `ModelConfig`; KV bytes come from
+  `ModelConfig.kv_bytes_per_token_per_rank` and the layout rules from `ParallelConfig.validate`, so the planner and
+  the engine never disagree.
+- MLA (DeepSeek-V2 / V3, and Kimi K2, which uses the V3 architecture): `MlaSpec`. Each layer caches one latent
+  "KV head" of kv_lora_rank + qk_rope_head_dim values per token, from which every query head's K and V are
+  expanded. Tensor parallelism cannot split one head, so every TP rank holds the whole latent of every token it
+  caches: at dcp=1 each token is held tp times. The layout rules are ParallelConfig's with one KV head: tp divides
+  the attention heads, dcp divides tp, and dcp = tp leaves nothing duplicated. The native engine's ModelConfig
+  reads the same configs (bf16 / fp32 checkpoints; its KV bytes and layout rules agree with this spec, as
+  tests/engine/test_config.py checks); this spec also reads what the engine refuses (fp8 checkpoints, for the vLLM
+  backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dcpserve.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ParallelConfig, read_config_json
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# model_type -> architecture, for configs read by model_type (Kimi K2's "kimi_k2" is the V3 architecture).
+MLA_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                   "kimi_k2": "DeepseekV3ForCausalLM"}
+
+
+class ModelSpec(Protocol):
+    """The planner's view of a model: its cache, its weights and its layout rules (one implementation per kind)."""
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def attention(self) -> str: ...  # "GQA", "MQA" or "MLA"
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...  # KV heads each layer caches (MLA: its one latent)
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def checkpoint_weight_dtype(self) -> str: ...  # as shipped: "float8" for fp8 checkpoints, else torch_dtype
+
+    def kv_bytes_per_token_per_rank(self, tp: int, dtype: torch.dtype) -> int:
+        """KV bytes one cached token takes on one rank, all layers, before DCP shards the sequence."""
+        ...
+
+    def parameters_per_rank(self, tp: int) -> int:
+        """Parameters one TP rank holds (tp=1: the whole model)."""
+        ...
+
+    def validate_layout(self, tp: int, dcp: int, pcp: int = 1) -> None:
+        """Raises ValueError naming the values and the fix when (tp, dcp, pcp) is not a valid layout."""
+        ...
+
+    def describe_shape(self) -> str:
+        """The shape that sizes weights and KV cache, for the plan's header ("32 layers, hidden 4096, ...")."""
+        ...
+
+    def notes(self) -> list[str]:
+        """Lines the plan prints under its table: assumptions of the count and facts of this kind of cache."""
+        ...
+
+
+def load_model_spec(model: str | Path) -> GqaSpec | MlaSpec:
+    """The spec of a Hugging Face model directory (or its config.json): MLA when the config is a DeepSeek-V2 / V3
+    architecture or has kv_lora_rank, else the engine's ModelConfig (Llama / Qwen)."""
+    raw, config_path = read_config_json(model)
+    return model_spec_from_dict(raw, source=str(config_path))
+
+
+def as_model_spec(model: ModelConfig | ModelSpec) -> ModelSpec:
+    """A spec as it is, or the engine's ModelConfig seen as a GQA spec."""
+    return GqaSpec(model) if isinstance(model, ModelConfig) else model
+
+
+def model_spec_from_dict(raw: dict[str, Any], source: str = "config") -> GqaSpec | MlaSpec:
+    """The spec of a parsed config.json; `source` names it in errors."""
+    architectures = raw.get("architectures") or []
+    if (raw.get("kv_lora_rank") is not None or raw.get("model_type") in MLA_MODEL_TYPES
+            or any(a in MLA_ARCHITECTURES for a in architectures)):
+        return MlaSpec.from_dict(raw, source)
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise ValueError(
+            f"{source}: architectures {architectures} are not supported; the planner reads "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (GQA) and {', '.join(MLA_ARCHITECTURES)} (MLA)"
+        )
+    return GqaSpec(ModelConfig.from_dict(raw, source=source))
+
+
+@dataclass(frozen=True)
+class GqaSpec:
+    """A Llama-family model (GQA / MQA) as the engine reads it: each layer caches K and V of num_key_value_heads
+    heads; a rank holds kv_heads / tp of them, or one whole head copied on tp / kv_heads ranks when tp > kv_heads."""
+
+    config: ModelConfig
+
+    @property
+    def attention(self) -> str:
+        return "MQA" if self.config.num_key_value_heads == 1 else "GQA"
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def checkpoint_weight_dtype(self) -> str:
+        return self.config.torch_dtype
+
+    def kv_bytes_per_token_per_rank(self, tp: int, dtype: torch.dtype) -> int:
+        return self.config.kv_bytes_per_token_per_rank(tp, dtype)
+
+    def parameters_per_rank(self, tp: int) -> int:
+        """Embedding and LM head vocab-parallel, q / o and the MLP split tp ways, KV projections of at least one
+        whole head per rank (copied when tp > kv_heads), norms on every rank."""
+        model = self.config
+        hidden, head_dim = model.hidden_size, model.head_dim
+        vocab_shard = -(-model.vocab_size // tp)
+        heads = model.num_attention_heads // tp
+        kv_heads = max(1, model.num_key_value_heads // tp)  # a rank holds at least one whole KV head
+        attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+        if model.attention_bias:
+            attention += (heads + 2 * kv_heads) * head_dim
+        mlp = 3 * hidden * -(-model.intermediate_size // tp)  # gate, up, down
+        norms = 2 * hidden + (2 * head_dim if model.qk_norm else 0)
+        embeddings = vocab_shard * hidden * (1 if model.tie_word_embeddings else 2)
+        return embeddings + model.num_hidden_layers * (attention + mlp + norms) + hidden
+
+    def validate_layout(self, tp: int, dcp: int, pcp: int = 1) -> None:
+        ParallelConfig(tp, dcp, pcp).validate(self.config)
+
+    @property
+    def architecture(self) -> str:
+        return self.config.architecture
+
+    def describe_shape(self) -> str:
+        model = self.config
+        kv = model.num_key_value_heads
+        return (
+            f"{model.num_hidden_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
+            f"{kv} KV head{'s' if kv > 1 else ''}, head_dim {model.head_dim}, vocab {model.vocab_size}"
+        )
+
+    def notes(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class _OneKvHead:
+    """The two numbers ParallelConfig.validate reads, for an MLA model: its heads and its one latent KV head."""
+
+    num_attention_heads: int
+    num_key_value_heads: int = 1
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """A DeepSeek-V2 / V3 architecture model (multi-head latent attention, MoE), from its config.json.
+
+    Counted like vLLM's DeepseekV2 / V3 model with tensor parallelism and no expert parallelism: the query, kv_b
+    and output projections, the dense MLPs, every routed and shared expert split tp ways (1/tp of every expert per
+    rank), the embedding and LM head vocab-parallel; the latent down-projections (q_a_proj, kv_a_proj_with_mqa),
+    the router and the norms on every rank. With expert parallelism a rank holds n_routed_experts / tp whole
+    experts instead: the same bytes when tp divides n_routed_experts. The multi-token-prediction layers
+    (num_nextn_predict_layers) are not counted: vLLM loads them only for MTP speculative decoding.
+    """
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None  # None: one q_proj (DeepSeek-V2-Lite); else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int  # of the dense MLP layers
+    moe_intermediate_size: int  # of each routed and shared expert
+    n_routed_experts: int  # 0: every layer dense
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int  # layers before the first MoE layer
+    moe_layer_freq: int
+    router_bias: bool  # topk_method "noaux_tc" (V3): the router has an e_score_correction_bias per expert
+    attention_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    num_nextn_predict_layers: int
+    checkpoint_weight_dtype: str  # "float8" for fp8-quantized checkpoints (DeepSeek-V3), else torch_dtype
+
+    attention = "MLA"
+    num_kv_heads = 1  # the latent: one head for every query head of the layer
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> MlaSpec:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in MLA_ARCHITECTURES), None)
+        if architecture is None and not architectures:
+            architecture = MLA_MODEL_TYPES.get(str(raw.get("model_type")))
+        if architecture is None:
+            raise ValueError(
+                f"{source}: architectures {architectures} have kv_lora_rank (multi-head latent attention), but the "
+                f"planner counts the weights of {', '.join(MLA_ARCHITECTURES)} only"
+            )
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
+        missing = [k for k in required if raw.get(k) is None]
+        routed = int(raw.get("n_routed_experts") or 0)
+        if routed and raw.get("moe_intermediate_size") is None:
+            missing.append("moe_intermediate_size")
+        if missing:
+            raise ValueError(f"{source}: missing required fields {missing} of {architecture}")
+        quantization = raw.get("quantization_config") or {}
+        if quantization.get("quant_method") == "fp8":
+            checkpoint_dtype = "float8"
+        else:
+            checkpoint_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16").replace("torch.", "")
+        q_lora_rank = raw.get("q_lora_rank")
+        return cls(
+            architecture=architecture,
+            model_type=str(raw.get("model_type", "")),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            q_lora_rank=int(q_lora_rank) if q_lora_rank is not None else None,
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+            n_routed_experts=routed,
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+            router_bias=raw.get("topk_method") == "noaux_tc",
+            attention_bias=bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            checkpoint_weight_dtype=checkpoint_dtype,
+        )
+
+    @property
+    def kv_values_per_token_per_layer(self) -> int:
+        """The cached latent: the compressed KV (kv_lora_rank) and the shared RoPE key (qk_rope_head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def kv_bytes_per_token_per_rank(self, tp: int, dtype: torch.dtype) -> int:
+        # Independent of tp: the one latent head is never split, every rank caches all of it.
+        return self.num_hidden_layers * self.kv_values_per_token_per_layer * dtype.itemsize
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """DeepSeek's rule: MoE from layer first_k_dense_replace on, every moe_layer_freq-th layer."""
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    def parameters_per_rank(self, tp: int) -> int:
+        hidden, heads = self.hidden_size, self.num_attention_heads // tp
+        q_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = self.attention_bias
+        # Attention. Split tp ways by head: q_proj / q_b_proj, kv_b_proj, o_proj. On every rank: the down-projections
+        # to the latents and their norms.
+        if self.q_lora_rank is None:
+            attention = hidden * heads * q_head_dim  # q_proj
+        else:
+            attention = (hidden * self.q_lora_rank + (self.q_lora_rank if bias else 0)  # q_a_proj
+                         + self.q_lora_rank  # q_a_layernorm
+                         + self.q_lora_rank * heads * q_head_dim)  # q_b_proj
+        latent = self.kv_values_per_token_per_layer
+        attention += hidden * latent + (latent if bias else 0)  # kv_a_proj_with_mqa
+        attention += self.kv_lora_rank  # kv_a_layernorm
+        attention += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
+        attention += heads * self.v_head_dim * hidden + (hidden if bias else 0)  # o_proj
+        norms = 2 * hidden  # input_layernorm, post_attention_layernorm
+        dense_mlp = 3 * hidden * -(-self.intermediate_size // tp)  # gate, up, down
+        expert = 3 * hidden * -(-self.moe_intermediate_size // tp)
+        moe = (self.n_routed_experts + self.n_shared_experts) * expert  # shared experts: one MLP n_shared wide
+        moe += self.n_routed_experts * hidden + (self.n_routed_experts if self.router_bias else 0)  # router
+        layers = sum(moe if self.is_moe_layer(i) else dense_mlp for i in range(self.num_hidden_layers))
+        layers += self.num_hidden_layers * (attention + norms)
+        embeddings = -(-self.vocab_size // tp) * hidden * (1 if self.tie_word_embeddings else 2)
+        return embeddings + layers + hidden  # final norm
+
+    def validate_layout(self, tp: int, dcp: int, pcp: int = 1) -> None:
+        ParallelConfig(tp, dcp, pcp).validate(_OneKvHead(self.num_attention_heads))
+
+    def describe_shape(self) -> str:
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        experts = (
+            f", {moe_layers} MoE layers of {self.n_routed_experts} routed + {self.n_shared_experts} shared experts "
+            f"({self.num_experts_per_tok} routed per token)" if moe_layers else ""
+        )
+        return (
+            f"{self.num_hidden_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
+            f"MLA: 1 latent KV head of {self.kv_lora_rank} + {self.qk_rope_head_dim} = "
+            f"{self.kv_values_per_token_per_layer} values per token per layer{experts}, vocab {self.vocab_size}"
+        )
+
+    def notes(self) -> list[str]:
+        notes = [
+            f"MLA: every TP rank caches the whole {self.kv_values_per_token_per_layer}-value latent of each token it "
+            f"holds (tensor parallelism cannot split one KV head), so at dcp=1 a replica holds each token tp times; "
+            f"DCP shards the sequence over dcp ranks, so KV tokens per replica grow dcp-fold and dcp = tp holds each "
+            f"token once.",
+            "Weights: experts split tp ways (1/tp of every expert per rank, vLLM's tensor parallelism without expert "
+            "parallelism; with it, the same bytes when tp divides the experts); embedding and LM head vocab-parallel; "
+            "latent down-projections, router and norms on every rank.",
+        ]
+        if self.num_nextn_predict_layers:
+            notes.append(
+                f"Not counted: the {self.num_nextn_predict_layers} multi-token-prediction layer"
+                f"{'s' if self.num_nextn_predict_layers > 1 else ''} (num_nextn_predict_layers), loaded only for MTP "
+                f"speculative decoding."
+            )
+        return notes

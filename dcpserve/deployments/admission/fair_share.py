@@ -1,0 +1,217 @@
+"""Service levels in the admission queue: who a request is, how urgent, and the order waiting requests are granted in.
+
+A request's `ServiceLevel` is its tenant (the name of its API key; "anonymous" when the app has no keys), its
+priority (the request's `priority` field, lower first as in vLLM, or its key's default), its tenant's weight and
+how long it may wait (its deadline, as seconds from when it reached the queue).
+
+The order (`admission_order`, a pure function of the waiters, the tenants' shares and the time):
+1. requests a replica refused or did not take after a grant, first (they had been granted; as before);
+2. priority bands, lowest value first;
+3. within a band, tenants by their fair share: each tenant's attained KV-seconds (`TenantShares`: token-seconds of
+   KV its grants held, decayed with a half-life, so that what counts is recent use) over its weight, least first.
+   Each grant is also charged its tokens x `quantum_s` at once, and the order charges the same for every request it
+   places ahead, so that requests granted at one instant alternate between tenants as deficit round robin's rounds
+   do, in proportion to the weights;
+4. within a tenant, requests with a deadline by deadline (earliest first), then the rest by arrival.
+
+Why attained KV-seconds and not deficit round robin's counters: DRR charges a packet its size when it is sent, but
+what a request costs (KV held x how long) is known only as it runs; the queue's ledger knows every grant's KV and
+age, so the share is measured, not estimated. The decay keeps a tenant that was idle from banking credit without
+bound, and one that was busy from being penalized forever.
+
+Sheddable requests (priority >= the app's sheddable_priority) are what the queue refuses first under saturation: it
+refuses a new one at once while a request that is not sheddable waits for KV it could use, and refuses those
+waiting, newest first, as soon as one that is not sheddable has to wait (dcpserve/deployments/admission/queue.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+ANONYMOUS = "anonymous"  # the tenant of every request when the app has no API keys
+
+# The range of a request's priority (metrics label their series by it: the range bounds their number).
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
+
+
+@dataclass(frozen=True)
+class ServiceLevel:
+    """Who sends a request and how urgent it is (module doc)."""
+
+    tenant: str = ANONYMOUS
+    priority: int = 0
+    weight: float = 1.0
+    deadline_s: float | None = None  # the longest it may wait in the queue, from when it arrives there
+    tokens: int = 0  # prompt + max_tokens: what it counts against its tenant's tokens_per_minute
+
+    def __post_init__(self) -> None:
+        if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {self.priority}")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+
+
+class Waiting(Protocol):
+    """What the order reads of a waiting request."""
+
+    @property
+    def level(self) -> ServiceLevel: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def front(self) -> bool: ...
+    @property
+    def deadline_at(self) -> float | None: ...
+    @property
+    def tokens(self) -> int: ...
+
+
+class TenantShares:
+    """Each tenant's attained KV token-seconds, exponentially decayed with `half_life_s`, and the tokens its live
+    grants hold. Exact between events: the holdings are constant between grants and releases, so the decayed
+    integral advances in closed form."""
+
+    def __init__(self, half_life_s: float = 60.0, quantum_s: float = 1.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"fair_share_half_life_s must be > 0, got {half_life_s}")
+        if quantum_s < 0:
+            raise ValueError(f"fair_share_quantum_s must be >= 0, got {quantum_s}")
+        self.tau = half_life_s / math.log(2)
+        self.quantum_s = quantum_s
+        self._value: dict[str, float] = {}  # decayed token-seconds as of _as_of
+        self._as_of: dict[str, float] = {}
+        self.holding: dict[str, int] = {}  # tokens of KV the tenant's live grants hold
+        self._seen: dict[str, tuple[float, int, float]] = {}  # tenant -> (its last request's arrival, tokens, weight)
+
+    def seen(self, level: ServiceLevel, tokens: int, now: float) -> None:
+        """A request of the tenant arrived (what reserve_against remembers of it)."""
+        self._seen[level.tenant] = (now, tokens, level.weight)
+
+    def reserve_against(self, tenant: str, holding_after: int, capacity: int, now: float) -> int:
+        """The KV tokens a grant to `tenant` must leave free, so that a tenant that sent requests in the last
+        half-life and holds less than its fair share finds room for its next one at once: 0 while `tenant` would
+        hold at most its own fair share (capacity x its weight over the weights of the tenants seen in the last
+        half-life); else the last request's tokens of each such tenant that holds less than its share."""
+        window = self.tau * math.log(2)
+        active = {t: (tokens, weight) for t, (at, tokens, weight) in self._seen.items() if now - at <= window}
+        if tenant not in active or len(active) < 2:
+            return 0
+        total = sum(weight for _, weight in active.values())
+        share = capacity * active[tenant][1] / total
+        if holding_after <= share:
+            return 0
+        return sum(tokens for t, (tokens, weight) in active.items()
+                   if t != tenant and self.holding.get(t, 0) + tokens <= capacity * weight / total)
+
+    def attained(self, tenant: str, now: float) -> float:
+        value = self._value.get(tenant, 0.0)
+        rate = self.holding.get(tenant, 0)
+        elapsed = max(now - self._as_of.get(tenant, now), 0.0)
+        decay = math.exp(-elapsed / self.tau)
+        return value * decay + rate * self.tau * (1.0 - decay)
+
+    def _advance(self, tenant: str, now: float) -> None:
+        self._value[tenant] = self.attained(tenant, now)
+        self._as_of[tenant] = now
+
+    def grant(self, tenant: str, tokens: int, now: float) -> None:
+        self._advance(tenant, now)
+        self._value[tenant] += tokens * self.quantum_s
+        self.holding[tenant] = self.holding.get(tenant, 0) + tokens
+
+    def release(self, tenant: str, tokens: int, now: float) -> None:
+        self._advance(tenant, now)
+        left = self.holding.get(tenant, 0) - tokens
+        if left > 0:
+            self.holding[tenant] = left
+        else:
+            self.holding.pop(tenant, None)
+            if self._value[tenant] < 1e-9:
+                self._forget(tenant)
+
+    def _forget(self, tenant: str) -> None:
+        self._value.pop(tenant, None)
+        self._as_of.pop(tenant, None)
+        # _seen is kept: reserve_against reads it over its own window (bounded by the number of tenants)
+
+    def tenants(self) -> list[str]:
+        return sorted(set(self._value) | set(self.holding))
+
+
+W = TypeVar("W", bound=Waiting)
+
+
+def admission_order(waiters: Sequence[W], shares: TenantShares, now: float) -> list[W]:
+    """The order the queue grants waiting requests in (module doc): the head is granted first when it fits."""
+    order = sorted((w for w in waiters if w.front), key=lambda w: w.seq)
+    bands: dict[int, dict[str, list[W]]] = {}
+    for waiter in waiters:
+        if not waiter.front:
+            bands.setdefault(waiter.level.priority, {}).setdefault(waiter.level.tenant, []).append(waiter)
+    by_deadline: Callable[[W], tuple[float, int]] = lambda w: (  # noqa: E731 - a sort key
+        w.deadline_at if w.deadline_at is not None else math.inf, w.seq)
+    for priority in sorted(bands):
+        tenants = bands[priority]
+        for line in tenants.values():
+            line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
+        projected = {t: shares.attained(t, now) / line[-1].level.weight for t, line in tenants.items()}
+        while tenants:
+            tenant = min(tenants, key=lambda t: (projected[t], tenants[t][-1].seq))
+            line = tenants[tenant]
+            waiter = line.pop()
+            order.append(waiter)
+            projected[tenant] += waiter.tokens * shares.quantum_s / waiter.level.weight
+            if not line:
+                del tenants[tenant]
+    return order
+
+
+def displaced(waiting: Sequence[W], newcomer: W, sheddable: Callable[[ServiceLevel], bool]) -> W | None:
+    """The waiter a newcomer to a full queue takes the place of (it is refused 429), or None: the newcomer is
+    refused. The bound is shared the way the order is: in turn,
+    1. the newest sheddable waiter, when the newcomer is not sheddable;
+    2. in the least urgent band less urgent than the newcomer's, the newest waiter of the tenant with the most
+       waiters there;
+    3. in the newcomer's band, the newest waiter of the tenant with the most waiters there, when it has at least
+       two more than the newcomer's tenant (the newcomer counted), so a flood of one tenant cannot fill the queue
+       against the others.
+    A waiter that had been granted (front) keeps its place."""
+    others = [w for w in waiting if w is not newcomer and not w.front]
+    if not sheddable(newcomer.level):
+        victim = max((w for w in others if sheddable(w.level)), key=lambda w: w.seq, default=None)
+        if victim is not None:
+            return victim
+    less_urgent = [w for w in others if w.level.priority > newcomer.level.priority]
+    if less_urgent:
+        band = max(w.level.priority for w in less_urgent)
+        return _newest_of_largest([w for w in less_urgent if w.level.priority == band])
+    band_waiters = [w for w in waiting if w.level.priority == newcomer.level.priority]
+    mine = sum(1 for w in band_waiters if w.level.tenant == newcomer.level.tenant)
+    victim = _newest_of_largest([w for w in others if w.level.priority == newcomer.level.priority])
+    if victim is not None and victim.level.tenant != newcomer.level.tenant:
+        theirs = sum(1 for w in band_waiters if w.level.tenant == victim.level.tenant)
+        if theirs >= mine + 2:
+            return victim
+    return None
+
+
+def _newest_of_largest(waiters: Sequence[W]) -> W | None:
+    """The newest waiter of the tenant with the most waiters (ties: the tenant whose newest came last)."""
+    by_tenant: dict[str, list[W]] = {}
+    for waiter in waiters:
+        by_tenant.setdefault(waiter.level.tenant, []).append(waiter)
+    if not by_tenant:
+        return None
+    line = max(by_tenant.values(), key=lambda ws: (len(ws), max(w.seq for w in ws)))
+    return max(line, key=lambda w: w.seq)
+
+
+def displaced_why(waiting: Sequence[W], victim: W) -> str:
+    """What made `victim` the one displaced, for its 429."""
+    level = victim.level
+    same = sum(1 for w in waiting if w.level.tenant == level.tenant and w.level.priority == level.priority)
+    return f"{same} waiting requests of tenant {victim.level.tenant!r} at priority {victim.level.priority}"
+

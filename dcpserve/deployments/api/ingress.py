@@ -1,0 +1,403 @@
+"""The OpenAI-compatible HTTP front (FastAPI through Serve): validate, tokenize, count KV, admit, stream.
+
+Request path: API key (401) and body size (413) -> parse and validate the body (400) -> tokenize (chat template
+for chat, with the tools: dcpserve/deployments/api/tool_calls.py) -> compile the output constraint, if any (400 naming
+the field the grammar engine refuses: dcpserve/deployments/api/structured.py) -> max_tokens (unset: the rest of the
+context, max_model_len minus the prompt) and check max_model_len (400) -> need = admission_blocks under the app's policy
+(prompt + max_tokens for "full", the prompt for "usage") -> KvAdmission.acquire: a granted replica, or 400 never-fits /
+429 queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the KV-aware router to that
+replica, its deltas to come on this ingress' delta stream from it (dcpserve/deployments/dispatch/streams.py) -> a
+refusal, or a replica that does not take the request within dispatch_timeout_s (still starting, draining, gone), gives
+the grant back and re-queues the request at the head -> deltas back as JSON or SSE. Whatever ends the request (finish,
+error, client disconnect, request_timeout_s) aborts it on its replica if it did not finish (which frees its KV) and
+releases the grant.
+"""
+
+# No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
+# must see `request: Request` as the class itself, not a string it can no longer resolve (it answers 422).
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from dcpserve.deployments.admission.fair_share import ServiceLevel
+from dcpserve.deployments.admission.pools import Need, request_need
+from dcpserve.deployments.api import openapi, protocol
+from dcpserve.deployments.api.choices import Choice, Tokens, chat_choices, collect, completion_choices
+from dcpserve.deployments.api.choices import usage as choices_usage
+from dcpserve.deployments.api.http_edge import ApiError, api, authorize, read_body, validation_message
+from dcpserve.deployments.api.logprob_shapes import chat_logprobs, completion_logprobs
+from dcpserve.deployments.api.structured import FieldError, check_constraint
+from dcpserve.deployments.api.tool_calls import ToolPlan, ToolStream, builtin_messages, chat_message, finish_reason
+from dcpserve.deployments.config import AppArgs
+from dcpserve.deployments.dispatch.sessions import Sessions
+from dcpserve.deployments.metrics import IngressMetrics
+from dcpserve.engine.backends import model_limits
+from dcpserve.engine.protocol import RequestDelta
+from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.engine.structured_output import Grammars
+from dcpserve.engine.tokenizer import load_tokenizer
+
+
+# Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
+# this module (and dcpserve.deployments.api.http_edge, where `api` lives), and the routes must be bound to the class
+# there too.
+@serve.ingress(api)
+class OpenAIIngress:
+    """Serve deployment class (build_app wraps it with serve.deployment): the OpenAI HTTP API."""
+
+    def __init__(self, args: AppArgs, engine: Any, admission: Any) -> None:
+        self.args = args
+        self.engine = engine
+        self.admission = admission
+        limits = model_limits(args.engine_args())  # either backend: the replica stays the authority
+        self.model_name = args.name
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
+        self.pool_layouts = args.pool_layouts()
+        self.admission_policy = limits.admission
+        self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
+        self._grammars: Grammars | None = None  # made at the first constrained request
+        self._api_keys = [(name, key.encode()) for name, key in args.resolved_tenant_keys()]  # never logged
+        self.metrics = IngressMetrics()
+        self.sessions = Sessions(args, engine, admission, self.metrics, limits)
+
+    async def __del__(self) -> None:
+        # Serve awaits this when it stops the replica (after its requests drained): the engine replicas see the delta
+        # streams end now, not when their leases run out.
+        sessions = getattr(self, "sessions", None)
+        if sessions is not None:
+            sessions.close()
+            await asyncio.sleep(0)  # the readers cancel their streams
+
+    # ---- routes ---------------------------------------------------------------------------------------------
+
+    @api.get("/health", responses={200: {"model": openapi.HealthResponse}, 503: {"model": openapi.ErrorResponse}})
+    async def health(self) -> Response:
+        """Open to load balancers: status and counts only (no replica ids, no keys, no request data)."""
+        stats = await self.admission.stats.remote()
+        replicas = list(stats["replicas"].values())
+        healthy = [r for r in replicas if r["healthy"]]
+        if not healthy:
+            return ApiError(503, "no healthy engine replica", code="no_replica").response()
+        return JSONResponse(openapi.HealthResponse(
+            status="ok", replicas=len(replicas), healthy_replicas=len(healthy), queued=stats["num_queued"],
+            kv_capacity_blocks=sum(r["capacity"] for r in replicas),
+            kv_granted_blocks=sum(r["granted"] for r in replicas),
+            kv_external_blocks=sum(r["external"] for r in replicas),
+            kv_free_blocks=sum(max(r["free"], 0) for r in healthy),
+            num_grants=sum(r["num_grants"] for r in replicas),
+        ).model_dump())
+
+    @api.get("/v1/models", responses={200: {"model": openapi.ModelList}, **openapi.ERROR_RESPONSES})
+    async def models(self, request: Request) -> Response:
+        try:
+            authorize(request, self._api_keys)
+        except ApiError as err:
+            return err.response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dcpserve",
+             "max_model_len": self.max_model_len},
+        ]})
+
+    @api.post("/v1/completions", openapi_extra=openapi.request_body_schema(protocol.CompletionRequest),
+              responses={**openapi.ok_response(openapi.CompletionResponse, "the completion, or its SSE stream"),
+                         **openapi.ERROR_RESPONSES})
+    async def completions(self, request: Request) -> Response:
+        try:
+            body, tenant = await self._parse(request, protocol.CompletionRequest)
+            prompts, texts = [], []
+            for prompt in body.prompts():
+                ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+                prompts.append(ids)
+                texts.append(prompt if isinstance(prompt, str) or not body.echo else self._decode(ids))
+            response = await self._serve(body, tenant, prompts, chat=False, prompt_texts=texts)
+        except ApiError as err:
+            response = err.response()
+        self.metrics.response("completions", response.status_code)
+        return response
+
+    @api.post("/v1/chat/completions", openapi_extra=openapi.request_body_schema(protocol.ChatCompletionRequest),
+              responses={**openapi.ok_response(openapi.ChatCompletionResponse, "the chat completion, or its SSE "
+                                                 "stream"), **openapi.ERROR_RESPONSES})
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body, tenant = await self._parse(request, protocol.ChatCompletionRequest)
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: chat needs one; use /v1/completions with token ids")
+            plan = self._tool_plan(body)
+            messages = body.chat_messages()
+            renders_tools = self.tokenizer.template_renders_tools
+            try:
+                token_ids = self.tokenizer.apply_chat_template(
+                    messages if renders_tools else builtin_messages(messages, plan),
+                    tools=plan.openai_tools() if plan is not None and renders_tools else None)
+            except ValueError as err:
+                raise ApiError(400, str(err), param="messages") from None
+            response = await self._serve(body, tenant, [token_ids], chat=True, plan=plan)
+        except ApiError as err:
+            response = err.response()
+        self.metrics.response("chat_completions", response.status_code)
+        return response
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> tuple[Any, str]:
+        """The validated body and the request's tenant (its API key's name)."""
+        tenant = authorize(request, self._api_keys)
+        try:
+            raw = json.loads(await read_body(request, self.args.max_request_body_bytes))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as err:
+            message, param = validation_message(err)
+            raise ApiError(400, message, param=param) from None
+        if body.model != self.model_name:
+            raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return body, tenant
+
+    def _level(self, body: Any, tenant: str) -> ServiceLevel:
+        """The request's service level: its tenant's weight, its priority (the key's default when it sends none;
+        400 past the key's min_priority) and its deadline (400 when it has passed)."""
+        settings = self.args.tenant(tenant)
+        priority = settings.priority if body.priority is None else body.priority
+        if settings.min_priority is not None and priority < settings.min_priority:
+            raise ApiError(400, f"priority={priority} is more urgent than this API key allows (min_priority="
+                           f"{settings.min_priority}); send a priority of at least {settings.min_priority}",
+                           param="priority")
+        try:
+            deadline_s = body.deadline_s()
+        except ValueError as err:
+            raise ApiError(400, str(err), param="deadline") from None
+        return ServiceLevel(tenant, priority, settings.weight, deadline_s)
+
+    @staticmethod
+    def _tool_plan(body: Any) -> ToolPlan | None:
+        try:
+            plan: ToolPlan | None = body.tool_plan()
+        except FieldError as err:
+            raise ApiError(400, str(err), param=err.param) from None
+        return plan
+
+    async def _check_constraint(self, body: Any) -> None:
+        """400 naming the field when the request's output constraint is malformed or the grammar engine cannot
+        compile it; compiled off the event loop (a new schema against a large vocabulary takes a while), cached."""
+        try:
+            constraint, param = body.constraint()
+        except FieldError as err:
+            raise ApiError(400, str(err), param=err.param) from None
+        if constraint is None:
+            return
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: structured outputs need one", param=param)
+        if self._grammars is None:
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.vocab_size)
+        try:
+            await asyncio.to_thread(check_constraint, self._grammars, constraint, param or "")
+        except FieldError as err:
+            raise ApiError(400, str(err), param=err.param) from None
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def _check(self, token_ids: list[int], params: SamplingParams) -> Need:
+        """Never-fits by length (400 naming the numbers) and bad token ids; returns the KV need in blocks."""
+        if not token_ids:
+            raise ApiError(400, "the prompt is empty: send at least one token", param="prompt")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
+                           param="prompt")
+        total = len(token_ids) + params.max_tokens
+        if len(token_ids) >= self.max_model_len:
+            raise ApiError(
+                400, f"the prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; shorten the prompt", param="prompt", code="context_length_exceeded")
+        if total > self.max_model_len:
+            raise ApiError(
+                400,
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens to at most "
+                f"{self.max_model_len - len(token_ids)}",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return request_need(self.pool_layouts, self.admission_policy, len(token_ids), params.max_tokens)
+
+    def _plan(self, body: Any, prompts: list[list[int]], prompt_texts: list[str]) -> list[Choice]:
+        """Every choice of the request, each checked (400s name the field) and counted in KV blocks."""
+        unknown = [k for k in (body.logit_bias or {}) if int(k) >= self.vocab_size]
+        if unknown:
+            raise ApiError(400, f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): "
+                           f"{unknown[:5]}", param="logit_bias")
+        bad_stops = [t for t in body.stop_token_ids or () if t >= self.vocab_size]
+        if bad_stops:
+            raise ApiError(400, f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad_stops[:5]}",
+                           param="stop_token_ids")
+        per_prompt = body.num_choices()
+        planned = []
+        for i, ids in enumerate(prompts):
+            for j in range(per_prompt):
+                try:
+                    params = body.sampling_params(context_left=self.max_model_len - len(ids), choice=j)
+                except ValueError as err:
+                    raise ApiError(400, str(err)) from None
+                planned.append(Choice(i * per_prompt + j, i, ids, prompt_texts[i] if prompt_texts else None,
+                                      params, self._check(ids, params)))
+        return planned
+
+    async def _admit(self, planned: list[Choice], level: ServiceLevel) -> list[AsyncGenerator[RequestDelta]]:
+        """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
+        their grants back and the first error is the answer."""
+        sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need,
+                                       dataclasses.replace(level, tokens=len(c.prompt_ids) + c.params.max_tokens))
+                    for c in planned]
+        results = await asyncio.gather(*(s.__anext__() for s in sessions), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+            first = next((e for e in failed if isinstance(e, ApiError) and e.status == 400), failed[0])
+            raise first
+        return sessions
+
+    async def _serve(self, body: Any, tenant: str, prompts: list[list[int]], chat: bool,
+                     prompt_texts: list[str] | None = None, plan: ToolPlan | None = None) -> Response:
+        level = self._level(body, tenant)
+        await self._check_constraint(body)
+        planned = self._plan(body, prompts, prompt_texts or [])
+        sessions = await self._admit(planned, level)  # before any byte is sent: errors are plain HTTP statuses
+        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        tokens = Tokens(self.tokenizer, body.return_tokens_as_token_ids)
+        if body.stream:
+            return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts, plan),
+                                     media_type="text/event-stream")
+        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions, strict=True)),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+            raise failed[0]
+        score_only = not chat and body.max_tokens == 0
+        used = choices_usage(prompts, planned, score_only)
+        if chat:
+            choices = chat_choices(body, planned, tokens)
+            if plan is not None:
+                for out, choice in zip(choices, planned, strict=True):
+                    out["message"], out["finish_reason"] = chat_message(plan, out["message"]["content"], choice.finish)
+            return JSONResponse(protocol.chat_body(request_id, self.model_name, choices, used))
+        return JSONResponse(protocol.completion_body(
+            request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
+
+    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncGenerator[RequestDelta]],
+                   request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]],
+                   plan: ToolPlan | None = None) -> AsyncIterator[str]:
+        """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
+        final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension). With
+        tools, each chat choice's text goes through its ToolStream (content or tool_calls deltas)."""
+        queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(k: int) -> None:
+            try:
+                async for delta in sessions[k]:
+                    await queue.put((k, delta, None))
+                await queue.put((k, None, None))
+            except BaseException as err:  # noqa: BLE001 - delivered to the stream below
+                await queue.put((k, None, err))
+
+        pumps = [asyncio.get_running_loop().create_task(pump(k)) for k in range(len(sessions))]
+        outputs = [0] * len(planned)
+        prompt_tokens = sum(len(p) for p in prompts)
+        tool_streams = [ToolStream(plan) for _ in planned] if plan is not None else None
+
+        def event(chunk: dict[str, Any]) -> str:
+            if body.continuous_usage:
+                chunk["usage"] = protocol.usage(prompt_tokens, sum(outputs))
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        try:
+            if chat:
+                for choice in planned:
+                    yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
+                                                    {"role": "assistant", "content": ""}, None))
+            score_only = not chat and body.max_tokens == 0
+            echoed: set[int] = set()
+            remaining = len(sessions)
+            while remaining:
+                k, delta, err = await queue.get()
+                if err is not None:
+                    raise err
+                if delta is None:
+                    remaining -= 1
+                    continue
+                choice = planned[k]
+                outputs[k] = 0 if score_only else delta.num_output_tokens
+                if not chat and body.echo and k not in echoed:
+                    # The prompt first: its text and (with logprobs) its tokens' logprobs, from the first delta.
+                    echoed.add(k)
+                    logprobs = None
+                    if body.logprobs is not None:
+                        prompt_lp = delta.prompt_logprobs or [None] * len(choice.prompt_ids)
+                        logprobs = completion_logprobs(
+                            [tokens.entry(lp, t, body.logprobs)
+                             for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)])
+                    yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
+                        choice.index, choice.prompt_text or "", None, logprobs)))
+                finish = delta.finish_reason if delta.finished else None
+                if score_only:
+                    if finish is not None:
+                        yield event(protocol.completion_chunk(request_id, self.model_name,
+                                                              protocol.completion_choice(choice.index, "", "length")))
+                    continue
+                if not delta.new_text and finish is None and not delta.logprobs:
+                    continue
+                k_top = body.logprobs if not chat else (body.top_logprobs or 0)
+                entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
+                           zip(delta.new_token_ids, delta.logprobs or [], strict=False)]
+                if chat and tool_streams is not None:
+                    logprobs = chat_logprobs(entries) if body.logprobs else None
+                    stream = tool_streams[k]
+                    parts = stream.feed(delta.new_text) + (stream.finish(finish) if finish is not None else [])
+                    if not parts and finish is None and logprobs is None:
+                        continue  # text held back (a call in progress): nothing to send yet
+                    for i, part in enumerate(parts or [{}]):
+                        last = i == max(len(parts), 1) - 1
+                        yield event(protocol.chat_chunk(
+                            request_id, self.model_name, choice.index, part,
+                            finish_reason(finish, stream.num_calls) if last else None, logprobs if i == 0 else None))
+                elif chat:
+                    logprobs = chat_logprobs(entries) if body.logprobs else None
+                    yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
+                                                    {"content": delta.new_text} if delta.new_text else {},
+                                                    finish, logprobs))
+                else:
+                    logprobs = completion_logprobs(entries) if body.logprobs is not None else None
+                    yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
+                        choice.index, delta.new_text, finish, logprobs)))
+            if body.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                used = protocol.usage(prompt_tokens, sum(outputs))
+                yield f"data: {json.dumps(protocol.usage_chunk(request_id, self.model_name, obj, used))}\n\n"
+        except ApiError as err:
+            yield f"data: {json.dumps(protocol.error_body(err.status, err.message, err.param, err.code))}\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+        yield "data: [DONE]\n\n"

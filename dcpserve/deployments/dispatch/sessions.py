@@ -1,0 +1,351 @@
+"""One choice's way through the app, from the ingress: admission (the queue's grant, with the prompt's prefix blocks
+for prefix-aware routing), dispatch to the granted replica (refused or unreachable: the grant goes back and the
+request waits at the head again), the stream of deltas with TTFT / ITL, the per-request deadline, and the release of
+the grant however it ends. `Sessions.open` is what OpenAIIngress admits each choice with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import math
+import uuid
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Any
+
+from ray.serve import context as serve_context
+
+from dcpserve.deployments.admission.fair_share import ServiceLevel
+from dcpserve.deployments.admission.pools import DEFAULT_POOL, Need, PoolNeed
+from dcpserve.deployments.admission.prefix_routing import PrefixAsk
+from dcpserve.deployments.api.http_edge import ApiError
+from dcpserve.deployments.config import AppArgs
+from dcpserve.deployments.dispatch.streams import DeltaLinks, Item, StreamLost
+from dcpserve.deployments.metrics import POOL_TAG, IngressMetrics, level_tags
+from dcpserve.deployments.replica.engine_replica import (
+    Accepted,
+    Admission,
+    EngineRequest,
+    Refused,
+    Rejected,
+    ReplicaQuery,
+)
+from dcpserve.engine.core.prefix_cache import prompt_hashes
+from dcpserve.engine.protocol import ModelLimits, RequestDelta
+from dcpserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+_STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "deadline_exceeded": 429, "shed": 429,
+              "limit_exceeded": 429, "never_fits": 400, "no_replica": 503}
+
+# A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
+# head once more for this long: it had been granted, so it gets one more chance before its 429.
+REQUEUE_MIN_WAIT_S = 1.0
+
+
+def refusal_backoff_s(refusals: int) -> float:
+    """How long a request waits before it asks the queue again after its `refusals`-th refusal by a replica: not
+    after the first (the replica reported its KV before it refused, so the queue's next grant starts from the
+    replica's state), then 10 ms doubling to at most 1 s, so that a queue and a replica that keep disagreeing never
+    make a tight loop."""
+    return 0.0 if refusals <= 1 else min(0.01 * 2 ** (refusals - 2), 1.0)
+
+
+def _call_as_own_request(call: Callable[[], Any]) -> Any:
+    """Makes a Serve handle call with an internal request id of its own. A child call inherits its HTTP request's
+    id, and Serve's router keeps its pending requests in a dict by that id: the choices of one request (n > 1, a
+    batch of prompts), dispatched together, shared one entry, so all but one waited out dispatch_timeout_s."""
+    context = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))  # type: ignore[arg-type]  # Ray declares it ContextVar[None]
+    try:
+        return call()
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
+
+class Sessions:
+    """Admits, dispatches and streams the choices of the ingress' requests (the ingress parses and answers)."""
+
+    def __init__(self, args: AppArgs, engine: Any, admission: Any, metrics: IngressMetrics,
+                 limits: ModelLimits) -> None:
+        self.args = args
+        # The engine deployment's handle, or with layout pools each pool's (dcpserve/deployments/admission/pools.py).
+        self._engines: dict[str, Any] = engine if isinstance(engine, dict) else {DEFAULT_POOL: engine}
+        self._replica_pools: dict[str, str] = {}  # replica id -> its pool, from the grants
+        self.admission = admission
+        self.metrics = metrics
+        self.tokens_per_block = limits.tokens_per_block
+        self.pool_layouts = args.pool_layouts()
+        self.prefix_caching = limits.prefix_caching
+        self.prefix_hash_seed = limits.prefix_hash_seed
+        self._background: set[asyncio.Task[Any]] = set()
+        # The delta streams from the engine replicas (dcpserve.deployments.dispatch.streams), opened on a replica's
+        # first request.
+        self.links = DeltaLinks(self._open_delta_stream, self._renew_delta_stream,
+                                subscribe_timeout_s=args.dispatch_timeout_s, on_lost=self._replica_lost)
+
+    def _engine(self, replica_id: str) -> Any:
+        """The handle of the deployment the replica belongs to."""
+        if len(self._engines) == 1:
+            return next(iter(self._engines.values()))
+        return self._engines[self._replica_pools[replica_id]]
+
+    def _open_delta_stream(self, replica_id: str, subscriber: str) -> Any:
+        return self._engine(replica_id).options(stream=True).deltas.remote(ReplicaQuery(replica_id), subscriber)
+
+    async def _renew_delta_stream(self, replica_id: str, subscriber: str) -> bool:
+        response = self._engine(replica_id).renew.remote(ReplicaQuery(replica_id), subscriber)
+        try:
+            return bool(await response)
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    def _replica_lost(self, replica_id: str) -> None:
+        """A delta stream from the replica failed: the admission queue forgets it at once, its capacity and its
+        grants (AdmissionQueue.replica_lost), instead of after replica_ttl_s without its reports; a replica that is
+        alive after all comes back by reporting again, grantable once Serve has probed it since."""
+        self._in_background(self._replica_lost_async(replica_id))
+
+    async def _replica_lost_async(self, replica_id: str) -> None:
+        try:
+            await asyncio.wait_for(self.admission.replica_lost.remote(replica_id), self.args.dispatch_timeout_s)
+        except Exception as err:  # noqa: BLE001 - the queue still learns of it when the replica's reports stop
+            logger.warning("telling the admission queue replica %s is lost failed: %r", replica_id, err)
+
+    def close(self) -> None:
+        """Ends this ingress' delta streams: each replica aborts the requests of this ingress it still runs."""
+        self.links.close()
+
+    async def open(self, ticket: str, token_ids: list[int], params: SamplingParams, need: Need,
+                   level: ServiceLevel | None = None) -> AsyncGenerator[RequestDelta]:
+        """Admits the request at its service level (first yield, a delta without tokens, once a replica accepted
+        it), then yields its deltas. Its finally frees everything, whichever way the request ends, and hands the
+        queue the request's TTFT and mean ITL with the release (the service-level autoscaling window)."""
+        level = level or ServiceLevel()
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        deadline = arrived + self.args.queue_timeout_s
+        queue: asyncio.Queue[Item] | None = None  # the request's deltas, once a replica accepted it
+        replica_id = ""
+        attempt = 0
+        finished = False
+        num_generated = 0
+        last_token_at = arrived
+        first_token_at: float | None = None
+        deadline_at = None if level.deadline_s is None else arrived + level.deadline_s
+        ask = self._prefix_ask(token_ids, params, self.tokens_per_block)
+        if not isinstance(need, int):  # layout pools: the prompt's block hashes in each pool's block size
+            need = {pool: PoolNeed(n.blocks, self._prefix_ask(token_ids, params, self.pool_layouts[pool]))
+                    for pool, n in need.items()}
+        try:
+            returned: list[str] = []  # what became of earlier grants, for an honest error
+            late_chance_used = False
+            refusals = 0
+            while True:
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    # Only a request whose grant came back gets here: it waits at the head once more, briefly.
+                    if late_chance_used or not returned:
+                        raise ApiError(
+                            429, f"waited {loop.time() - arrived:.1f}s (queue_timeout_s={self.args.queue_timeout_s:g}) "
+                            f"and no replica took the request: it was granted KV but {'; '.join(returned)}; "
+                            f"retry later",
+                            code="queue_timeout", retry_after=self.args.retry_after_s)
+                    late_chance_used = True
+                    timeout = REQUEUE_MIN_WAIT_S
+                asking = level if deadline_at is None else dataclasses.replace(  # what is left of its deadline
+                    level, deadline_s=deadline_at - loop.time())
+                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned), ask, asking)
+                if "error" in reply:
+                    raise self._refusal(reply, returned)
+                replica_id = reply["replica_id"]
+                pool = self._replica_pools[replica_id] = reply.get("pool", DEFAULT_POOL)
+                granted_ask = ask if isinstance(need, int) else need[pool].ask  # hashes in that pool's block size
+                attempt = len(returned)
+                request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id,
+                                        reply_to=self.links.subscriber, attempt=attempt,
+                                        prompt_hashes=granted_ask.hashes if granted_ask is not None else ())
+                queue, first, problem = await self._dispatch(request, replica_id)
+                if queue is not None:
+                    break
+                if isinstance(first, Refused):  # it holds less free KV than the queue knew
+                    await self.admission.refused.remote(ticket, replica_id, first.free_blocks)
+                    refusals += 1
+                    await asyncio.sleep(refusal_backoff_s(refusals))
+                else:  # not reached in time, or the call failed: the grant goes back, the request to the head
+                    logger.warning("ticket %s: granted replica %s %s; re-queued at the head", ticket, replica_id,
+                                   problem)
+                    await self.admission.unreachable.remote(ticket, replica_id)
+                    # Back off before the next grant (bounded by the queue deadline), so a replica that keeps
+                    # failing calls is never retried in a tight loop.
+                    await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
+                returned.append(f"replica {replica_id} {problem}")
+            self.metrics.prompt_tokens.inc(len(token_ids))
+            latency_tags = {POOL_TAG: pool, **level_tags(level)}  # the pool of the replica that took it
+            yield RequestDelta(ticket, [], "", False, None, len(token_ids), 0)  # admitted: no tokens yet
+            request_deadline = arrived + self.args.request_timeout_s
+            while True:
+                try:
+                    delta = await asyncio.wait_for(queue.get(), timeout=max(request_deadline - loop.time(), 0))
+                except TimeoutError:
+                    raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
+                                   f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
+                if isinstance(delta, BaseException):  # the replica's stream failed, or the request's engine stream
+                    raise delta
+                now = loop.time()
+                if delta.new_token_ids:
+                    # TTFT from arrival (admission wait included); ITL between a request's consecutive tokens.
+                    latency = self.metrics.itl if num_generated else self.metrics.ttft
+                    latency.observe(now - last_token_at, tags=latency_tags)
+                    if first_token_at is None:
+                        first_token_at = now
+                    num_generated += len(delta.new_token_ids)
+                    last_token_at = now
+                if delta.finished:
+                    self.metrics.e2e.observe(now - arrived, tags=latency_tags)
+                yield delta
+                if delta.finished:
+                    finished = True
+                    break
+        except ApiError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # an engine failure becomes an OpenAI error (logged with its traceback)
+            logger.exception("request %s failed", ticket)
+            raise ApiError(500 if queue is not None else 503, f"the engine failed: {err}") from None
+        finally:
+            aborting = False
+            if queue is not None:
+                # The replica stops an unfinished request and frees its KV. Not when the stream from it was lost:
+                # then the replica is gone, or it aborted every request of this ingress when the stream ended.
+                aborting = not finished and self.links.is_open(replica_id)
+                self.links.unregister(replica_id, ticket)
+            if num_generated:
+                self.metrics.generation_tokens.inc(num_generated)
+            ttft = None if first_token_at is None else first_token_at - arrived
+            itl = None
+            if first_token_at is not None and num_generated > 1:
+                itl = (last_token_at - first_token_at) / (num_generated - 1)
+            if aborting:  # the release after the abort: the queue frees the KV once the replica has
+                self._in_background(self._abort_then_release(replica_id, ticket, attempt, ttft, itl))
+            else:
+                self._release(ticket, ttft, itl)
+
+    async def _abort_then_release(self, replica_id: str, ticket: str, attempt: int, ttft_s: float | None,
+                                  itl_s: float | None) -> None:
+        """An unfinished request's end: the replica aborts it (its KV freed), then the grant goes back. Released
+        first, the queue granted KV the replica still held to a waiting request, which the replica then refused
+        (bench/soak.py saw the queue count those blocks twice for a report period)."""
+        try:
+            await self._abort_async(replica_id, ticket, attempt)
+        finally:
+            await self._release_async(ticket, ttft_s, itl_s)
+
+    def _prefix_ask(self, token_ids: list[int], params: SamplingParams, tokens_per_block: int) -> PrefixAsk | None:
+        """The prompt's blocks as the replicas' prefix caches name them, for prefix-aware admission; None with
+        caching off, or for a request asking for prompt logprobs (it computes its whole prompt)."""
+        if not self.prefix_caching or params.prompt_logprobs is not None:
+            return None
+        hashes = prompt_hashes(token_ids, tokens_per_block, self.prefix_hash_seed)
+        return PrefixAsk(tuple(hashes), tokens_per_block, self.prefix_hash_seed, len(token_ids))
+
+    async def _dispatch(self, request: EngineRequest,
+                        replica_id: str) -> tuple[asyncio.Queue[Item] | None, Admission | None, str]:
+        """Sends a granted request to its replica, over this ingress' delta stream from it (opened now if there is
+        none), and waits at most dispatch_timeout_s for the stream and the answer. Returns (the queue its deltas
+        arrive in, first, "") when the replica accepted it, (None, first, why) when it refused it, and
+        (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
+        draining, or gone)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.args.dispatch_timeout_s
+        deadline = loop.time() + timeout
+        queue, subscribed = self.links.register(replica_id, request.ticket)
+        accepted = False
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(subscribed), timeout)
+            except TimeoutError:
+                return None, None, f"did not open a delta stream within dispatch_timeout_s={timeout:g}s"
+            except StreamLost as lost:
+                return None, None, str(lost)
+            response = _call_as_own_request(lambda: self._engine(replica_id).generate.remote(request))
+            try:
+                first = await asyncio.wait_for(response, timeout=max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                response.cancel()
+                self._abort(replica_id, request.ticket, request.attempt)  # in case it took it after all
+                return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
+            except asyncio.CancelledError:
+                response.cancel()
+                self._abort(replica_id, request.ticket, request.attempt)
+                raise
+            except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
+                return None, None, f"failed the call ({type(err).__name__}: {err})"
+            if isinstance(first, Accepted):
+                accepted = True
+                return queue, first, ""
+            if isinstance(first, Rejected):
+                raise ApiError(400, f"the engine refused the request: {first.message}")
+            if isinstance(first, Refused):
+                return None, first, f"refused it (it had {first.free_blocks} free KV blocks)"
+            return None, None, f"answered {type(first).__name__} instead of an admission"
+        finally:
+            if not accepted:
+                self.links.unregister(replica_id, request.ticket)
+
+    def _abort(self, replica_id: str, ticket: str, attempt: int) -> None:
+        """Tells the replica to stop a request this ingress is done with (fire-and-forget, in a fresh context like
+        _release: a client disconnect must not cancel it). If it never arrives, the request still ends: when this
+        ingress' delta stream from the replica closes, the replica aborts every request of it still running."""
+        self._in_background(self._abort_async(replica_id, ticket, attempt))
+
+    async def _abort_async(self, replica_id: str, ticket: str, attempt: int) -> None:
+        response = self._engine(replica_id).abort.remote(ReplicaQuery(replica_id), ticket, attempt)
+        try:
+            await asyncio.wait_for(response, self.args.dispatch_timeout_s)
+        except TimeoutError:
+            response.cancel()
+            logger.warning("aborting ticket %s on replica %s: no answer within dispatch_timeout_s=%gs", ticket,
+                           replica_id, self.args.dispatch_timeout_s)
+        except Exception as err:  # noqa: BLE001 - the replica is gone (its KV with it) or the stream's close aborts it
+            logger.warning("aborting ticket %s on replica %s failed: %r", ticket, replica_id, err)
+
+    def _refusal(self, reply: dict[str, Any], returned: list[str]) -> ApiError:
+        """The queue's refusal as the HTTP error: its status, message (with what became of earlier grants) and
+        Retry-After (a tenant's token limit says when; a limit the request alone exceeds is a 400)."""
+        kind, message = reply["error"], reply["message"]
+        status = _STATUS_OF[kind]
+        retry_after: int | None = self.args.retry_after_s if status in (429, 503) else None
+        if "retry_after_s" in reply:
+            if reply["retry_after_s"] is None:
+                status, retry_after = 400, None
+            else:
+                retry_after = max(math.ceil(reply["retry_after_s"]), 1)
+        if returned:
+            message = f"{message}; before that this request was granted KV but {'; '.join(returned)}"
+        return ApiError(status, message, code=kind, retry_after=retry_after)
+
+    def _release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
+        """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a
+        copy of the request's would carry Serve's request context, and Serve cancels the calls a cancelled request
+        made (a client disconnect), so the release itself would be cancelled and the grant leak until the queue's
+        leak reconciliation (leak_grace_s)."""
+        self._in_background(self._release_async(ticket, ttft_s, itl_s))
+
+    def _in_background(self, call: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(call, context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_async(self, ticket: str, ttft_s: float | None, itl_s: float | None) -> None:
+        try:
+            await self.admission.release.remote(ticket, ttft_s, itl_s)
+        except Exception as err:  # noqa: BLE001 - the queue's leak reconciliation reclaims the grant
+            logger.warning("releasing ticket %s failed: %r", ticket, err)

@@ -1,0 +1,1 @@
+"""The engine replica: one Serve replica = one engine = one TP x DCP (x PCP) worker group."""

@@ -1,0 +1,169 @@
+"""One engine replica on simulated time: the engine's real Scheduler, BlockManager and prefix cache; a step-time model
+instead of the model forward.
+
+What the served replica does, in the same order with the same code:
+- accept (dcpserve.deployments.replica.engine_replica.EngineReplica.generate -> the engine core's add with check_kv):
+  the request's need on this replica's ledger (`Scheduler.committed_blocks`, the engine's admission_need),
+  `KvLedger.require` (KvFull: the queue's grant was stale, the caller re-queues the request at the head), then
+  `Scheduler.add_request` (RequestRejected: it can never run here);
+- the step loop (dcpserve.engine.core.engine.LLMEngine.step): `Scheduler.schedule()`, then the step's duration from the
+  step-time model (simulated time passes), then `Scheduler.update()` with the sampled tokens. A request's tokens are
+  1 until its trace length, where it samples the EOS id (or reaches max_tokens);
+- the KV report to the admission queue every kv_report_period_s (EngineReplica._report_loop): the ledger's
+  per-request blocks, headroom and the prefix cache's changes (`BlockManager.reporter`), the reply's prefix position
+  kept for the next report.
+What it leaves out: the network hops between the ingress, the queue and the replica (zero simulated time), the
+replica's delta stream batching (tokens reach the client at the end of the step that made them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dcpserve.deployments.admission.pools import DEFAULT_POOL
+from dcpserve.deployments.admission.queue import AdmissionQueue
+from dcpserve.engine.config import SchedulerConfig
+from dcpserve.engine.core.block_manager import BlockManager
+from dcpserve.engine.core.request import Request
+from dcpserve.engine.core.scheduler import Scheduler, TokenUpdate
+from dcpserve.simulator.step_time import StepTimeModel, StepWork
+
+# Token ids of simulated outputs: every token is FILLER_TOKEN but the last of a request whose trace length ends
+# before its max_tokens, which is EOS_TOKEN (prompts are all 0: dcpserve.simulator.tokens).
+FILLER_TOKEN = 1
+EOS_TOKEN = 2
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """What every replica of a simulated deployment is: its layout, its KV pool and its scheduler's limits."""
+
+    tp: int
+    dcp: int
+    num_blocks: int  # logical blocks of block_size * dcp tokens
+    block_size: int
+    scheduler: SchedulerConfig
+    enable_prefix_caching: bool = True
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.dcp
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp
+
+
+class SimReplica:
+    """One replica: the real scheduler and block manager, stepping on simulated time."""
+
+    def __init__(self, replica_id: str, shape: ReplicaShape, step_model: StepTimeModel, queue: AdmissionQueue,
+                 report_period_s: float, on_tokens: Callable[[list[TokenUpdate], float], None],
+                 pool: str = DEFAULT_POOL) -> None:
+        self.replica_id = replica_id
+        self.pool = pool
+        self.step_s = 0.0  # recent mean step (EngineReplica's exponential average), reported to the queue
+        self.shape = shape
+        self.step_model = step_model
+        self.queue = queue
+        self.report_period_s = report_period_s
+        self._on_tokens = on_tokens
+        self.block_manager = BlockManager(shape.num_blocks, shape.block_size, shape.dcp,
+                                          enable_prefix_caching=shape.enable_prefix_caching)
+        self.scheduler = Scheduler(shape.scheduler, self.block_manager, frozenset({EOS_TOKEN}))
+        self.output_lengths: dict[str, int] = {}  # request id -> the trace's output length
+        self._work = asyncio.Event()
+        self._prefix_position: tuple[str | None, int] = (None, 0)
+        self.probes = 1  # Serve's controller has probed it: grantable from its first report
+        self.draining = False
+        self.stopped = False
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+        self.num_step_tokens = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._step_loop()), loop.create_task(self._report_loop())]
+
+    def stop(self) -> None:
+        """Stops stepping and reporting; the queue forgets it."""
+        self.stopped = True
+        for task in self._tasks:
+            task.cancel()
+        self.queue.remove_replica(self.replica_id)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def accept(self, request: Request, output_length: int) -> int:
+        """Takes a granted request if its need fits this replica's ledger now; returns the blocks it counts. Raises
+        KvFull (no room now: the caller gives the grant back) or RequestRejected (it can never run here)."""
+        scheduler = self.scheduler
+        need = scheduler.committed_blocks(request)
+        scheduler.kv_ledger().require(need)
+        scheduler.add_request(request)
+        self.output_lengths[request.request_id] = output_length
+        self._work.set()
+        return need
+
+    def abort(self, request_id: str) -> None:
+        self.output_lengths.pop(request_id, None)
+        if self.scheduler.abort_request(request_id):
+            self._work.set()
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- loops ----------------------------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        scheduler = self.scheduler
+        output_lengths = self.output_lengths
+        while True:
+            if not scheduler.has_unfinished:
+                self._work.clear()
+                await self._work.wait()
+            output = scheduler.schedule()
+            if output.is_empty:
+                # Waiting requests that no KV or seat can take now: only an add, abort or finish changes that.
+                self._work.clear()
+                await self._work.wait()
+                continue
+            work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
+            seconds = self.step_model.step_seconds(work)
+            await asyncio.sleep(seconds)
+            self.num_steps += 1
+            self.busy_seconds += seconds
+            self.step_s = seconds if not self.step_s else 0.9 * self.step_s + 0.1 * seconds
+            self.num_step_tokens += work.num_tokens
+            sampled = {
+                entry.request_id: EOS_TOKEN if entry.num_output_tokens + 1 >= output_lengths[entry.request_id]
+                else FILLER_TOKEN
+                for entry in output.scheduled if entry.sample and entry.request_id in output_lengths
+            }
+            updates = scheduler.update(output, sampled)
+            for update in updates:
+                if update.finished:
+                    output_lengths.pop(update.request.request_id, None)
+            if updates:
+                self._on_tokens(updates, loop.time())
+
+    async def _report_loop(self) -> None:
+        while True:
+            self.report()
+            await asyncio.sleep(self.report_period_s)
+
+    def report(self) -> None:
+        """The replica's KV report to the admission queue (EngineReplica._report_loop's, without the network)."""
+        ledger = self.scheduler.kv_ledger()
+        reporter = self.block_manager.reporter
+        prefix = None if reporter is None else reporter.report(*self._prefix_position)
+        self.queue.report(self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
+                          True, not self.draining, self.probes, ledger.headroom_blocks, prefix, self.pool, self.step_s,
+                          self.shape.tp, self.shape.scheduler.max_num_seqs, ledger.prefill_tokens,
+                          self.shape.scheduler.max_num_batched_tokens)
+        self._prefix_position = self.queue.prefix_position(self.replica_id)
