@@ -39,37 +39,16 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dcpserve.deployments.config import AutoscalingArgs
+from dcpserve.deployments.messages import SloReport
 from dcpserve.deployments.metrics import AutoscalingMetrics
 from dcpserve.engine.protocol import KvLedger
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass(frozen=True)
-class SloReport:
-    """The admission queue's answer to a replica's KV report for its pool's service-level policy (KvAdmission.report
-    with slo_window_s > 0): the pool's latencies at the percentile over the window (None: no request of the pool
-    finished in it) and its KV load (AdmissionQueue.pool_load)."""
-
-    ttft_s: float | None
-    itl_s: float | None
-    kv_load_blocks: int  # held or granted on the pool's healthy replicas + blocks of the requests waiting for it
-    kv_capacity_blocks: int  # of those replicas together
-    pool_replicas: int  # how many they are
-
-    @classmethod
-    def from_reply(cls, reply: Mapping[str, Any]) -> SloReport | None:
-        """The report's SLO fields; None when the reply has none (the replica did not ask for them)."""
-        if "kv_load_blocks" not in reply:
-            return None
-        ttft, itl = reply.get("ttft_s"), reply.get("itl_s")
-        return cls(None if ttft is None else float(ttft), None if itl is None else float(itl),
-                   int(reply["kv_load_blocks"]), int(reply["kv_capacity_blocks"]), int(reply["pool_replicas"]))
 
 
 def replica_stats(ledger: KvLedger, num_running: int, num_waiting: int, admission_queued: int,

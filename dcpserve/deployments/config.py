@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, model_validator
 
-from dcpserve.deployments.admission.fair_share import ANONYMOUS, PRIORITY_MAX, PRIORITY_MIN
+from dcpserve.deployments.messages import ANONYMOUS, PRIORITY_MAX, PRIORITY_MIN
 from dcpserve.engine.args import EngineArgs
 from dcpserve.engine.config import EngineConfig
 

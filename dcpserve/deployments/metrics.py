@@ -26,7 +26,7 @@ from ray.serve import metrics
 from ray.util import metrics as util_metrics
 from ray.util.metrics import Metric
 
-from dcpserve.deployments.admission.fair_share import ANONYMOUS, ServiceLevel
+from dcpserve.deployments.messages import ANONYMOUS, ServiceLevel
 from dcpserve.engine.protocol import EngineStats, KvLedger
 
 # Outcomes of one KvAdmission.acquire call (label `outcome` of dcpserve_admission_requests_total).

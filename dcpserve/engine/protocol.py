@@ -26,6 +26,12 @@ class EngineDeadError(RuntimeError):
     """The engine's loop failed; requests in flight were ended with this error."""
 
 
+class RequestError(ValueError):
+    """A request the engine refuses as it is (the client's error, an OpenAI 400): never fits this configuration, token
+    ids outside the vocabulary, a constraint the grammar engine refuses. Nothing was queued. Any other exception of
+    the engine is its own failure, never the client's."""
+
+
 class KvFull(RuntimeError):
     """submit(check_kv=True) refused a request: its admission blocks exceed the ledger's free blocks now."""
 

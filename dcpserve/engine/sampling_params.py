@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from dcpserve.engine.protocol import RequestError
 from dcpserve.engine.structured_output import StructuredOutput
 
 # The most top-k alternatives a request may ask for per token (logprobs and prompt_logprobs; vLLM's default).
@@ -124,10 +125,10 @@ class SamplingParams:
         return dict(self.logit_bias or ())
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError when a token id the request names (logit_bias) is outside the model's vocabulary."""
+        """Raises RequestError when a token id the request names (logit_bias) is outside the model's vocabulary."""
         bad = [token for token in self.logit_bias_map() if token >= vocab_size]
         if bad:
-            raise ValueError(
+            raise RequestError(
                 f"logit_bias names token ids {bad[:5]} outside the vocabulary: ids must be in [0, {vocab_size})"
             )
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from dcpserve.engine.protocol import RequestError
+
 # The largest constraint text (a schema's JSON, a regex, a grammar, the choices' JSON) a request may send. A schema
 # this size compiles in well under a second against a 128k vocabulary; the request body limit bounds it too.
 MAX_SPEC_BYTES = 64 * 1024
@@ -38,7 +40,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 DEFAULT_CACHE_SIZE = 256
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestError):
     """A constraint the grammar engine refuses (bad schema, regex, grammar): the client's error, a 400."""
 
 

@@ -22,8 +22,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dcpserve.deployments.admission.pools import DEFAULT_POOL
 from dcpserve.deployments.admission.queue import AdmissionQueue
+from dcpserve.deployments.messages import DEFAULT_POOL, KvReport
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
 from dcpserve.engine.core.request import Request
@@ -162,8 +162,10 @@ class SimReplica:
         ledger = self.scheduler.kv_ledger()
         reporter = self.block_manager.reporter
         prefix = None if reporter is None else reporter.report(*self._prefix_position)
-        self.queue.report(self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                          True, not self.draining, self.probes, ledger.headroom_blocks, prefix, self.pool, self.step_s,
-                          self.shape.tp, self.shape.scheduler.max_num_seqs, ledger.prefill_tokens,
-                          self.shape.scheduler.max_num_batched_tokens)
+        self.queue.report(KvReport(
+            replica_id=self.replica_id, capacity=ledger.capacity_blocks, tokens_per_block=ledger.tokens_per_block,
+            held=ledger.per_request, healthy=True, routable=not self.draining, probes=self.probes,
+            headroom=ledger.headroom_blocks, prefix=prefix, pool=self.pool, step_s=self.step_s, gpus=self.shape.tp,
+            max_seqs=self.shape.scheduler.max_num_seqs, prefill_tokens=ledger.prefill_tokens,
+            step_tokens=self.shape.scheduler.max_num_batched_tokens))
         self._prefix_position = self.queue.prefix_position(self.replica_id)

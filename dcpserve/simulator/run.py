@@ -24,12 +24,24 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from dcpserve.deployments.admission.pools import DEFAULT_POOL, Need, PoolNeed
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
-from dcpserve.deployments.admission.queue import AdmissionError, AdmissionQueue
-from dcpserve.deployments.autoscaling import GpuLedger, SloReport, replica_stats
+from dcpserve.deployments.admission.queue import AdmissionQueue
+from dcpserve.deployments.autoscaling import GpuLedger, replica_stats
 from dcpserve.deployments.config import AppArgs, AutoscalingArgs
-from dcpserve.deployments.dispatch.sessions import REQUEUE_MIN_WAIT_S, refusal_backoff_s
+from dcpserve.deployments.dispatch.admit import AdmitSettings, Dispatched, Taken, admit
+from dcpserve.deployments.messages import (
+    DEFAULT_POOL,
+    Accepted,
+    Acquire,
+    AcquireReply,
+    ApiError,
+    Granted,
+    Need,
+    PoolNeed,
+    PrefixAsk,
+    Refused,
+    Rejected,
+    ServiceLevel,
+)
 from dcpserve.engine.core.block_manager import admission_blocks
 from dcpserve.engine.core.prefix_cache import max_hit_blocks
 from dcpserve.engine.core.request import Request, RequestRejected
@@ -60,6 +72,7 @@ class ServeSettings:
     kv_report_period_s: float = _app_default("kv_report_period_s")
     prefix_routing: bool = _app_default("prefix_routing")
     grant_leak_grace_s: float = _app_default("grant_leak_grace_s")
+    retry_after_s: int = _app_default("retry_after_s")
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,23 @@ def sessions_of(trace: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
             turns = by_session[request.session_id] = [request]
             units.append(turns)
     return units
+
+
+class SimAdmission:
+    """The in-process AdmissionQueue as the admission loop's port (KvAdmission's calls, without the network)."""
+
+    def __init__(self, queue: AdmissionQueue, retry_after_s: int) -> None:
+        self.queue = queue
+        self.retry_after_s = retry_after_s
+
+    async def acquire(self, request: Acquire) -> AcquireReply:
+        return await self.queue.acquire_reply(request, self.retry_after_s)
+
+    async def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
+        self.queue.refused(ticket, replica_id, free_blocks)
+
+    async def unreachable(self, ticket: str, replica_id: str) -> None:
+        self.queue.unreachable(ticket, replica_id)
 
 
 class Simulation:
@@ -279,7 +309,8 @@ class Simulation:
             now = loop.time()
             running = [r for r in self.replicas.values() if r.pool == pool and not r.draining]
             queued = queue.num_queued_for(pool)
-            slo = self._slo_report(pool, now) if autoscaler.args.slo_targets else None
+            slo = (queue.slo_report(pool, autoscaler.args.slo_percentile, autoscaler.args.slo_window_s)
+                   if autoscaler.args.slo_targets else None)
             for replica in running:
                 scheduler = replica.scheduler
                 autoscaler.record(now, replica.replica_id, replica_stats(
@@ -295,16 +326,6 @@ class Simulation:
                 current -= 1
             for replica in reversed(running[len(running) - (current - target):] if target < current else []):
                 loop.create_task(self._drain(replica))
-
-    def _slo_report(self, pool: str, now: float) -> SloReport:
-        """What the queue answers the pool's replicas' KV reports with under a latency target (KvAdmission.report
-        with slo_window_s): the pool's latencies at slo_percentile over slo_window_s, and its KV load."""
-        queue = self.queue
-        assert queue is not None  # started by _main
-        args = self.scaling[pool].autoscaler.args
-        latency = queue.latency.percentile(now, pool, args.slo_percentile, args.slo_window_s)
-        load, capacity, replicas = queue.pool_load(pool)
-        return SloReport(latency.ttft_s, latency.itl_s, load, capacity, replicas)
 
     async def _start_replica(self, pool: str) -> None:
         await asyncio.sleep(self.config.replica_start_s)
@@ -379,41 +400,31 @@ class Simulation:
             need, ask = only.blocks, only.ask
         else:
             need, ask = {name: pool_need for name, (pool_need, _) in per_pool.items()}, None
-        deadline = arrived + settings.queue_timeout_s
-        returned = 0
-        late_chance_used = False
-        while True:
-            timeout = deadline - loop.time()
-            if timeout <= 0:  # Sessions.open: a request whose grant came back waits at the head once more
-                if late_chance_used or not returned:
-                    self.recorder.refuse(record, "queue_timeout", loop.time())
-                    return
-                late_chance_used = True
-                timeout = REQUEUE_MIN_WAIT_S
-            try:
-                replica_id = await queue.acquire(ticket, need, timeout, bool(returned), ask)
-            except AdmissionError as err:
-                self.recorder.refuse(record, err.kind, loop.time())
-                return
-            replica = self.replicas[replica_id]
-            names = per_pool[replica.pool][1]
+
+        async def dispatch(grant: Granted, attempt: int) -> Dispatched[SimReplica]:
+            """EngineReplica.generate on the granted SimReplica: it takes the request, or reports, then refuses."""
+            replica = self.replicas[grant.replica_id]
             request = Request(ticket, PromptTokens(trace_request.input_length),  # type: ignore[arg-type]  # dcpserve.simulator.tokens: a list in all the scheduler asks
                               SamplingParams(max_tokens=max_tokens, detokenize=False), arrival_time=arrived)
-            request.block_hashes = list(names)
+            request.block_hashes = list(per_pool[replica.pool][1])
             try:
                 replica.accept(request, trace_request.output_length)
-                break
-            except KvFull as full:  # EngineReplica.generate: report, then refuse; Sessions.open backs off
+            except KvFull as full:
                 replica.report()
-                queue.refused(ticket, replica_id, full.free_blocks)
-                returned += 1
-                backoff = refusal_backoff_s(returned)
-                if backoff:
-                    await asyncio.sleep(backoff)
-            except RequestRejected:
-                queue.release(ticket)
-                self.recorder.refuse(record, "rejected", loop.time())
-                return
+                return Refused(grant.replica_id, full.free_blocks)
+            except RequestRejected as err:
+                return Rejected(grant.replica_id, str(err))
+            return Taken(Accepted(grant.replica_id), replica)
+
+        try:
+            admitted = await admit(ticket, need, ask=ask, level=ServiceLevel(), arrived=arrived,
+                                   admission=SimAdmission(queue, settings.retry_after_s), dispatch=dispatch,
+                                   settings=AdmitSettings(settings.queue_timeout_s, settings.retry_after_s))
+        except ApiError as err:
+            queue.release(ticket)  # the ingress' finally: a grant it held last goes back
+            self.recorder.refuse(record, err.code or "rejected", loop.time())
+            return
+        replica_id, replica = admitted.grant.replica_id, admitted.stream
         self.recorder.accepted(record, loop.time())
         record.replica_id = replica_id
         done = self._finishing[ticket] = loop.create_future()

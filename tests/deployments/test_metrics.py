@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from ray.util import metrics as ray_metrics
 
-from dcpserve.deployments.admission.fair_share import ServiceLevel
+from dcpserve.deployments.messages import KvReport, ServiceLevel
 from dcpserve.deployments.metrics import AdmissionMetrics, ReplicaMetrics
 from dcpserve.deployments.replica.engine_replica import EngineReplica
 from dcpserve.engine.protocol import EngineStats, KvLedger, RankKvStats
@@ -132,8 +132,8 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
     its prompt blocks; the counters then equal the queue's own counts."""
     import asyncio
 
-    from dcpserve.deployments.admission.prefix_routing import PrefixAsk
     from dcpserve.deployments.admission.queue import AdmissionQueue
+    from dcpserve.deployments.messages import PrefixAsk
     from dcpserve.engine.core.prefix_cache import CACHED, PrefixReporter, prompt_hashes
 
     metrics = AdmissionMetrics()
@@ -148,7 +148,8 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
     reporter = PrefixReporter(32, seed)
     for block in prompt_hashes(cached, 32, seed):
         reporter.set(block, CACHED)
-    queue.report("a", 32, 32, {}, prefix=reporter.report(*queue.prefix_position("a")))
+    queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32, held={},
+                          prefix=reporter.report(*queue.prefix_position("a"))))
 
     def ask(tokens: list[int]) -> PrefixAsk:
         return PrefixAsk(tuple(prompt_hashes(tokens, 32, seed)), 32, seed, len(tokens))
@@ -335,22 +336,21 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
     import types
     from typing import cast
 
-    from dcpserve.deployments.admission.pools import PoolNeed
     from dcpserve.deployments.config import AppArgs
-    from dcpserve.deployments.dispatch.sessions import Sessions
+    from dcpserve.deployments.dispatch.admit import AdmitSettings, Taken
+    from dcpserve.deployments.dispatch.sessions import AdmissionHandle, Sessions
     from dcpserve.deployments.dispatch.streams import DeltaLinks
+    from dcpserve.deployments.messages import Accepted, Acquire, Granted, PoolNeed
     from dcpserve.deployments.metrics import IngressMetrics
-    from dcpserve.deployments.replica.engine_replica import Accepted
     from dcpserve.engine.protocol import RequestDelta
     from dcpserve.engine.sampling_params import SamplingParams
 
     levels: list[ServiceLevel] = []
     released: list[tuple[str, float | None, float | None]] = []
 
-    async def acquire(ticket: str, need: object, timeout: float, requeued: bool, ask: object,
-                      level: ServiceLevel) -> dict:
-        levels.append(level)
-        return {"replica_id": "r1", "pool": "long", "need": 3}
+    async def acquire(request: Acquire) -> Granted:
+        levels.append(request.level)
+        return Granted("r1", 3, pool="long")
 
     async def release(ticket: str, ttft_s: float | None, itl_s: float | None) -> None:
         released.append((ticket, ttft_s, itl_s))
@@ -360,6 +360,8 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
                                                         dispatch_timeout_s=5.0))
     sessions.admission = types.SimpleNamespace(acquire=types.SimpleNamespace(remote=acquire),
                                                release=types.SimpleNamespace(remote=release))
+    sessions.queue = AdmissionHandle(sessions.admission)
+    sessions.admit_settings = AdmitSettings(queue_timeout_s=5.0, retry_after_s=1)
     sessions.metrics = IngressMetrics()
     sessions.prefix_caching = False
     sessions.tokens_per_block = 16
@@ -374,8 +376,8 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
         for i, finished in enumerate((False, False, True)):
             deltas.put_nowait(RequestDelta("t1", [7 + i], "x", finished, "length" if finished else None, 4, i + 1))
 
-        async def dispatch(request: object, replica_id: str) -> tuple[object, object, str]:
-            return deltas, Accepted(replica_id), ""
+        async def dispatch(request: object, replica_id: str) -> Taken[asyncio.Queue[RequestDelta]]:
+            return Taken(Accepted(replica_id), deltas)
 
         monkeypatch.setattr(sessions, "_dispatch", dispatch)  # the replica, accepting at once
         need = {"short": PoolNeed(1), "long": PoolNeed(1)}

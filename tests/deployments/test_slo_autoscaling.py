@@ -19,7 +19,6 @@ from dcpserve.deployments.autoscaling import (
     SequenceAutoscalingPolicy,
     SloAutoscalingPolicy,
     SloInputs,
-    SloReport,
     SloTargets,
     make_policy,
     policy_function,
@@ -28,6 +27,7 @@ from dcpserve.deployments.autoscaling import (
     slo_decision,
 )
 from dcpserve.deployments.config import AutoscalingArgs, parse_args
+from dcpserve.deployments.messages import SloReport
 from dcpserve.engine.protocol import KvLedger
 
 TARGETS = SloTargets(ttft_target_s=2.0, itl_target_s=0.05, target_sequences_per_replica=8.0, kv_usage_scale_up=0.85,
@@ -240,14 +240,35 @@ def test_replica_stats_leave_out_a_latency_without_samples() -> None:
     ledger = KvLedger("usage", capacity_blocks=100, tokens_per_block=16, used_blocks=10, committed_blocks=20,
                       headroom_blocks=5, per_request={"a": 20})
     assert set(replica_stats(ledger, 1, 0, 3)) == {"sequences", "kv_usage", "admission_queued"}
-    report = SloReport.from_reply({"num_queued": 0, "ttft_s": None, "itl_s": 0.02, "latency_samples": 4,
-                                   "kv_load_blocks": 40, "kv_capacity_blocks": 200, "pool_replicas": 2})
-    assert report == SloReport(None, 0.02, 40, 200, 2)
+    report = SloReport(None, 0.02, 40, 200, 2)
     stats = replica_stats(ledger, 1, 0, 3, report)
     assert "ttft_s" not in stats  # never a 0 s that Serve would average into the window
     assert stats["itl_s"] == 0.02 and stats["kv_load_blocks"] == 40.0 and stats["pool_replicas"] == 2.0
     assert all(isinstance(value, float) for value in stats.values())
-    assert SloReport.from_reply({"num_queued": 0}) is None  # no target: the replica did not ask
+
+
+def test_a_kv_report_is_answered_with_its_pools_latencies_only_when_it_asks() -> None:
+    """KvAdmission.report: the queue's length and prefix position always; the pool's SloReport (its latencies at the
+    percentile over the window, and its KV load) only for a report with slo_window_s (a replica with a target)."""
+    import asyncio
+
+    from dcpserve.deployments.admission.kv_admission import KvAdmission
+    from dcpserve.deployments.messages import KvReport, KvReportReply
+
+    async def scenario() -> tuple[KvReportReply, KvReportReply]:
+        admission = KvAdmission.func_or_class(max_queued=4)  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
+        try:
+            plain = await admission.report(KvReport(replica_id="r", capacity=200, tokens_per_block=16,
+                                                    held={"a": 40}, probes=1))
+            asking = await admission.report(KvReport(replica_id="r", capacity=200, tokens_per_block=16,
+                                                     held={"a": 40}, probes=1, slo_window_s=60.0))
+        finally:
+            admission._expiry.cancel()
+        return plain, asking
+
+    plain, asking = asyncio.run(scenario())
+    assert plain.slo is None and plain.num_queued == 0 and plain.prefix_version == 0
+    assert asking.slo == SloReport(None, None, 40, 200, 1)  # no request of the pool finished: no latency
 
 
 def test_the_policy_is_chosen_by_the_targets() -> None:

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from dcpserve.deployments.admission.queue import AdmissionQueue, QueueTimeout
+from dcpserve.deployments.admission.errors import QueueTimeout
+from dcpserve.deployments.admission.queue import AdmissionQueue
+from dcpserve.deployments.messages import KvReport
 from dcpserve.simulator.clock import SimulatedLoop, SimulationStalled, run_simulated
 
 
@@ -46,7 +48,7 @@ def test_admission_queue_waits_and_times_out_in_simulated_time() -> None:
     async def main() -> tuple[float, float, str]:
         loop = asyncio.get_running_loop()
         queue = AdmissionQueue(max_queued=4, clock=loop.time)
-        queue.report("r0", capacity=10, tokens_per_block=16, held={}, probes=1)
+        queue.report(KvReport(replica_id="r0", capacity=10, tokens_per_block=16, held={}, probes=1))
         assert await queue.acquire("a", 8, timeout_s=1.0) == "r0"
         start = loop.time()
         with pytest.raises(QueueTimeout):

@@ -28,30 +28,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-ANONYMOUS = "anonymous"  # the tenant of every request when the app has no API keys
-
-# The range of a request's priority (metrics label their series by it: the range bounds their number).
-PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
-
-
-@dataclass(frozen=True)
-class ServiceLevel:
-    """Who sends a request and how urgent it is (module doc)."""
-
-    tenant: str = ANONYMOUS
-    priority: int = 0
-    weight: float = 1.0
-    deadline_s: float | None = None  # the longest it may wait in the queue, from when it arrives there
-    tokens: int = 0  # prompt + max_tokens: what it counts against its tenant's tokens_per_minute
-
-    def __post_init__(self) -> None:
-        if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
-            raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {self.priority}")
-        if not self.weight > 0:
-            raise ValueError(f"weight must be > 0, got {self.weight}")
+from dcpserve.deployments.messages import ServiceLevel
 
 
 class Waiting(Protocol):

@@ -10,19 +10,22 @@ from typing import Any
 
 from ray import serve
 
-from dcpserve.deployments.admission.fair_share import ServiceLevel
-from dcpserve.deployments.admission.pools import DEFAULT_POOL, Need
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
-from dcpserve.deployments.admission.queue import AdmissionError, AdmissionQueue, LimitExceeded
+from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.tenant_limits import Limits, TenantLimits
+from dcpserve.deployments.messages import (
+    Acquire,
+    AcquireReply,
+    KvReport,
+    KvReportReply,
+)
 from dcpserve.deployments.metrics import AdmissionMetrics
-from dcpserve.engine.core.prefix_cache import PrefixReport
 
 
 @serve.deployment(max_ongoing_requests=100_000, num_replicas=1, ray_actor_options={"num_cpus": 0})
 class KvAdmission:
     """The app's admission queue as a one-replica deployment: the ingress acquires and releases, engine replicas
-    report their KV. Errors travel as values (a dict with `error`), not exceptions, so the ingress can map them.
+    report their KV. Every call takes and answers the typed messages of dcpserve/deployments/messages.py; a refusal
+    travels as a value (Refusal, with its HTTP status), not an exception.
 
     Every method is async: Ray Serve runs a deployment's sync methods in a thread pool
     (RAY_SERVE_RUN_SYNC_IN_THREADPOOL, on by default), which raced them against acquire on the replica's event loop
@@ -33,12 +36,14 @@ class KvAdmission:
                  leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
                  fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
                  fair_share_reserve: bool = True, limits: dict[str, Limits] | None = None,
-                 order: str = "service_levels") -> None:
+                 order: str = "service_levels", retry_after_s: int = 1) -> None:
+        self.retry_after_s = retry_after_s  # the Retry-After of a refusal a retry may pass (the app's retry_after_s)
         self.metrics = AdmissionMetrics({tenant: (limit.max_concurrent_requests, limit.tokens_per_minute)
                                          for tenant, limit in (limits or {}).items()})
         self.queue = AdmissionQueue(max_queued=max_queued, replica_ttl_s=replica_ttl_s, leak_grace_s=leak_grace_s,
                                     on_event=self.metrics.on_event, prefix_routing=prefix_routing,
                                     on_routed=self.metrics.on_routed, on_pool=self.metrics.on_pool,
+                                    on_limit=self.metrics.on_limit,
                                     sheddable_priority=sheddable_priority,
                                     fair_share_half_life_s=fair_share_half_life_s,
                                     fair_share_quantum_s=fair_share_quantum_s,
@@ -52,19 +57,11 @@ class KvAdmission:
             self.queue.expire()
             self.metrics.update(self.queue.num_queued, self.queue.queued_blocks, self.queue.queued_by_level())
 
-    async def acquire(self, ticket: str, need: Need, timeout_s: float, front: bool = False,
-                      ask: PrefixAsk | None = None, level: ServiceLevel | None = None) -> dict[str, Any]:
-        """{"replica_id", "need" (the blocks counted there), "hit_blocks"} or {"error", "message"}."""
+    async def acquire(self, request: Acquire) -> AcquireReply:
+        """Granted (the replica, the blocks counted there, the prefix blocks found there, its pool) or Refusal (the
+        reason with its HTTP status and Retry-After)."""
         try:
-            replica_id = await self.queue.acquire(ticket, need, timeout_s, front, ask, level)
-            grant = self.queue.grant_of(ticket)
-            return {"replica_id": replica_id, "need": grant.need if grant else need,
-                    "hit_blocks": grant.hit_blocks if grant else 0, "pool": grant.pool if grant else DEFAULT_POOL}
-        except LimitExceeded as err:
-            self.metrics.on_limit(level or ServiceLevel(), err.limit)
-            return {"error": err.kind, "message": err.message, "retry_after_s": err.retry_after_s}
-        except AdmissionError as err:
-            return {"error": err.kind, "message": err.message}
+            return await self.queue.acquire_reply(request, self.retry_after_s)
         finally:
             self.metrics.update(self.queue.num_queued, self.queue.queued_blocks, self.queue.queued_by_level())
 
@@ -80,27 +77,16 @@ class KvAdmission:
     async def replica_lost(self, replica_id: str) -> None:
         self.queue.replica_lost(replica_id)
 
-    async def report(self, replica_id: str, capacity: int, tokens_per_block: int, held: dict[str, int],
-               healthy: bool = True, routable: bool = True, probes: int = 0, headroom: int = 0,
-               prefix: PrefixReport | None = None, pool: str = DEFAULT_POOL, step_s: float = 0.0, gpus: int = 1,
-               max_seqs: int = 0, prefill_tokens: int = 0, step_tokens: int = 0,
-               slo_window_s: float = 0.0, slo_percentile: float = 0.9) -> dict[str, Any]:
+    async def report(self, report: KvReport) -> KvReportReply:
         """Returns the queue length, which replicas pass on to the autoscaler, and where the queue's copy of the
         replica's prefix cache stands (the replica's next report starts from there). With slo_window_s > 0 also
-        the pool's served latencies at slo_percentile over that window and its KV load (pool_load), for the
-        service-level autoscaling policy."""
-        self.queue.report(replica_id, capacity, tokens_per_block, held, healthy, routable, probes, headroom, prefix,
-                          pool, step_s, gpus, max_seqs, prefill_tokens, step_tokens)
-        epoch, version = self.queue.prefix_position(replica_id)
-        reply: dict[str, Any] = {"num_queued": self.queue.num_queued_for(pool),
-                                 "queued_blocks": self.queue.queued_blocks,
-                                 "prefix_epoch": epoch, "prefix_version": version}
-        if slo_window_s > 0:
-            latency = self.queue.latency.percentile(self.queue.now(), pool, slo_percentile, slo_window_s)
-            load, pool_capacity, pool_replicas = self.queue.pool_load(pool)
-            reply.update(ttft_s=latency.ttft_s, itl_s=latency.itl_s, latency_samples=latency.samples,
-                         kv_load_blocks=load, kv_capacity_blocks=pool_capacity, pool_replicas=pool_replicas)
-        return reply
+        the pool's served latencies at slo_percentile over that window and its KV load, for the service-level
+        autoscaling policy."""
+        self.queue.report(report)
+        epoch, version = self.queue.prefix_position(report.replica_id)
+        slo = (self.queue.slo_report(report.pool, report.slo_percentile, report.slo_window_s)
+               if report.slo_window_s > 0 else None)
+        return KvReportReply(self.queue.num_queued_for(report.pool), self.queue.queued_blocks, epoch, version, slo)
 
     async def remove_replica(self, replica_id: str) -> None:
         self.queue.remove_replica(replica_id)

@@ -24,29 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
 from dcpserve.deployments.admission.replica_choice import ReplicaKv, pick_replica
+from dcpserve.deployments.messages import DEFAULT_POOL, Need, PoolNeed, PrefixAsk
 from dcpserve.engine.core.block_manager import admission_blocks
-
-DEFAULT_POOL = "default"
-
-
-@dataclass(frozen=True)
-class PoolNeed:
-    """A request's need on one pool: its admission blocks there and its prompt's block hashes at that block size."""
-
-    blocks: int
-    ask: PrefixAsk | None = None
-    # The blocks of the whole sequence (prompt + max_tokens): a pool whose largest replica holds fewer could admit
-    # the request under "usage" but never finish it. 0: the same as blocks.
-    total_blocks: int = 0
-
-    @property
-    def ever_blocks(self) -> int:
-        return max(self.blocks, self.total_blocks)
-
-
-Need = int | Mapping[str, PoolNeed]  # an int: the same blocks (and the acquire's ask) on every replica
 
 
 @dataclass(frozen=True)

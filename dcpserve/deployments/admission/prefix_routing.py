@@ -12,22 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dcpserve.deployments.messages import PrefixAsk
 from dcpserve.engine.core.prefix_cache import PrefixIndex, PrefixMatch
 
 # A finished grant's prompt is dropped at the second report after the finish: the first may have left the replica
 # before the request ended.
 REPORTS_AFTER_FINISH = 2
-
-
-@dataclass(frozen=True)
-class PrefixAsk:
-    """A request's prompt as the prefix cache names it: the hashes of the blocks it could find cached
-    (dcpserve.engine.core.prefix_cache.prompt_hashes, computed by the ingress with the app's block unit and seed)."""
-
-    hashes: tuple[int, ...]
-    tokens_per_block: int
-    seed: bytes
-    num_prompt_tokens: int
 
 
 @dataclass

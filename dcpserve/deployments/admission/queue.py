@@ -39,75 +39,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dcpserve.deployments.admission.fair_share import (
-    ServiceLevel,
-    TenantShares,
-    admission_order,
-    displaced,
-    displaced_why,
+from dcpserve.deployments.admission.errors import (
+    AdmissionError,
+    DeadlineExceeded,
+    LimitExceeded,
+    NeverFits,
+    NoReplica,
+    QueueFull,
+    QueueTimeout,
+    Shed,
 )
+from dcpserve.deployments.admission.fair_share import TenantShares, admission_order, displaced, displaced_why
 from dcpserve.deployments.admission.latency_window import LatencyWindow, nearest_rank
-from dcpserve.deployments.admission.pools import (
-    DEFAULT_POOL,
-    Need,
-    PoolChoice,
-    choose,
-    never_fits,
-    pools_of,
-    smallest_blocks,
-)
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
+from dcpserve.deployments.admission.pools import PoolChoice, choose, never_fits, pools_of, smallest_blocks
 from dcpserve.deployments.admission.replica_choice import ReplicaKv, prompt_blocks, why_not_grantable
-from dcpserve.deployments.admission.tenant_limits import Exceeded, TenantLimits
-from dcpserve.engine.core.prefix_cache import PrefixReport
-
-
-class AdmissionError(Exception):
-    """A request the queue did not grant; `kind` maps to the HTTP status the ingress answers with, `outcome` is
-    the decision as dcpserve/deployments/metrics.py ADMISSION_OUTCOMES names it."""
-
-    kind = "error"
-    outcome = "rejected"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class QueueFull(AdmissionError):
-    kind, outcome = "queue_full", "rejected_queue_full"  # 429 + Retry-After
-
-
-class QueueTimeout(AdmissionError):
-    kind, outcome = "queue_timeout", "rejected_timeout"  # 429 + Retry-After
-
-
-class DeadlineExceeded(AdmissionError):
-    kind, outcome = "deadline_exceeded", "rejected_deadline"  # 429 + Retry-After: its deadline came while it waited
-
-
-class Shed(AdmissionError):
-    kind, outcome = "shed", "rejected_shed"  # 429 + Retry-After: sheddable, refused under saturation
-
-
-class LimitExceeded(AdmissionError):
-    """A tenant's limit (dcpserve/deployments/admission/tenant_limits.py): 429 + Retry-After, or 400 when the request
-    alone is past it (retry_after_s None)."""
-
-    kind, outcome = "limit_exceeded", "rejected_limit"
-
-    def __init__(self, exceeded: Exceeded) -> None:
-        super().__init__(exceeded.message)
-        self.limit = exceeded.limit
-        self.retry_after_s = exceeded.retry_after_s
-
-
-class NeverFits(AdmissionError):
-    kind, outcome = "never_fits", "rejected_never_fits"  # 400
-
-
-class NoReplica(AdmissionError):
-    kind, outcome = "no_replica", "rejected_no_replica"  # 503
+from dcpserve.deployments.admission.tenant_limits import TenantLimits
+from dcpserve.deployments.messages import (
+    DEFAULT_POOL,
+    Acquire,
+    AcquireReply,
+    Granted,
+    KvReport,
+    Need,
+    PrefixAsk,
+    ServiceLevel,
+    SloReport,
+)
 
 
 @dataclass(eq=False)
@@ -151,6 +108,7 @@ class AdmissionQueue:
         prefix_routing: bool = True,
         on_routed: Callable[[int, int], None] | None = None,
         on_pool: Callable[[str, str], None] | None = None,
+        on_limit: Callable[[ServiceLevel, str], None] | None = None,
         sheddable_priority: int | None = None,
         fair_share_half_life_s: float = 60.0,
         fair_share_quantum_s: float = 1.0,
@@ -173,6 +131,7 @@ class AdmissionQueue:
         self.max_queued = max_queued
         self._on_event = on_event
         self._on_routed = on_routed
+        self._on_limit = on_limit  # on_limit(level, limit): a request refused by a tenant's limit
         self._on_pool = on_pool  # on_pool(pool, reason): every grant's pool and why (admission/pools.py)
         self.prefix_routing = prefix_routing
         self.replica_ttl_s = replica_ttl_s  # a replica silent this long gets no more grants
@@ -208,7 +167,7 @@ class AdmissionQueue:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    async def acquire(self, ticket: str, need: Need, timeout_s: float, front: bool = False,
+    async def acquire(self, ticket: str, need: Need, timeout_s: float, *, front: bool = False,
                       ask: PrefixAsk | None = None, level: ServiceLevel | None = None) -> str:
         """Returns the replica id that holds `need` blocks for this ticket until release(ticket) (less, with `ask`,
         the blocks of its prefix the replica holds cached for running requests: grant_of(ticket) says how many it
@@ -247,6 +206,29 @@ class AdmissionQueue:
             if not front:
                 self.limits.refund(level.tenant, ticket)
             raise
+
+    async def acquire_reply(self, request: Acquire, retry_after_s: int) -> AcquireReply:
+        """acquire() as the typed answer a caller in another process gets: Granted (the replica, the blocks counted
+        there, the prefix blocks found there, its pool) or Refusal (the error with its HTTP status; a 429 or 503 says
+        Retry-After: retry_after_s, a tenant's token limit its own)."""
+        try:
+            replica_id = await self.acquire(request.ticket, request.need, request.timeout_s, front=request.front,
+                                            ask=request.ask, level=request.level)
+        except AdmissionError as err:
+            if isinstance(err, LimitExceeded) and self._on_limit is not None:
+                self._on_limit(request.level, err.limit)
+            return err.refusal(retry_after_s)
+        grant = self.grant_of(request.ticket)
+        if grant is None:  # released between the grant and this reply: nothing is counted for it any more
+            return Granted(replica_id, 0)
+        return Granted(replica_id, grant.need, grant.hit_blocks, grant.pool)
+
+    def slo_report(self, pool: str, percentile: float, window_s: float) -> SloReport:
+        """The pool's served latencies at the percentile over the window and its KV load: what a replica's report
+        asking for them (KvReport.slo_window_s) is answered with, for the service-level autoscaling policy."""
+        latency = self.latency.percentile(self._clock(), pool, percentile, window_s)
+        load, capacity, replicas = self.pool_load(pool)
+        return SloReport(latency.ttft_s, latency.itl_s, load, capacity, replicas)
 
     def now(self) -> float:
         """The queue's clock (what its grants, deadlines and latency window are timed with)."""
@@ -433,47 +415,31 @@ class AdmissionQueue:
 
     # ---- replicas -------------------------------------------------------------------------------------------
 
-    def report(
-        self,
-        replica_id: str,
-        capacity: int,
-        tokens_per_block: int,
-        held: dict[str, int],
-        healthy: bool = True,
-        routable: bool = True,
-        probes: int = 0,
-        headroom: int = 0,
-        prefix: PrefixReport | None = None,
-        pool: str = DEFAULT_POOL,
-        step_s: float = 0.0,
-        gpus: int = 1,
-        max_seqs: int = 0,
-        prefill_tokens: int = 0,
-        step_tokens: int = 0,
-    ) -> None:
-        """A replica's truth: its capacity, the blocks its ledger counts per ticket, its health, whether Serve routes
-        to it (and how many controller probes it has seen), its admission headroom, the changes of its prefix cache,
-        its pool and recent step (its GPUs and max_num_seqs), and the prompt tokens it has still to compute (with the
-        tokens one of its steps takes). Reconciles grants with it."""
+    def report(self, report: KvReport) -> None:
+        """A replica's truth (KvReport): its capacity, the blocks its ledger counts per ticket, its health, whether
+        Serve routes to it (and how many controller probes it has seen), its admission headroom, the changes of its
+        prefix cache, its pool and recent step (its GPUs and max_num_seqs), and the prompt tokens it has still to
+        compute (with the tokens one of its steps takes). Reconciles grants with it."""
+        replica_id, held, prefix = report.replica_id, report.held, report.prefix
         now = self._clock()
         replica = self.replicas.get(replica_id)
         if replica is None:
-            replica = self.replicas[replica_id] = ReplicaKv(replica_id, capacity, tokens_per_block)
+            replica = self.replicas[replica_id] = ReplicaKv(replica_id, report.capacity, report.tokens_per_block)
             lost = self._lost.pop(replica_id, None)
             if lost is not None:  # reported as lost, yet it reports: grantable once Serve probes it again
                 replica.unreachable_at_probe = lost[0]
-        replica.capacity = capacity
-        replica.tokens_per_block = tokens_per_block
-        replica.pool = pool
-        replica.step_s = step_s
-        replica.gpus = gpus
-        replica.max_seqs = max_seqs
-        replica.prefill_tokens = prefill_tokens
-        replica.step_tokens = step_tokens
-        replica.healthy = healthy
-        replica.routable = routable
-        replica.probes = probes
-        replica.headroom = headroom
+        replica.capacity = report.capacity
+        replica.tokens_per_block = report.tokens_per_block
+        replica.pool = report.pool
+        replica.step_s = report.step_s
+        replica.gpus = report.gpus
+        replica.max_seqs = report.max_seqs
+        replica.prefill_tokens = report.prefill_tokens
+        replica.step_tokens = report.step_tokens
+        replica.healthy = report.healthy
+        replica.routable = report.routable
+        replica.probes = report.probes
+        replica.headroom = report.headroom
         replica.held = dict(held)
         replica.released.intersection_update(held)
         replica.last_report = now

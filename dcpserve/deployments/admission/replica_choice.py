@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk, ReplicaPrefix
+from dcpserve.deployments.admission.prefix_routing import ReplicaPrefix
+from dcpserve.deployments.messages import PrefixAsk
 
 # A replica is in balance while it runs at most max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
 # sequences, least being the count of the least busy replica with room; only replicas in balance compete on cost.

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcpserve.deployments.admission.pools import Need
 from dcpserve.deployments.api import protocol
 from dcpserve.deployments.api.logprob_shapes import LogprobEntry, chat_logprobs, completion_logprobs
+from dcpserve.deployments.messages import Need
 from dcpserve.engine.protocol import RequestDelta, TokenLogprob
 from dcpserve.engine.sampling_params import SamplingParams
 

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dcpserve.deployments.admission.fair_share import ANONYMOUS
 from dcpserve.deployments.api import openapi, protocol
+from dcpserve.deployments.messages import ANONYMOUS, ApiError
 
 api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
               description="OpenAI-compatible completions and chat completions over TP x DCP replicas with KV-aware "
@@ -41,18 +41,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-class ApiError(Exception):
-    """An error answered with an OpenAI-shaped body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(protocol.error_body(self.status, self.message, self.param, self.code),
-                            status_code=self.status, headers=headers)
+def error_response(err: ApiError) -> JSONResponse:
+    """An ApiError as its OpenAI-shaped body, with its status and Retry-After."""
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return JSONResponse(protocol.error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=headers)
 
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:

@@ -27,17 +27,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from dcpserve.deployments.admission.fair_share import ServiceLevel
-from dcpserve.deployments.admission.pools import Need, request_need
+from dcpserve.deployments.admission.pools import request_need
 from dcpserve.deployments.api import openapi, protocol
 from dcpserve.deployments.api.choices import Choice, Tokens, chat_choices, collect, completion_choices
 from dcpserve.deployments.api.choices import usage as choices_usage
-from dcpserve.deployments.api.http_edge import ApiError, api, authorize, read_body, validation_message
+from dcpserve.deployments.api.http_edge import api, authorize, error_response, read_body, validation_message
 from dcpserve.deployments.api.logprob_shapes import chat_logprobs, completion_logprobs
 from dcpserve.deployments.api.structured import FieldError, check_constraint
 from dcpserve.deployments.api.tool_calls import ToolPlan, ToolStream, builtin_messages, chat_message, finish_reason
 from dcpserve.deployments.config import AppArgs
 from dcpserve.deployments.dispatch.sessions import Sessions
+from dcpserve.deployments.messages import ApiError, Need, ServiceLevel
 from dcpserve.deployments.metrics import IngressMetrics
 from dcpserve.engine.backends import model_limits
 from dcpserve.engine.protocol import RequestDelta
@@ -86,7 +86,7 @@ class OpenAIIngress:
         replicas = list(stats["replicas"].values())
         healthy = [r for r in replicas if r["healthy"]]
         if not healthy:
-            return ApiError(503, "no healthy engine replica", code="no_replica").response()
+            return error_response(ApiError(503, "no healthy engine replica", code="no_replica"))
         return JSONResponse(openapi.HealthResponse(
             status="ok", replicas=len(replicas), healthy_replicas=len(healthy), queued=stats["num_queued"],
             kv_capacity_blocks=sum(r["capacity"] for r in replicas),
@@ -101,7 +101,7 @@ class OpenAIIngress:
         try:
             authorize(request, self._api_keys)
         except ApiError as err:
-            return err.response()
+            return error_response(err)
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dcpserve",
              "max_model_len": self.max_model_len},
@@ -120,7 +120,7 @@ class OpenAIIngress:
                 texts.append(prompt if isinstance(prompt, str) or not body.echo else self._decode(ids))
             response = await self._serve(body, tenant, prompts, chat=False, prompt_texts=texts)
         except ApiError as err:
-            response = err.response()
+            response = error_response(err)
         self.metrics.response("completions", response.status_code)
         return response
 
@@ -143,7 +143,7 @@ class OpenAIIngress:
                 raise ApiError(400, str(err), param="messages") from None
             response = await self._serve(body, tenant, [token_ids], chat=True, plan=plan)
         except ApiError as err:
-            response = err.response()
+            response = error_response(err)
         self.metrics.response("chat_completions", response.status_code)
         return response
 

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
-from dcpserve.deployments.admission.fair_share import PRIORITY_MAX, PRIORITY_MIN
 from dcpserve.deployments.api.structured import request_constraint
 from dcpserve.deployments.api.tool_calls import ToolPlan, plan_tools
+from dcpserve.deployments.messages import PRIORITY_MAX, PRIORITY_MIN
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import StructuredOutput
 

@@ -10,49 +10,37 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-import math
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from ray.serve import context as serve_context
 
-from dcpserve.deployments.admission.fair_share import ServiceLevel
-from dcpserve.deployments.admission.pools import DEFAULT_POOL, Need, PoolNeed
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
-from dcpserve.deployments.api.http_edge import ApiError
 from dcpserve.deployments.config import AppArgs
+from dcpserve.deployments.dispatch.admit import AdmitSettings, Dispatched, Taken, Unreachable, admit
 from dcpserve.deployments.dispatch.streams import DeltaLinks, Item, StreamLost
-from dcpserve.deployments.metrics import POOL_TAG, IngressMetrics, level_tags
-from dcpserve.deployments.replica.engine_replica import (
+from dcpserve.deployments.messages import (
+    DEFAULT_POOL,
     Accepted,
-    Admission,
+    Acquire,
+    AcquireReply,
+    ApiError,
     EngineRequest,
+    Granted,
+    Need,
+    PoolNeed,
+    PrefixAsk,
     Refused,
     Rejected,
     ReplicaQuery,
+    ServiceLevel,
 )
+from dcpserve.deployments.metrics import POOL_TAG, IngressMetrics, level_tags
 from dcpserve.engine.core.prefix_cache import prompt_hashes
 from dcpserve.engine.protocol import ModelLimits, RequestDelta
 from dcpserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
-
-_STATUS_OF = {"queue_full": 429, "queue_timeout": 429, "deadline_exceeded": 429, "shed": 429,
-              "limit_exceeded": 429, "never_fits": 400, "no_replica": 503}
-
-# A request whose grant came back (refused, replica unreachable) after its queue_timeout_s ran out waits at the
-# head once more for this long: it had been granted, so it gets one more chance before its 429.
-REQUEUE_MIN_WAIT_S = 1.0
-
-
-def refusal_backoff_s(refusals: int) -> float:
-    """How long a request waits before it asks the queue again after its `refusals`-th refusal by a replica: not
-    after the first (the replica reported its KV before it refused, so the queue's next grant starts from the
-    replica's state), then 10 ms doubling to at most 1 s, so that a queue and a replica that keep disagreeing never
-    make a tight loop."""
-    return 0.0 if refusals <= 1 else min(0.01 * 2 ** (refusals - 2), 1.0)
-
 
 def _call_as_own_request(call: Callable[[], Any]) -> Any:
     """Makes a Serve handle call with an internal request id of its own. A child call inherits its HTTP request's
@@ -68,6 +56,23 @@ def _call_as_own_request(call: Callable[[], Any]) -> Any:
 
 
 
+class AdmissionHandle:
+    """KvAdmission's handle as the admission loop's port (dcpserve/deployments/dispatch/admit.py AdmissionPort)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def acquire(self, request: Acquire) -> AcquireReply:
+        reply: AcquireReply = await self.handle.acquire.remote(request)
+        return reply
+
+    async def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
+        await self.handle.refused.remote(ticket, replica_id, free_blocks)
+
+    async def unreachable(self, ticket: str, replica_id: str) -> None:
+        await self.handle.unreachable.remote(ticket, replica_id)
+
+
 class Sessions:
     """Admits, dispatches and streams the choices of the ingress' requests (the ingress parses and answers)."""
 
@@ -78,6 +83,8 @@ class Sessions:
         self._engines: dict[str, Any] = engine if isinstance(engine, dict) else {DEFAULT_POOL: engine}
         self._replica_pools: dict[str, str] = {}  # replica id -> its pool, from the grants
         self.admission = admission
+        self.queue = AdmissionHandle(admission)
+        self.admit_settings = AdmitSettings(args.queue_timeout_s, args.retry_after_s)
         self.metrics = metrics
         self.tokens_per_block = limits.tokens_per_block
         self.pool_layouts = args.pool_layouts()
@@ -130,7 +137,6 @@ class Sessions:
         level = level or ServiceLevel()
         loop = asyncio.get_running_loop()
         arrived = loop.time()
-        deadline = arrived + self.args.queue_timeout_s
         queue: asyncio.Queue[Item] | None = None  # the request's deltas, once a replica accepted it
         replica_id = ""
         attempt = 0
@@ -138,54 +144,23 @@ class Sessions:
         num_generated = 0
         last_token_at = arrived
         first_token_at: float | None = None
-        deadline_at = None if level.deadline_s is None else arrived + level.deadline_s
         ask = self._prefix_ask(token_ids, params, self.tokens_per_block)
         if not isinstance(need, int):  # layout pools: the prompt's block hashes in each pool's block size
             need = {pool: PoolNeed(n.blocks, self._prefix_ask(token_ids, params, self.pool_layouts[pool]))
                     for pool, n in need.items()}
         try:
-            returned: list[str] = []  # what became of earlier grants, for an honest error
-            late_chance_used = False
-            refusals = 0
-            while True:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    # Only a request whose grant came back gets here: it waits at the head once more, briefly.
-                    if late_chance_used or not returned:
-                        raise ApiError(
-                            429, f"waited {loop.time() - arrived:.1f}s (queue_timeout_s={self.args.queue_timeout_s:g}) "
-                            f"and no replica took the request: it was granted KV but {'; '.join(returned)}; "
-                            f"retry later",
-                            code="queue_timeout", retry_after=self.args.retry_after_s)
-                    late_chance_used = True
-                    timeout = REQUEUE_MIN_WAIT_S
-                asking = level if deadline_at is None else dataclasses.replace(  # what is left of its deadline
-                    level, deadline_s=deadline_at - loop.time())
-                reply = await self.admission.acquire.remote(ticket, need, timeout, bool(returned), ask, asking)
-                if "error" in reply:
-                    raise self._refusal(reply, returned)
-                replica_id = reply["replica_id"]
-                pool = self._replica_pools[replica_id] = reply.get("pool", DEFAULT_POOL)
+            async def dispatch(grant: Granted, attempt: int) -> Dispatched[asyncio.Queue[Item]]:
+                pool = self._replica_pools[grant.replica_id] = grant.pool
                 granted_ask = ask if isinstance(need, int) else need[pool].ask  # hashes in that pool's block size
-                attempt = len(returned)
-                request = EngineRequest(ticket, token_ids, params, reply.get("need", need), target_replica=replica_id,
+                request = EngineRequest(ticket, token_ids, params, grant.need, target_replica=grant.replica_id,
                                         reply_to=self.links.subscriber, attempt=attempt,
                                         prompt_hashes=granted_ask.hashes if granted_ask is not None else ())
-                queue, first, problem = await self._dispatch(request, replica_id)
-                if queue is not None:
-                    break
-                if isinstance(first, Refused):  # it holds less free KV than the queue knew
-                    await self.admission.refused.remote(ticket, replica_id, first.free_blocks)
-                    refusals += 1
-                    await asyncio.sleep(refusal_backoff_s(refusals))
-                else:  # not reached in time, or the call failed: the grant goes back, the request to the head
-                    logger.warning("ticket %s: granted replica %s %s; re-queued at the head", ticket, replica_id,
-                                   problem)
-                    await self.admission.unreachable.remote(ticket, replica_id)
-                    # Back off before the next grant (bounded by the queue deadline), so a replica that keeps
-                    # failing calls is never retried in a tight loop.
-                    await asyncio.sleep(min(0.05 * 2 ** len(returned), 1.0))
-                returned.append(f"replica {replica_id} {problem}")
+                return await self._dispatch(request, grant.replica_id)
+
+            admitted = await admit(ticket, need, ask=ask, level=level, arrived=arrived, admission=self.queue,
+                                   dispatch=dispatch, settings=self.admit_settings)
+            replica_id, attempt, queue = admitted.grant.replica_id, admitted.attempt, admitted.stream
+            pool = admitted.grant.pool
             self.metrics.prompt_tokens.inc(len(token_ids))
             latency_tags = {POOL_TAG: pool, **level_tags(level)}  # the pool of the replica that took it
             yield RequestDelta(ticket, [], "", False, None, len(token_ids), 0)  # admitted: no tokens yet
@@ -256,13 +231,11 @@ class Sessions:
         hashes = prompt_hashes(token_ids, tokens_per_block, self.prefix_hash_seed)
         return PrefixAsk(tuple(hashes), tokens_per_block, self.prefix_hash_seed, len(token_ids))
 
-    async def _dispatch(self, request: EngineRequest,
-                        replica_id: str) -> tuple[asyncio.Queue[Item] | None, Admission | None, str]:
+    async def _dispatch(self, request: EngineRequest, replica_id: str) -> Dispatched[asyncio.Queue[Item]]:
         """Sends a granted request to its replica, over this ingress' delta stream from it (opened now if there is
-        none), and waits at most dispatch_timeout_s for the stream and the answer. Returns (the queue its deltas
-        arrive in, first, "") when the replica accepted it, (None, first, why) when it refused it, and
-        (None, None, why) when the call did not reach it in time or failed (the replica is still starting,
-        draining, or gone)."""
+        none), and waits at most dispatch_timeout_s for the stream and the answer: Taken (with the queue its deltas
+        arrive in), the replica's Refused or Rejected, or Unreachable when the call did not reach it in time or failed
+        (the replica is still starting, draining, or gone)."""
         loop = asyncio.get_running_loop()
         timeout = self.args.dispatch_timeout_s
         deadline = loop.time() + timeout
@@ -272,33 +245,37 @@ class Sessions:
             try:
                 await asyncio.wait_for(asyncio.shield(subscribed), timeout)
             except TimeoutError:
-                return None, None, f"did not open a delta stream within dispatch_timeout_s={timeout:g}s"
+                return self._unreachable(request, f"did not open a delta stream within dispatch_timeout_s={timeout:g}s")
             except StreamLost as lost:
-                return None, None, str(lost)
+                return self._unreachable(request, str(lost))
             response = _call_as_own_request(lambda: self._engine(replica_id).generate.remote(request))
             try:
                 first = await asyncio.wait_for(response, timeout=max(deadline - loop.time(), 0.0))
             except TimeoutError:
                 response.cancel()
                 self._abort(replica_id, request.ticket, request.attempt)  # in case it took it after all
-                return None, None, f"did not take it within dispatch_timeout_s={timeout:g}s"
+                return self._unreachable(request, f"did not take it within dispatch_timeout_s={timeout:g}s")
             except asyncio.CancelledError:
                 response.cancel()
                 self._abort(replica_id, request.ticket, request.attempt)
                 raise
             except Exception as err:  # noqa: BLE001 - the replica died or Serve could not reach it
-                return None, None, f"failed the call ({type(err).__name__}: {err})"
+                return self._unreachable(request, f"failed the call ({type(err).__name__}: {err})")
             if isinstance(first, Accepted):
                 accepted = True
-                return queue, first, ""
-            if isinstance(first, Rejected):
-                raise ApiError(400, f"the engine refused the request: {first.message}")
-            if isinstance(first, Refused):
-                return None, first, f"refused it (it had {first.free_blocks} free KV blocks)"
-            return None, None, f"answered {type(first).__name__} instead of an admission"
+                return Taken(first, queue)
+            if isinstance(first, Refused | Rejected):
+                return first
+            return self._unreachable(request, f"answered {type(first).__name__} instead of an admission")
         finally:
             if not accepted:
                 self.links.unregister(replica_id, request.ticket)
+
+    @staticmethod
+    def _unreachable(request: EngineRequest, why: str) -> Unreachable:
+        logger.warning("ticket %s: granted replica %s %s; re-queued at the head", request.ticket,
+                       request.target_replica, why)
+        return Unreachable(why)
 
     def _abort(self, replica_id: str, ticket: str, attempt: int) -> None:
         """Tells the replica to stop a request this ingress is done with (fire-and-forget, in a fresh context like
@@ -316,21 +293,6 @@ class Sessions:
                            replica_id, self.args.dispatch_timeout_s)
         except Exception as err:  # noqa: BLE001 - the replica is gone (its KV with it) or the stream's close aborts it
             logger.warning("aborting ticket %s on replica %s failed: %r", ticket, replica_id, err)
-
-    def _refusal(self, reply: dict[str, Any], returned: list[str]) -> ApiError:
-        """The queue's refusal as the HTTP error: its status, message (with what became of earlier grants) and
-        Retry-After (a tenant's token limit says when; a limit the request alone exceeds is a 400)."""
-        kind, message = reply["error"], reply["message"]
-        status = _STATUS_OF[kind]
-        retry_after: int | None = self.args.retry_after_s if status in (429, 503) else None
-        if "retry_after_s" in reply:
-            if reply["retry_after_s"] is None:
-                status, retry_after = 400, None
-            else:
-                retry_after = max(math.ceil(reply["retry_after_s"]), 1)
-        if returned:
-            message = f"{message}; before that this request was granted KV but {'; '.join(returned)}"
-        return ApiError(status, message, code=kind, retry_after=retry_after)
 
     def _release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
         """Fire-and-forget release that survives the caller's cancellation. It runs in a fresh, empty context: a

@@ -23,20 +23,31 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray import serve
 
 from dcpserve.cluster.node_types import NODE_TYPE_LABEL
-from dcpserve.deployments.admission.pools import DEFAULT_POOL
-from dcpserve.deployments.autoscaling import SloReport, replica_stats
+from dcpserve.deployments.autoscaling import replica_stats
 from dcpserve.deployments.config import AppArgs
-from dcpserve.deployments.dispatch.streams import DeltaBatch, Outbox, Subscribed
+from dcpserve.deployments.messages import (
+    DEFAULT_POOL,
+    Accepted,
+    Admission,
+    DeltaBatch,
+    EngineRequest,
+    KvReport,
+    KvReportReply,
+    Refused,
+    Rejected,
+    ReplicaQuery,
+    SloReport,
+    Subscribed,
+)
 from dcpserve.deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
+from dcpserve.deployments.replica.outbox import Outbox
 from dcpserve.engine.protocol import EngineClient, EngineStats
-from dcpserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,57 +60,6 @@ REMOVE_FROM_QUEUE_TIMEOUT_S = 5.0
 # How many aborted tickets a replica remembers, so that a generate() the ingress gave up on before it arrived (its
 # abort overtook it) is refused instead of running with nobody reading it.
 ABORTED_REMEMBERED = 10_000
-
-
-@dataclass
-class EngineRequest:
-    """What the ingress sends a replica: tokens, sampling, the KV need, and the replica the queue granted."""
-
-    ticket: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    kv_blocks: int  # blocks the queue counts for it on target_replica (admission_blocks less shared cached prefix)
-    target_replica: str | None = None  # the router sends it only there (None: the router picks by KV)
-    reply_to: str = ""  # the ingress whose delta stream (dcpserve.deployments.dispatch.streams) carries its deltas
-    attempt: int = 0  # how many grants of this ticket came back before this one (an abort names its attempt)
-    # The prompt's block hashes the ingress computed for prefix routing
-    # (dcpserve.engine.core.prefix_cache.prompt_hashes): the engine starts from them instead of hashing the prompt
-    # again. Empty without prefix caching.
-    prompt_hashes: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Accepted:
-    """generate()'s answer when the replica took the request: its deltas follow on the ingress' delta stream."""
-
-    replica_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """generate()'s answer when the request does not fit the replica's free KV now."""
-
-    replica_id: str
-    free_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """generate()'s answer when the request can never run here (the client's error)."""
-
-    replica_id: str
-    message: str
-
-
-Admission = Accepted | Refused | Rejected
-
-
-@dataclass(frozen=True)
-class ReplicaQuery:
-    """Addresses a call other than generate() to one replica (the router sends it only there), e.g.
-    `handle.stats.remote(ReplicaQuery(replica_id))` for each id of KvAdmission.stats()["replicas"]."""
-
-    target_replica: str
 
 
 def replica_bundles(ranks: int) -> list[dict[str, float]]:
@@ -165,9 +125,9 @@ class EngineReplica:
         self.admission = admission
         self.admission_queued = 0
         scaling = self.pool.autoscaling  # with a latency target its policy reads the pool's latencies and KV load
-        self._slo_ask: dict[str, float] = (
-            {"slo_window_s": scaling.slo_window_s, "slo_percentile": scaling.slo_percentile}
-            if scaling.slo_targets else {})
+        # With latency targets each report asks for the pool's latencies over this window (0: none asked).
+        self._slo_window_s = scaling.slo_window_s if scaling.slo_targets else 0.0
+        self._slo_percentile = scaling.slo_percentile
         self.slo: SloReport | None = None  # the queue's last answer to them
         self._outboxes: dict[str, Outbox] = {}  # subscribed ingress replica -> its delta stream's outbox
         self._aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # (ticket, attempt) given up, newest last
@@ -236,7 +196,7 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> Admission:
         """Accepted (its deltas follow on the delta stream of request.reply_to), Refused (no room now) or Rejected
         (it can never run here)."""
-        from dcpserve.engine.protocol import KvFull
+        from dcpserve.engine.protocol import KvFull, RequestError
 
         outbox = self._outboxes.get(request.reply_to)
         if outbox is None:  # the ingress' stream ended before this call came: it opens a new one and asks again
@@ -262,7 +222,7 @@ class EngineReplica:
                 except Exception as err:  # noqa: BLE001 - the refusal still corrects the queue's free blocks
                     logger.warning("KV report to the admission queue after a refusal failed: %r", err)
             return Refused(self.replica_id, full.free_blocks)
-        except ValueError as err:  # never fits this engine, or bad token ids: the client's error, not a retry
+        except RequestError as err:  # never fits this engine, bad token ids or constraint: the client's error
             return Rejected(self.replica_id, str(err))
         metrics = self.metrics
         assert metrics is not None  # set in the constructor, before any call
@@ -378,15 +338,16 @@ class EngineReplica:
         async with self._report_lock:
             ledger = self.engine.kv_ledger()
             prefix = await self.engine.prefix_report(*self._prefix_position)
-            reply = await self.admission.report.remote(
-                self.replica_id, ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                self.engine.dead_error is None, self.routable, self.probes, ledger.headroom_blocks, prefix,
-                self.pool.name, self.step_s, self.pool.ranks, self.max_num_seqs,
-                ledger.prefill_tokens, self.step_tokens, **self._slo_ask,
-            )
-            self.admission_queued = int(reply.get("num_queued", 0))
-            self.slo = SloReport.from_reply(reply)
-            self._prefix_position = (reply.get("prefix_epoch"), int(reply.get("prefix_version", 0)))
+            reply: KvReportReply = await self.admission.report.remote(KvReport(
+                replica_id=self.replica_id, capacity=ledger.capacity_blocks, tokens_per_block=ledger.tokens_per_block,
+                held=ledger.per_request, healthy=self.engine.dead_error is None, routable=self.routable,
+                probes=self.probes, headroom=ledger.headroom_blocks, prefix=prefix, pool=self.pool.name,
+                step_s=self.step_s, gpus=self.pool.ranks, max_seqs=self.max_num_seqs,
+                prefill_tokens=ledger.prefill_tokens, step_tokens=self.step_tokens,
+                slo_window_s=self._slo_window_s, slo_percentile=self._slo_percentile))
+            self.admission_queued = reply.num_queued
+            self.slo = reply.slo
+            self._prefix_position = (reply.prefix_epoch, reply.prefix_version)
 
     def _on_step(self, stats: EngineStats) -> None:
         self.step_s = stats.last_step_seconds if not self.step_s else 0.9 * self.step_s + 0.1 * stats.last_step_seconds

@@ -21,7 +21,7 @@ from dcpserve.engine.core.request import FinishReason, Request, resolve_prompt_t
 from dcpserve.engine.core.scheduler import Scheduler
 from dcpserve.engine.core.step import SchedulerOutput
 from dcpserve.engine.core.step_trace import StepTraceWriter
-from dcpserve.engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
+from dcpserve.engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, RequestError, TokenLogprob
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import Grammars
 from dcpserve.engine.tokenizer import TextStream, Tokenizer, load_tokenizer
@@ -112,7 +112,7 @@ class LLMEngine:
         """The grammar compiler of this model's vocabulary, made at the first constrained request."""
         if self._grammars is None:
             if self.tokenizer is None:
-                raise ValueError(f"the model directory {self.config.model} has no tokenizer: structured outputs "
+                raise RequestError(f"the model directory {self.config.model} has no tokenizer: structured outputs "
                                  f"need one to know each token's text")
             self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
         return self._grammars

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dcpserve.engine.protocol import TokenLogprob
+from dcpserve.engine.protocol import RequestError, TokenLogprob
 from dcpserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-class RequestRejected(ValueError):
+class RequestRejected(RequestError):
     """A request that could never be served with this configuration (never-fits); nothing was queued."""
 
 
@@ -42,11 +42,11 @@ def resolve_prompt_token_ids(prompt: str | None, prompt_token_ids: list[int] | N
     the token ids its sampling params name (logit_bias). Both engine backends check requests with it."""
     if prompt_token_ids is None:
         if prompt is None:
-            raise ValueError("pass a prompt or prompt_token_ids")
+            raise RequestError("pass a prompt or prompt_token_ids")
         prompt_token_ids = encode(prompt)
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+        raise RequestError(f"prompt_token_ids must be integers in [0, {vocab_size}), got {bad[:5]}")
     if sampling_params is not None:
         sampling_params.check_vocab(vocab_size)
     return list(prompt_token_ids)

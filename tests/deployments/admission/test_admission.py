@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
-from dcpserve.deployments.admission.queue import AdmissionQueue, Grant, NeverFits, NoReplica, QueueFull, QueueTimeout
+from dcpserve.deployments.admission.errors import NeverFits, NoReplica, QueueFull, QueueTimeout
+from dcpserve.deployments.admission.queue import AdmissionQueue, Grant
+from dcpserve.deployments.messages import KvReport, PrefixAsk
 from dcpserve.engine.core.prefix_cache import (
     CACHED,
     EVICTED,
@@ -23,7 +24,7 @@ from dcpserve.engine.core.prefix_cache import (
 def make_queue(capacities: dict[str, int], max_queued: int = 8) -> AdmissionQueue:
     queue = AdmissionQueue(max_queued=max_queued)
     for replica_id, capacity in capacities.items():
-        queue.report(replica_id, capacity, 32, {})
+        queue.report(KvReport(replica_id=replica_id, capacity=capacity, tokens_per_block=32, held={}))
     return queue
 
 
@@ -96,7 +97,7 @@ def test_no_healthy_replica() -> None:
         with pytest.raises(NoReplica):
             await empty.acquire("t", 1, 0.1)  # nothing ever registered
         queue = make_queue({"a": 4})
-        queue.report("a", 4, 32, {}, healthy=False)
+        queue.report(KvReport(replica_id="a", capacity=4, tokens_per_block=32, held={}, healthy=False))
         with pytest.raises(NoReplica):
             await queue.acquire("t", 1, 5.0)  # known but failing: at once
 
@@ -118,17 +119,20 @@ def test_refusal_requeues_at_head_and_trusts_the_replica() -> None:
 def test_reports_reconcile_external_and_leaked_grants() -> None:
     now = [0.0]
     queue = AdmissionQueue(max_queued=4, leak_grace_s=10.0, clock=lambda: now[0])
-    queue.report("a", 10, 32, {"direct": 3})  # a request that did not come through the queue
+    queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32,
+                          held={"direct": 3}))  # a request that did not come through the queue
     assert queue.replicas["a"].free == 7
 
     async def run() -> None:
         assert await queue.acquire("t", 5, 1.0) == "a"
 
     asyncio.run(run())
-    queue.report("a", 10, 32, {"direct": 3})  # not yet arrived at the replica: kept
+    queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32,
+                          held={"direct": 3}))  # not yet arrived at the replica: kept
     assert queue.replicas["a"].free == 2
     now[0] = 20.0
-    queue.report("a", 10, 32, {})  # never arrived, long ago: the caller died, the grant is dropped
+    queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32,
+                          held={}))  # never arrived, long ago: the caller died, the grant is dropped
     assert queue.replicas["a"].free == 10
 
 
@@ -147,7 +151,7 @@ def test_random_load_never_over_commits_and_answers_everyone() -> None:
                 await asyncio.sleep(rng.uniform(0, 0.05))
                 outcomes[ticket] = "ok"
             except (QueueFull, QueueTimeout) as err:
-                outcomes[ticket] = err.kind
+                outcomes[ticket] = err.code
             finally:
                 queue.release(ticket)
 
@@ -163,8 +167,9 @@ def test_random_load_never_over_commits_and_answers_everyone() -> None:
 def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)
-        queue.report("ready", 8, 32, {}, routable=True, probes=3)
-        queue.report("starting", 26, 32, {}, routable=False, probes=0)  # more free KV, but Serve does not route to it
+        queue.report(KvReport(replica_id="ready", capacity=8, tokens_per_block=32, held={}, routable=True, probes=3))
+        queue.report(KvReport(replica_id="starting", capacity=26, tokens_per_block=32, held={}, routable=False,
+                              probes=0))  # more free KV, but Serve does not route to it
         assert await queue.acquire("t1", 2, 1.0) == "ready"
         # A caller could not reach "ready" (e.g. it is draining but Serve still probed it a moment ago): the grant
         # comes back and "ready" gets nothing until Serve has probed it again.
@@ -173,12 +178,15 @@ def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
         waiting = asyncio.create_task(queue.acquire("t1", 2, 5.0, front=True))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        queue.report("ready", 8, 32, {}, routable=True, probes=3)  # no new probe: still blocked
+        queue.report(KvReport(replica_id="ready", capacity=8, tokens_per_block=32, held={}, routable=True,
+                              probes=3))  # no new probe: still blocked
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        queue.report("starting", 9, 32, {}, routable=True, probes=1)  # now RUNNING: routers know it
+        queue.report(KvReport(replica_id="starting", capacity=9, tokens_per_block=32, held={}, routable=True,
+                              probes=1))  # now RUNNING: routers know it
         assert await waiting == "starting"
-        queue.report("ready", 8, 32, {}, routable=True, probes=4)  # probed again: grantable again
+        queue.report(KvReport(replica_id="ready", capacity=8, tokens_per_block=32, held={}, routable=True,
+                              probes=4))  # probed again: grantable again
         assert queue.replicas["ready"].grantable
         assert await queue.acquire("t2", 8, 1.0) == "ready"  # 8 fit only there ("starting" has 18 free)
         assert queue.stats()["num_unreachable"] == 1
@@ -189,8 +197,9 @@ def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
 def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports_after_a_new_probe() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)
-        queue.report("a", 10, 32, {"x": 2}, probes=2)  # "x": a request the queue did not grant (external)
-        queue.report("b", 6, 32, {}, probes=2)
+        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32, held={"x": 2},
+                              probes=2))  # "x": a request the queue did not grant (external)
+        queue.report(KvReport(replica_id="b", capacity=6, tokens_per_block=32, held={}, probes=2))
         assert await queue.acquire("t1", 4, 1.0) == "a"
         queue.replica_lost("a")  # an ingress' stream from "a" failed: its node went, say
         queue.replica_lost("a")  # from every ingress: counted once
@@ -201,9 +210,11 @@ def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports
         assert await queue.acquire("t2", 4, 1.0) == "b"  # "a" had more free KV, but it is lost
         with pytest.raises(NeverFits, match="a replica holds 6 blocks"):  # only "b"'s KV counts now
             await queue.acquire("t3", 8, 1.0)
-        queue.report("a", 10, 32, {}, probes=2)  # alive after all, but Serve has not probed it since
+        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32, held={},
+                              probes=2))  # alive after all, but Serve has not probed it since
         assert not queue.replicas["a"].grantable
-        queue.report("a", 10, 32, {}, probes=3)  # probed again: grantable
+        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32, held={},
+                              probes=3))  # probed again: grantable
         assert await queue.acquire("t3", 8, 1.0) == "a"
         queue.replica_lost("unknown")  # a replica the queue never heard of: nothing to do
         assert queue.stats()["num_lost"] == 1
@@ -214,10 +225,11 @@ def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports
 def test_timeout_without_a_grantable_replica_says_so() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)
-        queue.report("draining", 8, 32, {}, routable=False, probes=9)
+        queue.report(KvReport(replica_id="draining", capacity=8, tokens_per_block=32, held={}, routable=False,
+                              probes=9))
         with pytest.raises(NoReplica, match=r"draining: starting or draining"):
             await queue.acquire("t", 2, 0.2)
-        queue.report("a", 4, 32, {}, routable=True, probes=1)
+        queue.report(KvReport(replica_id="a", capacity=4, tokens_per_block=32, held={}, routable=True, probes=1))
         await queue.acquire("big", 4, 1.0)
         with pytest.raises(QueueTimeout, match=r"waited 0\.\ds in the admission queue and no replica had 2 free"):
             await queue.acquire("t", 2, 0.2)
@@ -244,7 +256,8 @@ def cache_report(reporter: PrefixReporter, queue: AdmissionQueue, replica_id: st
                  held: dict[str, int] | None = None) -> None:
     """The replica's periodic report, with its prefix changes since the queue's copy."""
     epoch, version = queue.prefix_position(replica_id)
-    queue.report(replica_id, capacity, 32, held or {}, prefix=reporter.report(epoch, version))
+    queue.report(KvReport(replica_id=replica_id, capacity=capacity, tokens_per_block=32, held=held or {},
+                          prefix=reporter.report(epoch, version)))
 
 
 def test_prefix_report_changes_apply_in_order_and_a_lost_report_brings_the_whole_state() -> None:
@@ -281,7 +294,7 @@ def test_routes_to_the_replica_caching_the_prefix_and_counts_only_the_blocks_it_
         for block in prompt_hashes(prompt, 32, SEED):
             writer.set(block, CACHED)  # cached but held by nobody: saves compute, not KV
         cache_report(writer, queue, "b", 20)
-        queue.report("a", 20, 32, {})
+        queue.report(KvReport(replica_id="a", capacity=20, tokens_per_block=32, held={}))
         assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [7, 8])) == "b"
         assert grant_of(queue, "t1").need == 5 and grant_of(queue, "t1").hit_blocks == 3
         for block in prompt_hashes(prompt, 32, SEED):
@@ -363,11 +376,12 @@ def test_a_finished_turn_keeps_steering_its_conversation_until_the_replica_repor
         history = list(range(300))
         assert await queue.acquire("turn1", 10, 1.0, ask=ask_for(history)) == "a"
         queue.release("turn1")  # the answer ended; the next turn comes at once, before a's next report
-        queue.report("b", 21, 32, {})  # b now has more free KV
+        queue.report(KvReport(replica_id="b", capacity=21, tokens_per_block=32, held={}))  # b now has more free KV
         assert await queue.acquire("turn2", 10, 1.0, ask=ask_for(history + [1, 2])) == "a"
         queue.release("turn2")
         for _ in range(2):  # two reports from a (neither names the prefix): the preference is gone
-            queue.report("a", 20, 32, {}, prefix=PrefixReporter(32, SEED).report(None, 0))
+            queue.report(KvReport(replica_id="a", capacity=20, tokens_per_block=32, held={},
+                                  prefix=PrefixReporter(32, SEED).report(None, 0)))
         assert await queue.acquire("turn3", 10, 1.0, ask=ask_for(history + [1, 2, 3])) == "b"
 
     asyncio.run(run())
@@ -401,13 +415,14 @@ def test_a_report_made_before_a_release_does_not_count_the_released_blocks_again
         queue = make_queue({"a": 32})
         assert await queue.acquire("held", 19, 1.0) == "a"
         assert await queue.acquire("head", 13, 1.0) == "a"
-        queue.report("a", 32, 32, {"held": 19, "head": 13})
+        queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32, held={"held": 19, "head": 13}))
         queue.release("head")  # it finished: its 13 blocks are free on a
         assert await queue.acquire("next", 13, 1.0) == "a"
-        queue.report("a", 32, 32, {"held": 19, "head": 13})  # made before the release, delivered after it
+        queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32,
+                              held={"held": 19, "head": 13}))  # made before the release, delivered after it
         replica = queue.replicas["a"]
         assert replica.external == 0 and replica.granted + replica.external <= replica.capacity
-        queue.report("a", 32, 32, {"held": 19, "next": 13})
+        queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32, held={"held": 19, "next": 13}))
         assert replica.external == 0 and replica.granted == 32 and replica.released == set()
 
     asyncio.run(run())
@@ -421,9 +436,9 @@ def test_a_released_ticket_stops_counting_as_a_sequence_before_the_replica_repor
         history = list(range(300))
         assert await queue.acquire("c1-turn1", 10, 1.0, ask=ask_for(history)) == "a"
         assert await queue.acquire("c3-turn1", 10, 1.0, ask=ask_for(list(range(1000, 1300)))) == "b"
-        queue.report("b", 100, 32, {"c3-turn1": 10})
+        queue.report(KvReport(replica_id="b", capacity=100, tokens_per_block=32, held={"c3-turn1": 10}))
         queue.release("c3-turn1")
-        queue.report("b", 100, 32, {})
+        queue.report(KvReport(replica_id="b", capacity=100, tokens_per_block=32, held={}))
         writer = PrefixReporter(32, SEED)
         for block in prompt_hashes(history, 32, SEED):
             writer.set(block, PINNED)
@@ -464,8 +479,9 @@ def test_a_refusing_replica_reports_first_or_the_queue_grants_it_again() -> None
     def report() -> None:
         ledger = scheduler.kv_ledger()
         assert manager.reporter is not None
-        queue.report("r", ledger.capacity_blocks, ledger.tokens_per_block, ledger.per_request,
-                     headroom=ledger.headroom_blocks, prefix=manager.reporter.report(*position[0]))
+        queue.report(KvReport(replica_id="r", capacity=ledger.capacity_blocks, tokens_per_block=ledger.tokens_per_block,
+                              held=ledger.per_request, headroom=ledger.headroom_blocks,
+                              prefix=manager.reporter.report(*position[0])))
         position[0] = queue.prefix_position("r")
 
     def step() -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
 from dcpserve.deployments.admission.queue import AdmissionQueue
+from dcpserve.deployments.messages import KvReport, PrefixAsk
 from dcpserve.engine.core.block_manager import blocks_needed
 from dcpserve.engine.core.prefix_cache import CACHED, PINNED, PrefixReporter, chain_hashes, prompt_hashes
 from dcpserve.simulator.clock import run_simulated
@@ -39,8 +39,8 @@ class FakeReplica:
 
     def report(self) -> None:
         epoch, version = self.queue.prefix_position(self.replica_id)
-        self.queue.report(self.replica_id, CAPACITY, TOKENS_PER_BLOCK, dict(self.held),
-                          prefix=self.reporter.report(epoch, version))
+        self.queue.report(KvReport(replica_id=self.replica_id, capacity=CAPACITY, tokens_per_block=TOKENS_PER_BLOCK,
+                                   held=dict(self.held), prefix=self.reporter.report(epoch, version)))
 
     async def report_loop(self) -> None:
         while True:

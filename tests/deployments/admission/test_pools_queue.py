@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from dcpserve.deployments.admission.pools import PoolNeed
-from dcpserve.deployments.admission.queue import AdmissionQueue, NeverFits
+from dcpserve.deployments.admission.errors import NeverFits
+from dcpserve.deployments.admission.queue import AdmissionQueue
+from dcpserve.deployments.messages import KvReport, PoolNeed
 from dcpserve.simulator.clock import run_simulated
 
 # Two pools of one replica each, 2 GPUs and 4 seats per step: "short" (tp=2 dcp=1: 16-token blocks, 100 blocks,
@@ -18,8 +19,10 @@ from dcpserve.simulator.clock import run_simulated
 
 def report(queue: AdmissionQueue, held_short: dict[str, int] | None = None,
            held_long: dict[str, int] | None = None) -> None:
-    queue.report("s0", 100, 16, held_short or {}, probes=1, pool="short", step_s=0.020, gpus=2, max_seqs=4)
-    queue.report("l0", 100, 32, held_long or {}, probes=1, pool="long", step_s=0.030, gpus=2, max_seqs=4)
+    queue.report(KvReport(replica_id="s0", capacity=100, tokens_per_block=16, held=held_short or {}, probes=1,
+                          pool="short", step_s=0.020, gpus=2, max_seqs=4))
+    queue.report(KvReport(replica_id="l0", capacity=100, tokens_per_block=32, held=held_long or {}, probes=1,
+                          pool="long", step_s=0.030, gpus=2, max_seqs=4))
 
 
 def need(tokens: int) -> dict[str, PoolNeed]:
@@ -137,7 +140,7 @@ def test_an_int_need_is_the_one_pool_app_strict_fifo() -> None:
     async def scenario() -> list[str]:
         loop = asyncio.get_running_loop()
         queue = AdmissionQueue(max_queued=8, clock=loop.time)
-        queue.report("a", 10, 16, {}, probes=1)
+        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=16, held={}, probes=1))
         order: list[str] = []
 
         async def ask(ticket: str, blocks: int) -> None:

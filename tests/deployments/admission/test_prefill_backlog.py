@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from dcpserve.deployments.admission.prefix_routing import PrefixAsk
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.replica_choice import ReplicaKv, steps_to_start
+from dcpserve.deployments.messages import KvReport, PrefixAsk
 from dcpserve.engine.core.prefix_cache import CACHED, PrefixReport, PrefixReporter, chain_hashes, prompt_hashes
 
 TOKENS = 16  # tokens per block
@@ -17,8 +17,8 @@ SEED = b"backlog"
 
 def report(queue: AdmissionQueue, replica_id: str, prefill_tokens: int, held: dict[str, int] | None = None,
            capacity: int = 100, prefix: PrefixReport | None = None) -> None:
-    queue.report(replica_id, capacity, TOKENS, held or {}, prefix=prefix, prefill_tokens=prefill_tokens,
-                 step_tokens=STEP)
+    queue.report(KvReport(replica_id=replica_id, capacity=capacity, tokens_per_block=TOKENS, held=held or {},
+                          prefix=prefix, prefill_tokens=prefill_tokens, step_tokens=STEP))
 
 
 def test_steps_to_start_counts_whole_steps_of_what_is_queued_and_the_request_itself() -> None:

@@ -12,17 +12,12 @@ from typing import Any
 
 import pytest
 
-from dcpserve.deployments.admission.fair_share import ServiceLevel, TenantShares, admission_order
+from dcpserve.deployments.admission.errors import DeadlineExceeded, LimitExceeded, QueueFull, QueueTimeout, Shed
+from dcpserve.deployments.admission.fair_share import TenantShares, admission_order
 from dcpserve.deployments.admission.latency_window import LatencyWindow, nearest_rank
-from dcpserve.deployments.admission.queue import (
-    AdmissionQueue,
-    DeadlineExceeded,
-    LimitExceeded,
-    QueueFull,
-    QueueTimeout,
-    Shed,
-)
+from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.tenant_limits import Exceeded, Limits, TenantLimits
+from dcpserve.deployments.messages import KvReport, ServiceLevel
 from dcpserve.simulator.clock import run_simulated
 
 TOKENS_PER_BLOCK = 16
@@ -31,7 +26,7 @@ TOKENS_PER_BLOCK = 16
 def queue_on(loop: asyncio.AbstractEventLoop, capacity: int, **kwargs: Any) -> AdmissionQueue:
     events: list[tuple[str, float | None, ServiceLevel | None]] = []
     queue = AdmissionQueue(clock=loop.time, on_event=lambda *e: events.append(e), **{"max_queued": 64, **kwargs})
-    queue.report("r", capacity, TOKENS_PER_BLOCK, {})
+    queue.report(KvReport(replica_id="r", capacity=capacity, tokens_per_block=TOKENS_PER_BLOCK, held={}))
     queue.events = events  # type: ignore[attr-defined]  # the test reads what the queue told its observer
     return queue
 
@@ -332,7 +327,7 @@ def test_random_service_levels_never_over_commit_and_answer_everyone() -> None:
         queue = AdmissionQueue(max_queued=12, clock=loop.time, sheddable_priority=5,
                                limits=TenantLimits({"t1": Limits(max_concurrent_requests=6)}))
         for r in ("r0", "r1"):
-            queue.report(r, 20, TOKENS_PER_BLOCK, {})
+            queue.report(KvReport(replica_id=r, capacity=20, tokens_per_block=TOKENS_PER_BLOCK, held={}))
         invariant = check(queue)
         outcomes: dict[str, int] = {}
 
@@ -343,7 +338,7 @@ def test_random_service_levels_never_over_commit_and_answer_everyone() -> None:
             try:
                 await queue.acquire(f"q{i}", rng.randint(1, 12), rng.uniform(1, 20), level=level)
             except (QueueFull, QueueTimeout, DeadlineExceeded, Shed, LimitExceeded) as err:
-                outcomes[err.kind] = outcomes.get(err.kind, 0) + 1
+                outcomes[err.code] = outcomes.get(err.code, 0) + 1
                 return
             invariant()
             outcomes["granted"] = outcomes.get("granted", 0) + 1

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from dcpserve.deployments.dispatch.streams import DeltaBatch, DeltaLinks, Outbox, StreamLost, Subscribed
+from dcpserve.deployments.dispatch.streams import DeltaLinks, StreamLost
+from dcpserve.deployments.messages import DeltaBatch, Subscribed
+from dcpserve.deployments.replica.outbox import Outbox
 from dcpserve.engine.protocol import RequestDelta, TokenLogprob, merge_deltas
 from dcpserve.simulator.clock import run_simulated
 
@@ -382,7 +384,7 @@ def test_a_stream_that_never_opens_is_given_up_after_subscribe_timeout_s() -> No
 def test_a_stream_whose_ingress_stops_renewing_ends_and_aborts_its_requests(renewed: bool) -> None:
     """Ray does not end a streaming call whose caller died: the lease does. Renewed every RENEW_S the stream lives
     on; not renewed (the ingress was killed) it ends LEASE_S after the last renewal, and its requests are aborted."""
-    from dcpserve.deployments.dispatch.streams import LEASE_S, RENEW_S
+    from dcpserve.deployments.messages import LEASE_S, RENEW_S
 
     async def main() -> tuple[float, dict[str, bool], int]:
         loop = asyncio.get_running_loop()
@@ -420,7 +422,7 @@ def test_a_stream_whose_ingress_stops_renewing_ends_and_aborts_its_requests(rene
 
 
 def test_the_ingress_renews_each_stream_and_ends_one_the_replica_no_longer_has() -> None:
-    from dcpserve.deployments.dispatch.streams import RENEW_S
+    from dcpserve.deployments.messages import RENEW_S
 
     replicas = {"A": _Replica("A")}
     renewals: list[float] = []

@@ -14,7 +14,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from dcpserve.deployments.dispatch.router import KvAwareRouter, ReplicaGone
-from dcpserve.deployments.replica.engine_replica import EngineRequest, ReplicaQuery
+from dcpserve.deployments.messages import EngineRequest, ReplicaQuery
 from dcpserve.engine.sampling_params import SamplingParams
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="dcpserve")

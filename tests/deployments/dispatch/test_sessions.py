@@ -11,9 +11,10 @@ from typing import Any, cast
 from ray.serve import context as serve_context
 
 from dcpserve.deployments.config import AppArgs
+from dcpserve.deployments.dispatch.admit import Taken
 from dcpserve.deployments.dispatch.sessions import Sessions
-from dcpserve.deployments.dispatch.streams import DeltaLinks, Subscribed
-from dcpserve.deployments.replica.engine_replica import Accepted, EngineRequest
+from dcpserve.deployments.dispatch.streams import DeltaLinks
+from dcpserve.deployments.messages import Accepted, EngineRequest, Subscribed
 
 
 class _RecordingEngine:
@@ -81,7 +82,7 @@ def test_the_choices_of_one_request_are_dispatched_as_calls_of_their_own() -> No
         results = await asyncio.gather(
             *(sessions._dispatch(cast(EngineRequest, types.SimpleNamespace(ticket=f"t{i}", attempt=0)), "r")
               for i in range(4)))
-        assert all(queue is not None for queue, _, _ in results)
+        assert all(isinstance(result, Taken) for result in results)
         assert serve_context._get_serve_request_context()._internal_request_id == "http-request"  # restored
         sessions.links.close()
         await asyncio.sleep(0)

@@ -41,7 +41,15 @@ from dcpserve.engine.backends.vllm.stats import StatsRecorder, stat_logger_facto
 from dcpserve.engine.core.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
 from dcpserve.engine.core.prefix_cache import PrefixReport
 from dcpserve.engine.core.request import resolve_prompt_token_ids
-from dcpserve.engine.protocol import EngineDeadError, EngineStats, KvLedger, RankKvStats, RequestDelta, TokenLogprob
+from dcpserve.engine.protocol import (
+    EngineDeadError,
+    EngineStats,
+    KvLedger,
+    RankKvStats,
+    RequestDelta,
+    RequestError,
+    TokenLogprob,
+)
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import StructuredOutput
 from dcpserve.engine.tokenizer import TextStream, Tokenizer, load_tokenizer
@@ -236,7 +244,7 @@ class VllmEngine:
                     break
         except Exception as err:
             if _is_vllm_client_error(err):
-                raise ValueError(str(err)) from None  # vLLM's validation: the client's error (an OpenAI 400)
+                raise RequestError(str(err)) from None  # vLLM's validation: the client's error (an OpenAI 400)
             if not self.llm.errored:
                 raise
             self.dead_error = err
