@@ -118,7 +118,7 @@ class EngineArgs:
     )})
     step_trace_path: str | None = field(default=None, metadata={"help": (
         "append one JSON line per engine step (its rows and seconds) to this file, to fit the simulator's step "
-        "model to the served app's own steps (`python bench/step_fit.py --from-steps FILE`; native backend only)"
+        "model to the served app's own steps (`python -m bench step_fit --from-steps FILE`; native backend only)"
     )})
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@
 - `exchange_s`: of `seconds`, the time in the DCP exchange (0 without DCP);
 - `pid`: the process, so that the replicas of one node may share a file.
 
-`dcpserve.simulator.step_fit.read_step_trace` reads it back, and `python bench/step_fit.py --from-steps FILE` fits the
+`dcpserve.simulator.step_fit.read_step_trace` reads it back, and `python -m bench step_fit --from-steps FILE` fits the
 simulator's step model to a served app's own steps. Each line is one append-mode write, so the lines of several
 processes writing one local file do not interleave.
 """

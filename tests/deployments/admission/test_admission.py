@@ -8,7 +8,8 @@ import random
 import pytest
 
 from dcpserve.deployments.admission.errors import NeverFits, NoReplica, QueueFull, QueueTimeout
-from dcpserve.deployments.admission.queue import AdmissionQueue, Grant
+from dcpserve.deployments.admission.ledger import Grant
+from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.messages import KvReport, PrefixAsk
 from dcpserve.engine.core.prefix_cache import (
     CACHED,
