@@ -84,10 +84,10 @@ def take(grant: Granted) -> Dispatched[str]:
 
 
 def run_admit(queue: AdmissionPort, answers: list[Callable[[Granted], Dispatched[str]]],
-              settings: AdmitSettings = SETTINGS, level: ServiceLevel = ServiceLevel()) -> Admitted[str]:
+              settings: AdmitSettings = SETTINGS) -> Admitted[str]:
     async def main() -> Admitted[str]:
-        return await admit("t", 2, ask=None, level=level, arrived=asyncio.get_running_loop().time(), admission=queue,
-                           dispatch=scripted_dispatch(answers), settings=settings)
+        return await admit("t", 2, ask=None, level=ServiceLevel(), arrived=asyncio.get_running_loop().time(),
+                           admission=queue, dispatch=scripted_dispatch(answers), settings=settings)
     return run_simulated(main())
 
 
