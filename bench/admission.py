@@ -1,6 +1,6 @@
 """Admission policies measured through the deployed app: "full" (reserve prompt + max_tokens) vs "usage".
 
-One replica of tp=2 x dcp=2 (4 logical GPUs on a Ray head of this script's own, dcpserve/local/serve.py, as
+One replica of tp=2 x dcp=2 (4 logical GPUs on a Ray head of this benchmark's own, dcpserve/local/serve.py, as
 `make serve` and bench/capacity.py), the tiny model, the same per-rank KV budget for both policies, sized so that
 "full" holds only a few of the burst's requests. The burst asks for a large max_tokens, but every request stops
 much earlier on a stop string (greedy, so the stop position is known beforehand): "full" reserves KV for 1024
@@ -14,9 +14,9 @@ the app, sends the burst at once through the official `openai` async client (str
 sequences the admission queue has granted, reads the replica's preemption counter from the Ray node's metrics
 endpoint, then shuts Serve down before the next policy.
 
-    python bench/admission.py                 # full run (console only)
-    python bench/admission.py --write-docs    # also writes docs/img/admission.png and its section of docs/benchmarks.md
-    python bench/admission.py --quick         # a smaller workload
+    python -m bench admission                 # full run (console only)
+    python -m bench admission --write-docs    # also writes docs/img/admission.png and its section of docs/benchmarks.md
+    python -m bench admission --quick         # a smaller workload
 """
 
 from __future__ import annotations
@@ -30,26 +30,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/admission.py` puts bench/ first on sys.path, where bench/engine.py would shadow the
-# `engine` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench import compare
-from bench.compare import BurstResult, Row, ServeHead, metric_row
-from bench.prometheus import metric_lines
+from bench.harness import compare
+from bench.harness.compare import BurstResult, Row, ServeHead, metric_row
+from bench.harness.prometheus import metric_lines
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.config import ModelConfig
 from dcpserve.engine.core.block_manager import blocks_needed
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TP, DCP, BLOCK_SIZE, MAX_MODEL_LEN = 2, 2, 16, 2048
 TOKENS_PER_BLOCK = BLOCK_SIZE * DCP  # a logical block
 POLICIES = ("full", "usage")
 CANDIDATES_PER_REQUEST = 2  # random prompts generated offline per request, to find texts that do not loop early
 METRICS_WAIT_S = 15.0  # Ray exports custom metrics every 10 s (metrics_report_interval_ms)
-COMPARISON = compare.Comparison("bench/admission.py", POLICIES,
+COMPARISON = compare.Comparison("bench/admission.py", ("admission",), POLICIES,
                                 "Admission policies: full reservation vs usage-based admission with preemption",
                                 REPO_ROOT / "docs" / "img" / "admission.png", "admission full vs usage")
 

@@ -7,8 +7,8 @@ outcomes), their latencies, then how fast /health and a new completion answer ri
 CPU the ingress process burns over idle seconds (a busy loop shows as ~1 s per second).
 
     make serve                               # in one terminal
-    .venv/bin/python bench/burst.py          # in another (defaults: the issue's 24 x 300-token prompts, max 3000)
-    .venv/bin/python bench/burst.py --requests 48 --rounds 2 --write-docs   # also writes its docs/benchmarks.md section
+    .venv/bin/python -m bench burst          # in another (defaults: the issue's 24 x 300-token prompts, max 3000)
+    .venv/bin/python -m bench burst --requests 48 --rounds 2 --write-docs   # also writes its docs/benchmarks.md section
 """
 
 from __future__ import annotations
@@ -22,16 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/burst.py` puts bench/ first on sys.path, where bench/engine.py would shadow `engine`.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
 import httpx
 
-from bench.docs_section import DocsSection
-from tests.e2e.faults import cpu_seconds
+from bench.harness.docs_section import DocsSection, bench_command
+from bench.harness.faults import cpu_seconds
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 DOCS = DocsSection("bench/burst.py")
 
@@ -72,7 +68,7 @@ async def burst(url: str, model: str, args: argparse.Namespace) -> list[tuple[in
         return await asyncio.gather(*(one(http, model, i, args) for i in range(args.requests)))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('DCPSERVE_PORT', '8000')}")
     parser.add_argument("--dashboard-url",
@@ -89,7 +85,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=10.0, help="idle seconds the ingress' CPU time is measured")
     parser.add_argument("--client-timeout-s", type=float, default=600.0)
     parser.add_argument("--write-docs", action="store_true", help="also write the tables to docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.write_docs:
         DOCS.check()
     lines: list[str] = []
@@ -101,7 +97,7 @@ def main() -> None:
     try:
         models = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"]
     except httpx.HTTPError as err:
-        sys.exit(f"no app answers at {args.url} ({err!r}); start one with `make serve`")
+        raise SystemExit(f"no app answers at {args.url} ({err!r}); start one with `make serve`") from None
     model = models[0]["id"]
     pid = ingress_pid(args.dashboard_url, args.token_path, args.app)
     healthy = True
@@ -146,13 +142,13 @@ def main() -> None:
         out(f"ingress (pid {pid}) CPU over {args.idle_s:.0f}s idle: {used:.2f}s ({100 * used / args.idle_s:.0f}%)")
         healthy &= used < 0.25 * args.idle_s
     if args.write_docs:
-        command = "python bench/burst.py " + " ".join(sys.argv[1:])
+        command = bench_command("burst", argv)
         DOCS.write("## A burst of long sampled requests through `make serve`\n\n"
                    f"`make serve` (tp=2 x dcp=2, 4 MiB KV per rank, autoscaling 1..2 replicas), then "
-                   f"`{command.strip()}` on a 2-core machine. Healthy: only 200s and 429s, /health and a new request "
+                   f"`{command}` on a 2-core machine. Healthy: only 200s and 429s, /health and a new request "
                    "answer at once, the ingress idles.\n\n```text\n" + "\n".join(lines) + "\n```\n")
-    sys.exit(0 if healthy else 1)
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,9 +7,9 @@ alternation (HF's per-token stopping-criteria callback runs one step of each eng
 of them alike. Only decode steps are timed: every prompt prefills in one step (that step and the first sampled
 token are excluded). Greedy tokens are compared with HF's; batch 1 must match exactly.
 
-    python bench/engine.py                  # full table (console only)
-    python bench/engine.py --write-docs     # also updates this script's section of docs/benchmarks.md
-    python bench/engine.py --quick          # batches 1 and 8, shorter decode, one round
+    python -m bench engine                  # full table (console only)
+    python -m bench engine --write-docs     # also updates this benchmark's section of docs/benchmarks.md
+    python -m bench engine --quick          # batches 1 and 8, shorter decode, one round
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import argparse
 import datetime
 import os
 import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -27,20 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/engine.py` puts bench/ first on sys.path, where this file would shadow the `engine`
-# package (for this process and for the Ray workers, which inherit the driver's sys.path).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from dcpserve.local.serve import bind_ray_to_loopback
-
-bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
-
 import torch
 
-from bench.docs_section import DocsSection
 from bench.engine_sweep import SWEEP_COLUMNS, context_sweep, sweep_notes
 from bench.engine_timing import (
     BACKEND_CONFIGS,
@@ -53,6 +40,7 @@ from bench.engine_timing import (
     make_engines,
     run_round,
 )
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.args import EngineArgs
 from dcpserve.engine.config import EngineConfig
@@ -120,7 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="longest sweep context HF runs at (default 4096: its prefill materializes the "
                         "attention mask per layer)")
     parser.add_argument("--sweep-only", action="store_true", help="skip the batch table, run only the sweep")
-    parser.add_argument("--write-docs", action="store_true", help="update this script's section of docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="update this benchmark's section of docs/benchmarks.md")
     args = parser.parse_args(argv)
     batches, max_tokens, rounds = SIZES[args.quick]
     args.batches, args.max_tokens = args.batches or batches, args.max_tokens or max_tokens
@@ -344,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs and wrong:
         print(f"{DOCS.path} not updated: greedy tokens differ from HF's at batch 1")
     elif args.write_docs:
-        command = shlex.join(["python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
+        command = bench_command("engine", argv)
         sweep_info = sweep_notes(args, sweep_summary)
         DOCS.write(markdown_section(command, info, rows, summary, sweep_rows, sweep_info))
         print(f"updated {DOCS.path}")

@@ -12,8 +12,8 @@ Scenarios, in each mode (admission_order service_levels, then fifo):
 Every prompt is token ids (so its length is exact), sampled at temperature 1 with its own seed: outputs end on EOS
 at lengths nobody knows in advance. TTFT is the client's: from sending to the first streamed token.
 
-    .venv/bin/python bench/fairness.py                 # about 6 minutes on 2 cores
-    .venv/bin/python bench/fairness.py --write-docs    # also writes its docs/benchmarks.md section
+    .venv/bin/python -m bench fairness                 # about 6 minutes on 2 cores
+    .venv/bin/python -m bench fairness --write-docs    # also writes its docs/benchmarks.md section
 """
 
 from __future__ import annotations
@@ -31,17 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/fairness.py` puts bench/ first on sys.path, where bench/engine.py would shadow `engine`.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
 import httpx
 
-from bench.docs_section import DocsSection
+from bench.harness.cluster import ServeCluster, serve_cluster, tiny_app_args
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.deployments.admission.latency_window import nearest_rank
-from tests.e2e.cluster import ServeCluster, serve_cluster, tiny_app_args
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 DOCS = DocsSection("bench/fairness.py")
 MODEL = "tiny-fairness"
@@ -272,16 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         for order in args.orders.split(","):
             # A process per order: Serve's handles in a driver stay bound to the first cluster it talked to.
             out = Path(state) / f"{order}.json"
-            subprocess.run([sys.executable, __file__, "--one-order", order, "--out", str(out), "--b-period-s",
-                            str(args.b_period_s), "--b-seconds", str(args.b_seconds)], check=True)
+            subprocess.run([sys.executable, "-m", "bench", "fairness", "--one-order", order, "--out", str(out),
+                            "--b-period-s", str(args.b_period_s), "--b-seconds", str(args.b_seconds)], check=True,
+                           cwd=REPO_ROOT)
             results[order] = loaded(json.loads(out.read_text()))
             print("\n".join(tables({order: results[order]})), flush=True)
     lines = tables(results)
     print("\n".join(lines))
     if args.write_docs:
-        command = "python bench/fairness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = bench_command("fairness", argv)
         DOCS.write("## Service levels under overload\n\n"
-                   f"`{command.strip()}` on a 2-core machine, each order on a cluster of its own: one replica "
+                   f"`{command}` on a 2-core machine, each order on a cluster of its own: one replica "
                    f"(tp=1), 'full' admission, KV for the requests in the last table's capacity column, "
                    f"{PROMPT_TOKENS}-token prompts, up to {MAX_TOKENS} sampled tokens (temperature 1, a seed each, "
                    f"EOS ends them). B sends one streamed request every {args.b_period_s:g} s for "

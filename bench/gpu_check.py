@@ -5,14 +5,14 @@ Stages, each a command of its own, in order; a stage that fails is reported and 
   2. the model against transformers at tp=1 on the Triton kernels, in fp32 (logits within 1e-4, equal greedy
      tokens) and in bf16 (within bf16's spacing, equal up to near-ties);
   3. decode CUDA graphs: the engine with its captured graphs gives the enforce_eager engine's tokens;
-  4. bench/kernels.py, the GQA and the MLA decode tables (share of the measured copy bandwidth);
-  5. bench/engine.py at tp=1, CUDA graphs beside enforce_eager, beside transformers' generate.
+  4. the kernels benchmark, the GQA and the MLA decode tables (share of the measured copy bandwidth);
+  5. the engine benchmark at tp=1, CUDA graphs beside enforce_eager, beside transformers' generate.
 The benches write their sections of docs/benchmarks.md. It needs no Ray and no vLLM (the device image has
 neither): the tp=1 engine runs in this process.
 
-    python bench/gpu_check.py                    # every stage
-    python bench/gpu_check.py --out DIR          # also each stage's log and the updated docs/benchmarks.md in DIR
-    python bench/gpu_check.py --dry-run          # the stages and their commands (any machine)
+    python -m bench gpu_check                    # every stage
+    python -m bench gpu_check --out DIR          # also each stage's log and the updated docs/benchmarks.md in DIR
+    python -m bench gpu_check --dry-run          # the stages and their commands (any machine)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"]
+BENCH = [sys.executable, "-m", "bench"]  # run in the repository root (run_stage's cwd), where `bench` imports
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,10 @@ STAGES = [
     Stage("model vs transformers, tp=1, Triton, fp32 and bf16",
           [*PYTEST, "tests/engine/models/test_model_vs_hf.py", "-k", "triton"], 120),
     Stage("decode CUDA graphs vs eager", [*PYTEST, "tests/engine/worker/test_cuda_graphs.py"], 90),
-    Stage("bench/kernels.py gqa", [sys.executable, "bench/kernels.py", "--write-docs"], 120),
-    Stage("bench/kernels.py mla", [sys.executable, "bench/kernels.py", "--shape", "mla", "--write-docs"], 90),
-    Stage("bench/engine.py tp=1, CUDA graphs vs eager",
-          [sys.executable, "bench/engine.py", "--skip-tp2", "--batches", "1", "8", "32", "64", "--rounds", "3",
+    Stage("bench kernels gqa", [*BENCH, "kernels", "--write-docs"], 120),
+    Stage("bench kernels mla", [*BENCH, "kernels", "--shape", "mla", "--write-docs"], 90),
+    Stage("bench engine tp=1, CUDA graphs vs eager",
+          [*BENCH, "engine", "--skip-tp2", "--batches", "1", "8", "32", "64", "--rounds", "3",
            "--write-docs"], 150),
 ]
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/gpu_check.py needs a CUDA device: this machine has none (--dry-run lists the stages)",
+        print("python -m bench gpu_check needs a CUDA device: this machine has none (--dry-run lists the stages)",
               file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)

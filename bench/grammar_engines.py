@@ -1,13 +1,13 @@
 """xgrammar against llguidance on this project's vocabulary and schemas: compile time, per-token mask time, and
 whether what each lets through is valid JSON (why dcpserve/engine/structured_output.py uses llguidance).
 
-Each engine walks every schema of tests/engine/json_schemas.py `--walks` times: at each step it fills the allowed-
-token bitmask, random logits (seeded: the same draws for both engines) are masked with it, a token is sampled, and
-the engine advances, until it accepts a stop token or `--max-tokens`. The walk's text must then parse with Python's
+Each engine walks every schema of bench/harness/json_schemas.py `--walks` times: at each step it fills the
+allowed-token bitmask, random logits (seeded: the same draws for both engines) are masked with it, a token is sampled,
+and the engine advances, until it accepts a stop token or `--max-tokens`. The walk's text must then parse with Python's
 strict json.loads (RFC 8259: no raw control characters in strings) and validate with jsonschema. Random logits are
 harsher than any model: every token the grammar allows gets drawn sooner or later.
 
-    python bench/grammar_engines.py [--model DIR] [--walks 20] [--write-docs]
+    python -m bench grammar_engines [--model DIR] [--walks 20] [--write-docs]
 
 Without --model it generates the tiny test model's tokenizer (byte-level BPE, 512 tokens) in a temporary directory.
 """
@@ -23,20 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/grammar_engines.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
-# `kernels` package transformers imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import jsonschema
+import numpy as np
+import torch
 
-import jsonschema  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from bench.docs_section import DocsSection  # noqa: E402
-from dcpserve.engine.structured_output import no_additional_properties  # noqa: E402
-from tests.engine.json_schemas import SCHEMAS  # noqa: E402
+from bench.harness.docs_section import DocsSection, bench_command
+from bench.harness.json_schemas import SCHEMAS
+from dcpserve.engine.structured_output import no_additional_properties
 
 
 class XgrammarEngine:
@@ -157,13 +150,13 @@ def measure(engine: Any, tokenizer: Any, walks: int, max_tokens: int, stop_ids: 
             "examples": examples}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a model directory with a tokenizer (default: the tiny model's)")
     parser.add_argument("--walks", type=int, default=20, help="random walks per schema per engine")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,9 +189,11 @@ def main() -> None:
         for example in r["examples"]:
             print(f"  {r['engine']} invalid: {example}")
     if args.write_docs:
-        DocsSection("grammar_engines").write(f"Command: `python bench/grammar_engines.py --walks {args.walks}` "
-                      f"({len(SCHEMAS)} schemas, random logits, vocabulary {vocab_size}).\n\n{table}")
+        command = bench_command("grammar_engines", ["--walks", str(args.walks)])
+        DocsSection("grammar_engines").write(f"Command: `{command}` ({len(SCHEMAS)} schemas, random logits, vocabulary "
+                                             f"{vocab_size}).\n\n{table}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

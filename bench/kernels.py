@@ -8,9 +8,9 @@ caches); "mla", one DCP rank of DeepSeek's multi-head latent attention (1 latent
 16 query heads absorbed into the latent space, the values the latent's 512 channels of the same cache). 16-token
 pages. Without CUDA it times the torch reference at small sizes only: a smoke run, not a kernel measurement.
 
-    python bench/kernels.py                # full table; on CUDA it also updates docs/benchmarks.md
-    python bench/kernels.py --shape mla    # the MLA decode case (its own section of docs/benchmarks.md)
-    python bench/kernels.py --quick        # a short subset; writes the docs only with --write-docs
+    python -m bench kernels                # full table; on CUDA it also updates docs/benchmarks.md
+    python -m bench kernels --shape mla    # the MLA decode case (its own section of docs/benchmarks.md)
+    python -m bench kernels --quick        # a short subset; writes the docs only with --write-docs
 """
 
 from __future__ import annotations
@@ -18,22 +18,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 import torch.nn.functional as F
 
-from bench.docs_section import DocsSection
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.kernels._triton import HAS_TRITON, triton
 from dcpserve.kernels.combine import combine_lse, combine_lse_ref
 from dcpserve.kernels.decode_attention import default_num_splits, paged_decode_attention, paged_decode_attention_ref
@@ -133,7 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-kv-gib", type=float, help="skip rows whose paged KV exceeds this "
                         "(default 40 on CUDA, 1 on CPU); the dense copy for SDPA doubles the peak")
     parser.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
-                        help="update this script's section of docs/benchmarks.md (default: on CUDA unless --quick)")
+                        help="update this benchmark's section of docs/benchmarks.md (default: on CUDA unless --quick)")
     parser.add_argument("--quick", action="store_true", help="a short subset of contexts, batches and repeats")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gqa",
                         help="gqa: K and V caches of head_dim 128; mla: DeepSeek's 576-wide latent cache (default gqa)")
@@ -366,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs and wrong:
         print(f"{docs.path} not updated: a kernel result was wrong")
     elif args.write_docs:
-        command = shlex.join(["python", "bench/kernels.py", *(sys.argv[1:] if argv is None else argv)])
+        command = bench_command("kernels", argv)
         docs.write(markdown_section(args.shape, command, info, rows, notes + summary))
         print(f"updated {docs.path}")
     return 1 if wrong else 0

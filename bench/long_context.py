@@ -2,13 +2,14 @@
 DCP layouts the suite covers, for a one-KV-head Llama and a DeepSeek-V2 MLA tiny random model.
 
 tests/engine/models/test_long_context.py checks every covered layout at 32,768 tokens in the suite; this runs the same
-check (its checkpoints, scenario and `check_long_against_hf`: greedy tokens equal, logits within 1e-4 at the last prompt
-position and every decode step, every rank bit-identical to rank 0, the far context shown to matter) at a length the
-suite cannot afford, and prints how far our logits are from transformers' and how long each side took.
+check (bench/harness/long_context.py's checkpoints, scenario and `check_long_against_hf`: greedy tokens equal, logits
+within 1e-4 at the last prompt position and every decode step, every rank bit-identical to rank 0, the far context
+shown to matter) at a length the suite cannot afford, and prints how far our logits are from transformers' and how
+long each side took.
 
-    python bench/long_context.py           # 131,072 tokens, (tp, dcp, pcp) = (1, 1, 1), (2, 2, 1), (1, 2, 2)
-    python bench/long_context.py --tokens 65536 --layouts 1,1 2,2 4,4 2,4,2
-    python bench/long_context.py --write-docs
+    python -m bench long_context           # 131,072 tokens, (tp, dcp, pcp) = (1, 1, 1), (2, 2, 1), (1, 2, 2)
+    python -m bench long_context --tokens 65536 --layouts 1,1 2,2 4,4 2,4,2
+    python -m bench long_context --write-docs
 """
 
 from __future__ import annotations
@@ -20,26 +21,23 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import torch.multiprocessing as mp
 
-from bench.docs_section import DocsSection
-from dcpserve.engine.config import ModelConfig, ParallelConfig
-from dcpserve.engine.worker.parallel import ParallelState
-from tests.engine.model_harness import Job, run_job, run_rank
-from tests.engine.models.test_long_context import (
+from bench.harness.docs_section import DocsSection, bench_command
+from bench.harness.long_context import (
     BLOCK_SIZE,
     LLAMA_MQA,
     MLA,
     LongCase,
-    _free_port,
     check_long_against_hf,
+    free_port,
     scenario,
     write_checkpoints,
 )
+from bench.harness.model_harness import Job, run_job, run_rank
+from dcpserve.engine.config import ModelConfig, ParallelConfig
+from dcpserve.engine.worker.parallel import ParallelState
 
 SCRIPT = "bench/long_context.py"
 MODELS = (LLAMA_MQA, MLA)  # both take every (tp, dcp) with dcp = tp (one KV head), and dcp = tp * pcp
@@ -68,7 +66,7 @@ def run_ours(tp: int, dcp: int, pcp: int, jobs: list[Job], out_dir: Path) -> lis
             results.append(run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, out_dir,
                                    BLOCK_SIZE))
         return results
-    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(out_dir), BLOCK_SIZE, pcp), nprocs=tp * pcp,
+    mp.spawn(run_rank, args=(tp, dcp, 1, free_port(), jobs, str(out_dir), BLOCK_SIZE, pcp), nprocs=tp * pcp,
              join=True)
     results = []
     for job in jobs:
@@ -84,14 +82,14 @@ def run_ours(tp: int, dcp: int, pcp: int, jobs: list[Job], out_dir: Path) -> lis
     return results
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=131_072, help="prompt tokens (default 131072)")
     parser.add_argument("--chunk", type=int, default=8_192, help="prefill chunk in tokens (default 8192)")
     parser.add_argument("--layouts", type=parse_layout, nargs="+", default=[(1, 1, 1), (2, 2, 1), (1, 2, 2)],
                         help="tp,dcp or tp,dcp,pcp (default 1,1 2,2 1,2,2)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tokens < 2 * args.chunk:
         parser.error(f"--tokens {args.tokens} is under two chunks of {args.chunk}: there is no far context to check")
     docs = DocsSection(SCRIPT)
@@ -125,10 +123,10 @@ def main() -> int:
                 rows.append(row)
     section = "\n".join([
         f"## Exactness at {args.tokens:,} tokens (`{SCRIPT}`)", "",
-        f"`python {SCRIPT} {' '.join(sys.argv[1:])}`; torch {torch.__version__}, python {platform.python_version()}, "
+        f"`{bench_command('long_context', argv)}`; torch {torch.__version__}, python {platform.python_version()}, "
         f"date {time.strftime('%Y-%m-%dT%H:%M:%S')}", "",
         f"One {args.tokens:,}-token prompt of seeded random tokens, prefilled in chunks of {args.chunk:,}, then 8 "
-        f"greedy tokens, on tests/engine/models/test_long_context.py's tiny random models (positions up to "
+        f"greedy tokens, on the suite's tiny random models (bench/harness/long_context.py; positions up to "
         f"{case.max_positions:,}, RoPE scaled 4x), against transformers' fp32 forward (sdpa) on the same weights. "
         "Tokens: greedy tokens equal transformers' at every step; error: the largest logit difference at the last "
         "prompt position and every decode step (the suite's bound is 1e-4). Every rank's tokens are rank 0's, and the "

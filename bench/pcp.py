@@ -8,9 +8,9 @@ group's rule; the one-rank engine runs in this process with the same one thread)
 on GPUs. On this 2-core machine a 4-rank layout shares 2 cores: its ratio shows the overhead, not what 4 devices
 would do.
 
-    python bench/pcp.py                                   # 4k, 16k and 32k tokens, 3 timed runs each
-    python bench/pcp.py --tokens 16384 --repeats 5
-    python bench/pcp.py --write-docs
+    python -m bench pcp                                   # 4k, 16k and 32k tokens, 3 timed runs each
+    python -m bench pcp --tokens 16384 --repeats 5
+    python -m bench pcp --write-docs
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from bench.docs_section import DocsSection
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.cluster.tiny_model import TinyModelSpec, write_tiny_model
 from dcpserve.engine.frontend.llm import LLM
 from dcpserve.engine.sampling_params import SamplingParams
@@ -74,7 +71,7 @@ def ttfts(model: Path, layout: tuple[int, int, int], lengths: list[int], repeats
     return results
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768],
                         help="prompt lengths (default 4096 16384 32768)")
@@ -82,7 +79,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=4096,
                         help="max_num_batched_tokens: the prefill chunk (default 4096)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1 or min(args.tokens) < 1:
         parser.error("--repeats and --tokens must be positive")
     docs = DocsSection(SCRIPT)
@@ -105,7 +102,7 @@ def main() -> int:
                             f"{medians[split][n]:.2f} s | {ratio:.2f}x |")
     section = "\n".join([
         f"## Prefill context parallelism: time to first token (`{SCRIPT}`)", "",
-        f"`python {SCRIPT} {' '.join(sys.argv[1:])}`; torch {torch.__version__}, python "
+        f"`{bench_command('pcp', argv)}`; torch {torch.__version__}, python "
         f"{platform.python_version()}, {os.cpu_count()} cores, date {time.strftime('%Y-%m-%dT%H:%M:%S')}", "",
         f"The native engine, one prompt of seeded random tokens at a time (max_tokens 1, prefix caching off, chunks "
         f"of {args.chunk:,} tokens), on the tiny Llama (2 layers, 4 query heads and 1 KV head of 32, fp32). TTFT: "

@@ -1,6 +1,6 @@
 """Layout pools through the deployed app: one pooled app against two homogeneous ones on the same 4 logical GPUs.
 
-A Ray head of this bench's own with 4 logical GPUs (bench/compare.py), the tiny model in float32, and three apps
+A Ray head of this bench's own with 4 logical GPUs (bench/harness/compare.py), the tiny model in float32, and three apps
 deployed one after another with `serve deploy`, each sent the same mixed burst through the `openai` client:
 
 - pooled: one replica of tp=2 dcp=1 (pool "short") and one of tp=2 dcp=2 (pool "long"), gpu_budget 4;
@@ -13,8 +13,8 @@ seed per request, so outputs end on EOS at lengths nobody knows (max_tokens caps
 that finished with TTFT <= --ttft-target-s and their own mean inter-token latency <= --itl-target-s, per second of
 the burst's makespan.
 
-    python bench/pools.py                  # the three apps (about 10 minutes on 2 cores)
-    python bench/pools.py --write-docs     # also writes its section of docs/benchmarks.md and the plot
+    python -m bench pools                  # the three apps (about 10 minutes on 2 cores)
+    python -m bench pools --write-docs     # also writes its section of docs/benchmarks.md and the plot
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-from bench import compare
-from bench.docs_section import DocsSection
+from bench.harness import compare
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.config import ModelConfig
 from dcpserve.simulator.metrics import percentile
@@ -166,7 +162,7 @@ def write_plot(path: Path, results: list[Result], ttft_s: float, itl_s: float) -
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=40, help="requests in the burst (default 40)")
     parser.add_argument("--max-tokens", type=int, default=96, help="each request's max_tokens (default 96)")
@@ -175,7 +171,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deploy-timeout", type=float, default=600.0)
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     docs = DocsSection(SCRIPT)
     if args.write_docs:
         docs.check()
@@ -197,7 +193,7 @@ def main() -> int:
     rates = [float(row[1]) for row in rows]
     best_single = max(rates[1:])
     lines = [f"## Layout pools through the deployed app (`{SCRIPT}`)", "",
-             f"`python {SCRIPT} {' '.join(sys.argv[1:])}`; {compare.environment_line()}", "",
+             f"`{bench_command('pools', argv)}`; {compare.environment_line()}", "",
              f"The tiny model (float32), {args.requests} requests sent at once: 70% of ~{SHORT_TOKENS} prompt tokens, "
              f"30% of ~{LONG_TOKENS}, temperature 1 with a seed each, max_tokens {args.max_tokens}; "
              f"{PAGES_PER_RANK * BLOCK_SIZE:,} tokens of KV per tp=2 dcp=1 replica (twice that at dcp=2), max_num_seqs "

@@ -1,6 +1,6 @@
 """Prefix caching and prefix-aware routing, measured through the deployed app (2 engine replicas).
 
-On a Ray head of this script's own (4 logical GPUs, as `make serve`) it deploys the tiny model three times, the same
+On a Ray head of this benchmark's own (4 logical GPUs, as `make serve`) it deploys the tiny model three times, the same
 layout and 2 replicas each time, and runs the same two workloads against each through the OpenAI API (official
 streaming SSE over raw HTTP, as vLLM's benchmark_serving does):
 
@@ -13,9 +13,9 @@ The configurations: caching on with prefix-aware routing (the default), caching 
 tokens/s (caching on vs off), and the prefix hit rate (prompt tokens served from the replicas' caches, from their
 engine counters) and the routing prefix-hit share (prompt blocks the granted replica had cached or was computing).
 
-    python bench/prefix.py                 # full run (console only; about 10 minutes on 2 cores)
-    python bench/prefix.py --write-docs    # also writes its section of docs/benchmarks.md
-    python bench/prefix.py --quick         # smaller workloads
+    python -m bench prefix                 # full run (console only; about 10 minutes on 2 cores)
+    python -m bench prefix --write-docs    # also writes its section of docs/benchmarks.md
+    python -m bench prefix --quick         # smaller workloads
 """
 
 from __future__ import annotations
@@ -31,16 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/prefix.py` puts bench/ first on sys.path, where bench/engine.py would shadow the `engine`
-# package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench import compare
-from bench.docs_section import DocsSection
+from bench.harness import compare
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.cluster.tiny_model import write_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = "bench/prefix.py"
 REPLICAS = 2
@@ -301,7 +296,8 @@ def markdown(rows: list[list[str]], command: str, workload: Workload, seconds: f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads (about 4 minutes)")
-    parser.add_argument("--write-docs", action="store_true", help="write this script's section of docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write this benchmark's section of docs/benchmarks.md")
     parser.add_argument("--deploy-timeout", type=float, default=300.0, help="seconds to wait for each deploy")
     args = parser.parse_args(argv)
     docs = DocsSection(SCRIPT)
@@ -325,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - started
     print(f"total {seconds:.0f}s")
     if args.write_docs:
-        command = "python bench/prefix.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        docs.write(markdown(rows, command.strip(), workload, seconds))
+        docs.write(markdown(rows, bench_command("prefix", argv), workload, seconds))
         say(f"updated {docs.path.relative_to(REPO_ROOT)}")
     return 0
 

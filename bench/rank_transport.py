@@ -9,8 +9,8 @@ Three transports, measured in alternating rounds on one local Ray instance so lo
 Each step is a pickled stand-in of a SchedulerOutput (per sequence: an id, one new token, its position, its block
 table and a dict of sampling parameters); rank 0 replies with one sampled token per sequence, the others with None.
 
-    python bench/rank_transport.py               # tp=2
-    python bench/rank_transport.py --tp 4 --rounds 10
+    python -m bench rank_transport               # tp=2
+    python -m bench rank_transport --tp 4 --rounds 10
 """
 
 from __future__ import annotations
@@ -20,21 +20,11 @@ import os
 import pickle
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from dcpserve.local.serve import bind_ray_to_loopback
-
-bind_ray_to_loopback()  # the local Ray this bench starts listens on 127.0.0.1 only
 
 import ray
 from ray.dag import InputNode, MultiOutputNode

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from bench import compare
-from bench.prometheus import metric_lines
+from bench.harness import compare
+from bench.harness.prometheus import metric_lines
 from dcpserve.simulator.metrics import percentile
 from dcpserve.simulator.step_fit import LinearStepModel
 from dcpserve.simulator.step_time import StepWork
@@ -129,7 +129,7 @@ HISTOGRAMS = ("dcpserve_engine_step_seconds", "dcpserve_admission_queue_wait_sec
 
 def scrape(ray_temp: Path) -> dict[str, float]:
     """The app's counters summed over replicas, keyed "name" or "name{outcome|reason}", and its histograms' sums and
-    counts ("name_sum", "name_count"), from every node's Prometheus endpoint (bench/prometheus.py)."""
+    counts ("name_sum", "name_count"), from every node's Prometheus endpoint (bench/harness/prometheus.py)."""
     pattern = re.compile(r"^\w*?(" + "|".join(COUNTERS) + r"|(?:" + "|".join(HISTOGRAMS) + r")_(?:sum|count))"
                          r"(?:_total)?\{([^}]*)\}\s+(\S+)$")
     totals: dict[str, float] = {}

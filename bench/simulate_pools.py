@@ -13,10 +13,10 @@ Goodput is the requests that finished with TTFT <= --ttft-target-s and their own
 second of the window in which sessions start (the same for every configuration: dcpserve/simulator/metrics.py
 `goodput`); the table gives the share met per class of request too.
 
-    python bench/simulate_pools.py --nodes 64          # 512 GPUs (about an hour on 2 cores)
-    python bench/simulate_pools.py --nodes 4 --quick   # a quick look
-    python bench/simulate_pools.py --nodes 64 --write-docs
-    python bench/simulate_pools.py --nodes 4 --rule fastest   # the queue's earlier pool choice, for comparison
+    python -m bench simulate_pools --nodes 64          # 512 GPUs (about an hour on 2 cores)
+    python -m bench simulate_pools --nodes 4 --quick   # a quick look
+    python -m bench simulate_pools --nodes 64 --write-docs
+    python -m bench simulate_pools --nodes 4 --rule fastest   # the queue's earlier pool choice, for comparison
 
 `--rule fastest` prices a pool by its replica's recent step alone (the lowest step with room wins, as the queue
 chose before it weighed the request's share of the KV): the comparison docs/structure.md quotes.
@@ -30,14 +30,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import dcpserve.deployments.admission.pools as admission_pools
-from bench.docs_section import DocsSection
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.cluster.published_models import model_spec
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.simulator.gpus import gpu_spec
@@ -137,7 +133,7 @@ def setups(nodes: int) -> list[Setup]:
             + [Setup(f"pools: {k} dcp=1 + {nodes - k} dcp=8", k, nodes - k) for k in splits])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=64, help="nodes of 8 GPUs (default 64: 512 GPUs)")
     parser.add_argument("--requests-per-node", type=int, default=400)
@@ -150,7 +146,7 @@ def main() -> int:
                         help="the queue's pool choice (default cheapest, the app's; fastest: the earlier rule)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default 2)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     docs = DocsSection(SCRIPT)
     if args.write_docs:
         if args.rule != "cheapest":
@@ -161,7 +157,7 @@ def main() -> int:
     jobs = [(setup, load) for setup in setups(args.nodes)]
     with ProcessPoolExecutor(max_workers=args.jobs) as executor:
         results = dict(zip([setup for setup, _ in jobs], executor.map(run_setup, jobs), strict=True))
-    section = format_section(results, load, sys.argv[1:])
+    section = format_section(results, load, sys.argv[1:] if argv is None else argv)
     print(section)
     if args.write_docs:
         docs.write(section)
@@ -170,8 +166,9 @@ def main() -> int:
 
 def format_section(results: dict[Setup, dict[str, Any]], load: Load, argv: list[str]) -> str:
     gpus = load.nodes * GPUS_PER_NODE
+    command = bench_command("simulate_pools", argv)
     lines = [f"## Layout pools at {gpus} GPUs in the simulator (`bench/simulate_pools.py`)", "",
-             f"`python {SCRIPT} {' '.join(argv)}`. Kimi K2 (4-bit weights, fp8 KV, 256k context) on {gpus} x H200, "
+             f"`{command}`. Kimi K2 (4-bit weights, fp8 KV, 256k context) on {gpus} x H200, "
              f"replicas of tp=8; the `chat` + `agentic` presets mixed, open loop at {load.chat_rate_per_node:g} chat "
              f"and {load.agentic_rate_per_node:g} agentic sessions/s per node, {load.requests_per_node * load.nodes:,} "
              f"requests. SLO: TTFT <= {load.ttft_target_s:g} s and the request's mean ITL <= "

@@ -12,9 +12,9 @@ step model (dcpserve/simulator/step_time.py) and the app's own control plane:
   8 x H200 (the closest memory size it has), DeepSeek-V3's config with fp8 weights and bf16 KV, closed loop at one
   concurrency. Only the direction of each effect is comparable, not its size.
 
-    python bench/simulate_published.py                 # everything (tens of minutes on 2 cores)
-    python bench/simulate_published.py --quick         # fewer requests and concurrencies
-    python bench/simulate_published.py --write-docs    # also writes its section of docs/benchmarks.md
+    python -m bench simulate_published                 # everything (tens of minutes on 2 cores)
+    python -m bench simulate_published --quick         # fewer requests and concurrencies
+    python -m bench simulate_published --write-docs    # also writes its section of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.docs_section import DocsSection
+from bench.harness.docs_section import DocsSection
 from dcpserve.cluster.published_models import model_spec
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.simulator.gpus import gpu_spec
@@ -99,12 +95,12 @@ def fixed_cases(quick: bool) -> list[Case]:
             for preset in ("1k-1k", "8k-1k", "8k-8k") for dcp in (1, 8)]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer requests and concurrencies")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default 2)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     docs = DocsSection(SCRIPT)
     if args.write_docs:
         docs.check()

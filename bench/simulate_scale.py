@@ -5,9 +5,9 @@ replaying the `agentic` preset open loop with its session rate scaled by N, so e
 requests grow with N too (REQUESTS_PER_NODE each). The simulator should cost about the same per request at any size:
 the admission queue's choice looks at every replica, everything else is per replica.
 
-    python bench/simulate_scale.py                 # 1, 4, 16 and 64 nodes (64: 100,000 requests)
-    python bench/simulate_scale.py --nodes 1 4     # some sizes
-    python bench/simulate_scale.py --write-docs    # also writes its section of docs/benchmarks.md
+    python -m bench simulate_scale                 # 1, 4, 16 and 64 nodes (64: 100,000 requests)
+    python -m bench simulate_scale --nodes 1 4     # some sizes
+    python -m bench simulate_scale --write-docs    # also writes its section of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -17,12 +17,8 @@ import dataclasses
 import resource
 import sys
 import time
-from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.docs_section import DocsSection
+from bench.harness.docs_section import DocsSection
 from dcpserve.cluster.published_models import model_spec
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.simulator.gpus import gpu_spec
@@ -52,11 +48,11 @@ def run(nodes: int) -> tuple[int, float, float, dict[str, object]]:
     return len(trace), time.perf_counter() - wall, float(summary["duration_s"]), summary
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16, 64], help="cluster sizes")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     docs = DocsSection(SCRIPT)
     if args.write_docs:
         docs.check()

@@ -10,7 +10,7 @@ twice the tokens):
    over its requests of the real TTFT less the simulated one without that latency. A probe of the idle app
    (one-token answers to short prompts, one at a time) measures it without load, for comparison;
 2. the real app on the validation trace: one engine replica of that layout deployed with `serve deploy` on a Ray
-   head of this process's own (bench/compare.py's, as `make serve`); the trace replayed open loop at its
+   head of this process's own (bench/harness/compare.py's, as `make serve`); the trace replayed open loop at its
    timestamps through the official `openai` client (streamed, greedy, ignore_eos, max_tokens = the trace's output
    length, prompts as token ids built from the trace's prefix ids so shared prefixes are shared tokens); /health
    polled for the granted sequences; afterwards the app's own Prometheus counters: admission decisions by
@@ -25,8 +25,8 @@ between runs more than the fit errs, and this column checks the control plane's 
 output tok/s, TTFT p50 and peak concurrency within 20%; admission decisions (queued, refused by kind, preempted)
 of the same kinds and counts within 10% (of the count; a count of at most 10 within 1).
 
-    .venv/bin/python bench/simulate_validate.py                       # ~16 minutes on 2 cores
-    .venv/bin/python bench/simulate_validate.py --write-docs          # also writes its docs/benchmarks.md section
+    .venv/bin/python -m bench simulate_validate                       # ~16 minutes on 2 cores
+    .venv/bin/python -m bench simulate_validate --write-docs          # also writes its docs/benchmarks.md section
 """
 
 from __future__ import annotations
@@ -41,14 +41,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-
-from bench import compare
-from bench.docs_section import DocsSection
+from bench.harness import compare
+from bench.harness.docs_section import DocsSection, bench_command
 from bench.served_replay import HEALTH_PERIOD_S, RealRun, probe_latency, real_metrics, replay, scrape
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.args import EngineArgs
@@ -318,10 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{stats}\n\n{verdict}")
     say(f"done in {time.monotonic() - started:.0f} s")
     if args.write_docs:
-        command = "python bench/simulate_validate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = bench_command("simulate_validate", argv)
         DOCS.write("\n".join([
             "### The simulator against the real app (this machine)", "",
-            f"`{command.strip()}`, {time.strftime('%Y-%m-%d')}; {compare.environment_line()}", "",
+            f"`{command}`, {time.strftime('%Y-%m-%d')}; {compare.environment_line()}", "",
             f"The traces: {stats}. Real: one replica of the tiny model deployed with `serve deploy` on a Ray head of "
             f"the bench's own, each trace replayed open loop through the `openai` client. Simulated: the same trace, "
             f"KV blocks, scheduler limits and app settings, with a step model fitted to the served engine's own "

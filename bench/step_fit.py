@@ -11,9 +11,9 @@ With --from-steps it runs nothing and fits the steps an engine recorded with `st
 app's own steps, each with the host's gap before it (the engine core's inputs and outputs, the replica's other
 threads), which the simulator's back-to-back steps otherwise leave out.
 
-    python bench/step_fit.py --out fits/tiny_tp1.json
-    python bench/step_fit.py --tp 2 --dcp 2 --out fits/tiny_tp2_dcp2.json
-    python bench/step_fit.py --from-steps /tmp/steps.jsonl --out fits/served.json
+    python -m bench step_fit --out fits/tiny_tp1.json
+    python -m bench step_fit --tp 2 --dcp 2 --out fits/tiny_tp2_dcp2.json
+    python -m bench step_fit --from-steps /tmp/steps.jsonl --out fits/served.json
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.core.step import SchedulerOutput
@@ -77,7 +74,7 @@ def measure(model: str, tp: int, dcp: int, requests: int, seed: int) -> list[tup
     return samples
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model, in a temp dir)")
     parser.add_argument("--tp", type=int, default=1)
@@ -87,7 +84,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="where to write the fitted model's JSON")
     parser.add_argument("--from-steps", default=None, metavar="FILE",
                         help="fit an engine's step trace (step_trace_path) instead of running a load")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.from_steps:
         samples = read_step_trace(args.from_steps)
         source = args.from_steps

@@ -8,7 +8,7 @@ The batch (32 by default) runs in one LLM at tp=1, in alternating rounds, so mac
 tokens/s counts generated tokens over each generate() call's wall time (one prefill step and the decode), after
 one unconstrained warm-up batch.
 
-    python bench/structured.py [--batch 32] [--items 60] [--rounds 5] [--write-docs]
+    python -m bench structured [--batch 32] [--items 60] [--rounds 5] [--write-docs]
 """
 
 from __future__ import annotations
@@ -20,18 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Running `python bench/structured.py` puts bench/ first on sys.path, where bench/engine.py would shadow `engine`.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench.docs_section import DocsSection  # noqa: E402
-from dcpserve.cluster.tiny_model import write_tiny_model  # noqa: E402
-from dcpserve.engine.frontend.llm import LLM  # noqa: E402
-from dcpserve.engine.sampling_params import SamplingParams  # noqa: E402
-from dcpserve.engine.structured_output import Grammars, StructuredOutput  # noqa: E402
-from tests.engine.json_schemas import SCHEMAS  # noqa: E402
+from bench.harness.docs_section import DocsSection, bench_command
+from bench.harness.json_schemas import SCHEMAS
+from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.engine.frontend.llm import LLM
+from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.engine.structured_output import Grammars, StructuredOutput
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
@@ -55,14 +49,14 @@ def compile_times(grammars: Grammars) -> tuple[list[float], list[float]]:
     return cold, cached
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--items", type=int, default=60, help="integers in each constrained output's array")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny", seed=0)
         prompts = [[(7 * i + 3 * j) % 400 + 20 for j in range(args.prompt_tokens)] for i in range(args.batch)]
@@ -98,10 +92,13 @@ def main() -> None:
     ])
     print(table)
     if args.write_docs:
+        # The options that shape the table, whatever else the run was given.
+        command = bench_command("structured", ["--batch", str(args.batch), "--items", str(args.items), "--rounds",
+                                               str(args.rounds)])
         DocsSection("bench/structured.py").write(
-            f"Command: `python bench/structured.py --batch {args.batch} --items {args.items} --rounds "
-            f"{args.rounds}` (the tiny model, tp=1, CPU; {args.rounds} alternating rounds).\n\n{table}")
+            f"Command: `{command}` (the tiny model, tp=1, CPU; {args.rounds} alternating rounds).\n\n{table}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

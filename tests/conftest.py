@@ -7,7 +7,7 @@ each cached block's token ids and compare them on every prefix cache hit, so a h
 wrong tokens fails the test (PrefixCacheCorruption) instead of serving another prefix's KV. Set here, at import,
 so engines in processes the tests start (a `ray start` cluster's replicas) inherit it too; a value set outside wins.
 
-Ray: one head for the whole session (`ray_head`, tests/e2e/cluster.py), on loopback only; the engine's Ray tests
+Ray: one head for the whole session (`ray_head`, bench/harness/cluster.py), on loopback only; the engine's Ray tests
 (`ray_cluster`) and every e2e and dashboard module use it, each module deploying its app and deleting it after.
 Tiers (markers, set here from what a test uses, so none is forgotten): `e2e` (an app on the head), `ray` (the head
 alone: the engine's multi-rank tests), `faults` (kills processes of the head: run after every other test on it),
@@ -41,7 +41,7 @@ for _lazy in ("schemathesis.reporting.html.writer", "schemathesis.reporting.html
         importlib.import_module(_lazy)
     except ImportError:  # another schemathesis: what it does not have, its hook does not import
         pass
-# Ray reads its auth mode once, at import: the session's head (tests/e2e/cluster.py) uses token auth.
+# Ray reads its auth mode once, at import: the session's head (bench/harness/cluster.py) uses token auth.
 os.environ["RAY_AUTH_MODE"] = "token"
 # Nothing in a test process may start a Ray of its own by calling into Ray unconnected (Ray's auto-init, also read
 # at import): after the session head's ray.shutdown(), a Serve handle's metrics thread still calls ray.wait, and
@@ -85,7 +85,7 @@ def device() -> torch.device:
 def ray_head(tmp_path_factory: pytest.TempPathFactory):
     """The session's Ray head (4 logical GPUs on CPU machines, the real count where there are GPUs), with this
     process joined as its driver; stopped at the end of the session."""
-    from tests.e2e.cluster import ray_head as start_ray_head
+    from bench.harness.cluster import ray_head as start_ray_head
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 4
     with start_ray_head(tmp_path_factory.mktemp("ray-head"), num_gpus=gpus) as head:

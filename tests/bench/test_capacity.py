@@ -1,6 +1,6 @@
-"""bench/capacity.py --stream-intervals without a cluster: its options, its workload (dcp=4 at ~32 sequences), the
-tokens per chunk and per stream item, its tables and verdict, and its docs section beside the capacity section
-(the runs themselves faked)."""
+"""`python -m bench capacity --stream-intervals` without a cluster: its options, its workload (dcp=4 at ~32
+sequences), the tokens per chunk and per stream item, its tables and verdict, and its docs section beside the capacity
+section (the runs themselves faked)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from bench import capacity, compare
-from bench.capacity import LayoutResult, Workload
-from bench.compare import RequestRecord
-from bench.docs_section import DocsSection
+from bench import capacity, capacity_layouts, capacity_stream
+from bench.capacity_layouts import WORKLOADS, LayoutResult, Workload, chosen_workload
+from bench.harness import compare
+from bench.harness.compare import RequestRecord
+from bench.harness.docs_section import DocsSection
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return capacity.COMPARISON.parse_args("test", "quick", list(argv), extra=capacity.add_options)
+    return capacity.COMPARISON.parse_args("test", "quick", list(argv), extra=capacity_layouts.add_options)
 
 
 def test_intervals_option() -> None:
@@ -25,16 +26,16 @@ def test_intervals_option() -> None:
     assert parse("--stream-intervals", "0,0.05").stream_intervals == [0.0, 0.05]
     for bad in ("-1", "0,0", "x", ","):
         with pytest.raises(argparse.ArgumentTypeError):
-            capacity.intervals_arg(bad)
+            capacity_layouts.intervals_arg(bad)
 
 
 def test_the_stream_workload_reaches_batch_32_and_the_default_stays() -> None:
     for quick in (False, True):
         args = parse(*(["--quick"] if quick else []))
-        assert capacity.chosen_workload(args) == Workload(*capacity.WORKLOADS[quick])  # unchanged without the option
-        stream = capacity.chosen_workload(parse("--stream-intervals", "0", *(["--quick"] if quick else [])))
+        assert chosen_workload(args) == Workload(*WORKLOADS[quick])  # unchanged without the option
+        stream = chosen_workload(parse("--stream-intervals", "0", *(["--quick"] if quick else [])))
         assert stream.dcp1_sequences * 4 == 32 and stream.num_requests >= 32
-    overridden = capacity.chosen_workload(parse("--stream-intervals", "0", "--requests", "40", "--max-tokens", "16"))
+    overridden = chosen_workload(parse("--stream-intervals", "0", "--requests", "40", "--max-tokens", "16"))
     assert (overridden.num_requests, overridden.max_tokens) == (40, 16)
 
 
@@ -67,12 +68,12 @@ def runs() -> list[LayoutResult]:
 
 def test_tables_and_verdict() -> None:
     workload = Workload(64, 64, 3, 8)
-    header, rows = capacity.stream_table(runs(), workload)
+    header, rows = capacity_stream.stream_table(runs(), workload)
     assert len(rows) == 4 and all(len(row) == len(header) for row in rows)
     assert rows[3][:2] == ("dcp=4", "0.05") and rows[3][header.index("replica tokens per stream item")] == "4.00"
-    _, ratios = capacity.ratio_table(runs(), [0, 0.05])
+    _, ratios = capacity_stream.ratio_table(runs(), [0, 0.05])
     assert ratios == [("0", "4.00x", "4.00x", "2.00x"), ("0.05", "4.00x", "4.00x", "2.20x")]
-    verdict = capacity.stream_verdict(runs(), [0, 0.05])
+    verdict = capacity_stream.stream_verdict(runs(), [0, 0.05])
     assert "4.00 tokens per stream item" in verdict[0] and ": met" in verdict[0]
     assert "(not lower)" in verdict[1]
 
@@ -83,14 +84,14 @@ def test_main_writes_its_own_section_beside_the_capacity_section(tmp_path: Path,
     docs.write_text("# Benchmarks\n\n<!-- bench/capacity.py:begin -->\nthe capacity table\n"
                     "<!-- bench/capacity.py:end -->\n")
     fake = iter(runs())
-    monkeypatch.setattr(capacity, "DocsSection", lambda script: DocsSection(script, docs))
-    monkeypatch.setattr(capacity, "measure_layout", lambda *args, **kwargs: next(fake))
+    monkeypatch.setattr(capacity_stream, "DocsSection", lambda key: DocsSection(key, docs))
+    monkeypatch.setattr(capacity_stream, "measure_layout", lambda *args, **kwargs: next(fake))
     monkeypatch.setattr(compare, "serve_head", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(compare, "environment_line", lambda: "environment")
     assert capacity.main(["--stream-intervals", "0,0.05", "--quick", "--write-docs"]) == 0
     text = docs.read_text()
     assert "<!-- bench/capacity.py:begin -->\nthe capacity table\n<!-- bench/capacity.py:end -->" in text
-    begin, end = (text.index(f"<!-- {capacity.STREAM_SECTION}:{m} -->") for m in ("begin", "end"))
+    begin, end = (text.index(f"<!-- {capacity_layouts.STREAM_SECTION}:{m} -->") for m in ("begin", "end"))
     section = text[begin:end]
-    assert "Command: `python bench/capacity.py --stream-intervals 0,0.05 --quick --write-docs`" in section
+    assert "Command: `python -m bench capacity --stream-intervals 0,0.05 --quick --write-docs`" in section
     assert "| dcp=4 | 0.05 |" in section

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py, the one run a CUDA machine gets: its stages, its refusal without CUDA, and how a stage's
+"""`python -m bench gpu_check`, the one run a CUDA machine gets: its stages, its refusal without CUDA, and how a stage's
 outcome is told (passed, failed, stopped at its time limit even when it prints nothing)."""
 
 from __future__ import annotations
@@ -10,26 +10,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import BENCHMARKS
 from bench.gpu_check import STAGES, Stage, run_stage
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_dry_run_lists_every_stage_and_each_names_existing_files() -> None:
-    out = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run"], cwd=REPO_ROOT, capture_output=True,
+def test_dry_run_lists_every_stage_and_each_names_what_exists() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench", "gpu_check", "--dry-run"], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert len(out.splitlines()) == len(STAGES)
     for stage in STAGES:
         assert stage.name in out
         for part in stage.command:
-            if part.startswith(("tests/", "bench/")):
+            if part.startswith("tests/"):
                 assert (REPO_ROOT / part).exists(), part
+        if stage.command[1:3] == ["-m", "bench"]:
+            assert stage.command[3] in BENCHMARKS, stage.command
 
 
 def test_without_cuda_it_refuses_clearly() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    done = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=REPO_ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "bench", "gpu_check"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and "needs a CUDA device" in done.stderr
 
 

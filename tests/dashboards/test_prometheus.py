@@ -2,7 +2,7 @@
 
 One app per engine backend (native: TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens; vLLM, in `make
 test-vllm`: TP=2, 256 blocks of 32 tokens), an admission queue of 1 and a 12 s queue timeout, deployed on the
-session's Ray head (tests/e2e/cluster.py) under an application name of its own, so that every query below can select
+session's Ray head (bench/harness/cluster.py) under an application name of its own, so that every query below can select
 this app's series by their `application` label; Prometheus started the way `make observe` starts it
 (dcpserve/local/observe.py), with the project's scrape config pointed at the head's service-discovery file. A bounded
 load makes every metric move: a normal stream, a never-fits 400, and, while the test itself holds the whole KV (a
@@ -32,9 +32,9 @@ import httpx
 import pytest
 import yaml
 
+from bench.harness.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, tiny_app_args
 from dcpserve.local import observe
 from dcpserve.local import serve as local_serve
-from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "grafana" / "dashboards" / "dcpserve.json"

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.engine.json_schemas import SCHEMAS
+from bench.harness.json_schemas import SCHEMAS
 
 MESSAGES: Any = [{"role": "user", "content": "Answer in JSON."}]  # the openai client's message params
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

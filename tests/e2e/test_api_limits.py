@@ -1,4 +1,4 @@
-"""The API surface operators put behind a load balancer (tests/e2e/cluster.py): API keys, request limits, the
+"""The API surface operators put behind a load balancer (bench/harness/cluster.py): API keys, request limits, the
 per-request deadline, tenants' service levels and limits, /health for probes, and the served OpenAPI document fuzzed
 with schemathesis.
 
@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 

@@ -1,4 +1,4 @@
-"""Autoscaling by concurrent sequences on the session's Ray head (tests/e2e/cluster.py).
+"""Autoscaling by concurrent sequences on the session's Ray head (bench/harness/cluster.py).
 
 TP=2 x DCP=2 replicas on 4 logical GPUs, so at most 2 replicas fit; autoscaling 1..2 with a target of 1 sequence
 per replica and short delays. Three long streams (the official openai client) raise the deployment to 2 running
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 

@@ -1,4 +1,4 @@
-"""A burst of long sampled requests far past the KV capacity, with autoscaling mid-burst (tests/e2e/cluster.py).
+"""A burst of long sampled requests far past the KV capacity, with autoscaling mid-burst (bench/harness/cluster.py).
 
 The shape that once wedged the app: long prompts, temperature 1 with a seed each (outputs end on EOS at lengths
 nobody knows in advance), a large max_tokens, many more requests than the KV holds, and a second replica that
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e import faults
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
+from bench.harness import faults
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(420)]
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = REPO / ".venv-clients" / "bin"

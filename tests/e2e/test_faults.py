@@ -1,7 +1,7 @@
-"""Faults under load on the session's Ray head (tests/e2e/cluster.py, tests/e2e/faults.py; these run last): a TP rank, a
-whole engine replica, the admission queue and the ingress are each SIGKILLed (by the pid the cluster's own APIs report)
-while streaming and non-streaming clients run. Every request ends (an answer or a clear error, never a hang), the app
-heals by itself (Serve replaces what died), new requests succeed, and no KV stays held afterwards.
+"""Faults under load on the session's Ray head (bench/harness/cluster.py, bench/harness/faults.py; these run last): a TP
+rank, a whole engine replica, the admission queue and the ingress are each SIGKILLed (by the pid the cluster's own APIs
+report) while streaming and non-streaming clients run. Every request ends (an answer or a clear error, never a hang),
+the app heals by itself (Serve replaces what died), new requests succeed, and no KV stays held afterwards.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e import faults
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
+from bench.harness import faults
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""Layout pools through the deployed app (tests/e2e/cluster.py): one app, a short pool (tp=2 dcp=1: 512 tokens of
+"""Layout pools through the deployed app (bench/harness/cluster.py): one app, a short pool (tp=2 dcp=1: 512 tokens of
 KV) and a long pool (tp=2 dcp=2: 1,024 tokens), behind one ingress and admission queue. Whatever the interleaving:
 every request answered with the offline engine's greedy tokens, a request the short pool cannot hold granted only
 to the long pool, and nothing held after the drain."""
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 from dcpserve.engine.frontend.llm import LLM
 from dcpserve.engine.sampling_params import SamplingParams
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 

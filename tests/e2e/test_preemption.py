@@ -1,4 +1,4 @@
-"""usage admission through the deployed app (tests/e2e/cluster.py): long streams that together outgrow a replica's
+"""usage admission through the deployed app (bench/harness/cluster.py): long streams that together outgrow a replica's
 KV are preempted and recomputed inside the engine, and every client still gets its complete, correct stream; a
 chat request without max_tokens runs to the end of the context (OpenAI's default), not 16 tokens.
 
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.harness.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, present, tiny_app_args
 from dcpserve.engine.frontend.llm import LLM
 from dcpserve.engine.sampling_params import SamplingParams
-from tests.e2e.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, present, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 

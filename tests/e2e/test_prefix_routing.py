@@ -1,12 +1,12 @@
 """Prefix caching through the deployed app with 2 engine replicas: multi-turn conversations go back to the replica
 that holds their history, and a request whose prefix is cached computes only the rest of its prompt.
 
-The openai client against the app on the session's Ray head (tests/e2e/cluster.py). The speed claims (TTFT, tokens/s,
-hit rates against KV-only routing) are bench/prefix.py's. Here the counts that hold whatever the interleaving are
-asserted (every prompt block and token was looked up, no more was served from a cache than earlier turns left there,
-a repeated prompt computes only its last block and its answer); the shares themselves depend on when the replicas'
-reports land, so they are printed, and the rule behind them (every turn returns to its history) is asserted exactly,
-for many seeded interleavings, in tests/deployments/admission/test_admission_sim.py.
+The openai client against the app on the session's Ray head (bench/harness/cluster.py). The speed claims (TTFT,
+tokens/s, hit rates against KV-only routing) are `python -m bench prefix`'s. Here the counts that hold whatever the
+interleaving are asserted (every prompt block and token was looked up, no more was served from a cache than earlier
+turns left there, a repeated prompt computes only its last block and its answer); the shares themselves depend on when
+the replicas' reports land, so they are printed, and the rule behind them (every turn returns to its history) is
+asserted exactly, for many seeded interleavings, in tests/deployments/admission/test_admission_sim.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 
 pytestmark = [pytest.mark.timeout(400)]
 

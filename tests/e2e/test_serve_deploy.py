@@ -4,7 +4,7 @@ One small deployment (TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens, a
 OpenAI completions / chat / streams, greedy output vs engine.LLM, bad input, KV admission (queued requests admitted
 in FIFO order, 429 + Retry-After, never-fits 400, no over-commit), a killed client freeing its KV, and nothing of the
 cluster listening beyond loopback. KV pressure is made by grants the test holds itself (ServeCluster.held_kv), never
-by a long request that should still be running. The head comes from tests/e2e/cluster.py.
+by a long request that should still be running. The head comes from bench/harness/cluster.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import (
+from bench.harness.cluster import (
     CAPACITY_BLOCKS,
     RayHead,
     ServeCluster,
@@ -29,6 +29,7 @@ from tests.e2e.cluster import (
     serve_inter_deployment_grpc_ports,
     tiny_app_args,
 )
+from dcpserve.deployments.messages import Acquire, Granted
 
 if TYPE_CHECKING:
     import openai
@@ -212,7 +213,7 @@ def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(cl
     async def run() -> dict[str, float]:
         marks: dict[str, float] = {}
         for ticket, blocks in HELD.items():
-            assert "error" not in await call("acquire", ticket, blocks, 30.0)
+            assert isinstance(await call("acquire", Acquire(ticket, blocks, 30.0)), Granted)
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch(http, stop))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, tiny_app_args
 from tests.e2e.structured_checks import (
     check_bad_constraints_are_400s,
     check_constraints_and_tools,

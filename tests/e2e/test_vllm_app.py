@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
+from bench.harness.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
 from tests.e2e.structured_checks import (
     check_bad_constraints_are_400s,
     check_constraints_and_tools,

@@ -18,7 +18,7 @@ from dcpserve.engine.args import EngineArgs
 from dcpserve.engine.backends import start_engine
 from dcpserve.engine.protocol import EngineClient, EngineStats, KvFull, KvLedger
 from dcpserve.engine.sampling_params import SamplingParams
-from tests.engine.model_harness import hf_greedy
+from tests.engine.llm_checks import hf_greedy
 
 PROMPTS = [[7], list(range(10, 42)), list(range(100, 171)), [300, 301, 302]]  # 1 token, 1 block, several, short
 MAX_TOKENS = 12

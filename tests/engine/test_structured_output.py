@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.harness.json_schemas import SCHEMAS
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.frontend.llm import LLM
 from dcpserve.engine.sampling_params import SamplingParams
@@ -28,7 +29,6 @@ from dcpserve.engine.structured_output import (
     no_additional_properties,
 )
 from dcpserve.engine.worker.sampler import Sampler, SamplingRow, unpack_bitmask
-from tests.engine.json_schemas import SCHEMAS
 from tests.engine.llm_parts import engine_of
 
 MAX_TOKENS = 300  # every schema's longest output (bounded strings and arrays) fits well within it

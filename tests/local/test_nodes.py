@@ -37,9 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dcpserve.local import head_keeper
-from dcpserve.local import serve as local_serve
-from tests.e2e.cluster import (
+from bench.harness.cluster import (
     LOOPBACK,
     driver_of,
     process_sockets,
@@ -47,6 +45,8 @@ from tests.e2e.cluster import (
     session_processes,
     tiny_app_args,
 )
+from dcpserve.local import head_keeper
+from dcpserve.local import serve as local_serve
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -212,13 +212,13 @@ def test_deploy_lands_on_worker_nodes_and_answers(local_nodes: LocalNodes) -> No
 
 def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: LocalNodes) -> None:
     """Load past one replica until a second one runs on a node the autoscaler added and has been granted a request,
-    then idle. The load is clients in loops (tests/e2e/faults.Load), not a fixed set of streams: a fixed set may end
+    then idle. The load is clients in loops (bench.harness.faults.Load), not a fixed set of streams: a fixed set may end
     before the new node is up on a fast machine, and then Serve rightly scales back and nothing needs a second
     replica. The request that proves the new replica is routed to is a probe with a prompt of its own: while the
     first replica holds any of the load's streams, the new one has more KV free and no prefix anywhere decides."""
     import openai
 
-    from tests.e2e import faults
+    from bench.harness import faults
 
     (first,) = local_nodes.engine_replicas()
 
@@ -301,7 +301,7 @@ def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local
     the requests on it end with an error, the admission queue forgets its replica at once (an ingress' delta
     stream from it fails: replica_lost), new requests are served by the other replica, Serve replaces the replica
     and the autoscaler the node, and nothing is lost, hung or left holding KV."""
-    from tests.e2e import faults
+    from bench.harness import faults
 
     # Enough concurrent sequences for two replicas (target 1 per replica), hence two worker nodes.
     load = faults.Load(local_nodes.url, MODEL, streams=3, plain=1, max_tokens=300, client_timeout_s=300).start()
@@ -428,7 +428,7 @@ def test_the_gcs_killed_the_app_serves_through_and_deploys_after(local_nodes: Lo
     reconnected to the new GCS rather than being replaced) and a changed config deploys."""
     import openai
 
-    from tests.e2e import faults
+    from bench.harness import faults
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none",
                            max_retries=0, timeout=120)

@@ -21,6 +21,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from bench.harness.model_harness import Job, Scenario, run_job, run_rank
+from bench.harness.random_models import VOCAB, randomize_norms_and_biases
 from dcpserve.cluster.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from dcpserve.engine.config import ModelConfig, ParallelConfig
 from dcpserve.engine.layers.attention import KernelBackend
@@ -28,14 +30,11 @@ from dcpserve.engine.layers.moe import TopKRouter
 from dcpserve.engine.models import DeepseekV2ForCausalLM
 from dcpserve.engine.worker.loader import load_model
 from dcpserve.engine.worker.parallel import ParallelState
-from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 from tests.engine.models.test_model_vs_hf import (
     BLOCK_SIZE,
-    VOCAB,
     check_against_hf,
     one_torch_thread,  # noqa: F401 - its autouse fixture, here too
     prompt,
-    randomize_norms_and_biases,
 )
 
 MAX_NEW_TOKENS = 24

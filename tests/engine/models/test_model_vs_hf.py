@@ -3,7 +3,7 @@
 Tiny random checkpoints (Llama MQA; Llama GQA with q/k/v/o bias and llama3 RoPE scaling; Qwen2 with q/k/v bias,
 tied embeddings and a sharded checkpoint; Qwen3 with q/k norm and head_dim != hidden / heads; vocab 301, so
 every TP size pads the vocabulary) are saved with save_pretrained, loaded through dcpserve.engine.worker.loader and
-driven through paged KV caches with hand-built AttentionMetadata (tests/engine/model_harness.py): chunked prefill, then
+driven through paged KV caches with hand-built AttentionMetadata (bench/harness/model_harness.py): chunked prefill, then
 32 greedy decode steps, for one batch mixing prompts of 1 token, exactly one logical block, a short one and two
 of several logical blocks (decodes and prefill chunks in the same step). tp = 1 runs in this process; tp > 1
 runs as real processes over gloo, every rank saving its tokens and logits, checked here against transformers.
@@ -25,23 +25,17 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from bench.harness.model_harness import Job, Scenario, run_job, run_rank
+from bench.harness.random_models import COMMON, LOGITS_ATOL, VOCAB, randomize_norms_and_biases
 from dcpserve.engine.config import ModelConfig, ParallelConfig, RopeScaling
 from dcpserve.engine.layers.embedding import VocabParallelEmbedding
 from dcpserve.engine.layers.rotary import RotaryEmbedding
 from dcpserve.engine.layers.weights import TensorSource
 from dcpserve.engine.worker.loader import load_model
 from dcpserve.engine.worker.parallel import ParallelState
-from tests.engine.model_harness import Job, Scenario, run_job, run_rank
 
 BLOCK_SIZE = 4
 MAX_NEW_TOKENS = 32
-VOCAB = 301  # not divisible by 2 or 4: the vocabulary-parallel layers pad
-LOGITS_ATOL = 1e-4
-
-COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-    initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-)
 # name -> (transformers class name, config overrides, save_pretrained kwargs, (tp, dcp) layouts checked)
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], list[tuple[int, int]]]] = {
     "llama_mqa": (
@@ -66,18 +60,6 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], list[tuple[int, int
 }
 # (tp, dcp, interleave) run as real processes; (4, 2) uses interleave 2 (pairs of tokens alternate ranks).
 MULTI_RANK_LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 4, 1)]
-
-
-def randomize_norms_and_biases(model: torch.nn.Module, buffers: bool = False) -> None:
-    """Norm weights 1 + 0.2 N(0, 1) and biases 0.2 N(0, 1) (default init leaves them 1 and 0, which would hide a
-    wrong norm or a missing bias); with buffers, the named buffers too (a router's correction bias)."""
-    named = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
-    with torch.no_grad():
-        for name, tensor in named:
-            if "norm" in name:
-                tensor.copy_(1.0 + 0.2 * torch.randn_like(tensor))
-            elif name.endswith("bias"):
-                tensor.copy_(0.2 * torch.randn_like(tensor))
 
 
 def make_checkpoint(name: str, directory: Path) -> Path:

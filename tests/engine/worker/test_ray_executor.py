@@ -11,8 +11,8 @@ import pytest
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.frontend.llm import LLM
 from dcpserve.engine.sampling_params import SamplingParams
+from tests.engine.llm_checks import dcp_capacity_and_concurrency, hf_greedy
 from tests.engine.llm_parts import engine_of
-from tests.engine.model_harness import dcp_capacity_and_concurrency, hf_greedy
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(300)]
 

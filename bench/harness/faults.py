@@ -1,4 +1,5 @@
-"""Fault injection and load for the e2e fault tests and bench/soak.py, on a cluster the caller started itself.
+"""Fault injection and load for the e2e fault tests, tests/local and the soak and burst benchmarks, on a cluster the
+caller started itself.
 
 Processes are found by what the cluster's own APIs say about them (Serve's replica details, Ray's state API: the
 pid of a replica or of a rank actor), never by process name, and killed with SIGKILL by that pid.
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from tests.e2e.cluster import APP_NAME, ServeCluster
+from bench.harness.cluster import APP_NAME, ServeCluster
 
 
 class Served(Protocol):

@@ -1,13 +1,13 @@
-"""Two app configurations measured side by side through the deployed app: what bench/capacity.py and
-bench/admission.py share.
+"""Two app configurations measured side by side through the deployed app: what the capacity and admission
+benchmarks (bench/capacity.py, bench/admission.py) share.
 
-Each of those scripts starts a Ray head of its own with 4 logical GPUs (dcpserve/local/serve.py, as `make
+Each of those benchmarks starts a Ray head of its own with 4 logical GPUs (dcpserve/local/serve.py, as `make
 serve`), then for each of its two configurations `serve deploy`s one replica of the tiny model, sends the same burst
 at once through the OpenAI API (official `openai` async client, streaming), polls /health for the sequences the
 admission queue has granted, and shuts Serve down before the next configuration. This module holds that machinery,
 the per-request records and the metrics derived from them, and the output: the two-column metric table (console and
-markdown), the docs section and the plot's two panels (concurrency timeline, throughput bars). The scripts keep their
-workload, their app settings and the metrics only their experiment has.
+markdown), the docs section and the plot's two panels (concurrency timeline, throughput bars). The benchmarks keep
+their workload, their app settings and the metrics only their experiment has.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import platform
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -36,11 +35,11 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
-from bench.docs_section import DocsSection
+from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.engine.config import ModelConfig
 from dcpserve.local import serve as local_serve
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "dcpserve-tiny"
 NUM_GPUS = 4  # logical GPUs on the Ray head: one replica takes them all
 HEALTH_PERIOD_S = 0.2
@@ -368,9 +367,11 @@ def console_table(rows: list[Row], labels: tuple[str, str]) -> str:
 
 @dataclass(frozen=True)
 class Comparison:
-    """One script's experiment as the outside sees it: options, column labels, docs section and plot."""
+    """One benchmark's experiment as the outside sees it: options, column labels, docs section and plot."""
 
-    script: str  # "bench/capacity.py": the docs section's marker and the quoted command
+    section: str  # the docs section's key, e.g. "bench/capacity.py --model tiny-mla"
+    command: tuple[str, ...]  # the benchmark and the options that pick this experiment, e.g. ("capacity", "--model",
+    # "tiny-mla"): the start of the command the section quotes
     labels: tuple[str, str]  # the two configurations' columns, e.g. ("dcp=1", "dcp=4")
     title: str  # the docs section's heading
     plot_path: Path
@@ -378,7 +379,7 @@ class Comparison:
 
     @property
     def docs(self) -> DocsSection:
-        return DocsSection(self.script)
+        return DocsSection(self.section)
 
     def parse_args(self, description: str, quick_help: str, argv: list[str] | None,
                    extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
@@ -386,7 +387,7 @@ class Comparison:
         parser = argparse.ArgumentParser(description=description)
         parser.add_argument("--quick", action="store_true", help=quick_help)
         parser.add_argument("--write-docs", action="store_true",
-                            help=f"write {self.plot_path.relative_to(REPO_ROOT)} and this script's section of "
+                            help=f"write {self.plot_path.relative_to(REPO_ROOT)} and this benchmark's section of "
                                  f"{self.docs.path.relative_to(REPO_ROOT)}")
         parser.add_argument("--deploy-timeout", type=float, default=300.0, help="seconds to wait for each deploy")
         if extra is not None:
@@ -413,12 +414,13 @@ class Comparison:
 
     def write_docs(self, argv: list[str] | None, headline: str, rows: list[Row], info: list[str],
                    plot: Callable[[Path], None], say: Callable[[str], None]) -> None:
-        """Writes the plot (`plot(path)`), then replaces this script's section of docs/benchmarks.md."""
+        """Writes the plot (`plot(path)`), then replaces this benchmark's section of docs/benchmarks.md; `argv`: the
+        arguments after the experiment's own options (None: this process's arguments)."""
         plot(self.plot_path)
-        command = f"python {self.script} " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                               else sys.argv[1:]))
+        name, *options = self.command
+        command = bench_command(name, [*options, *(sys.argv[1:] if argv is None else argv)])
         # Read-modify-write in one go: other benchmarks write their own sections of the same file.
-        self.docs.write(self.markdown_section(command.strip(), headline, rows, info))
+        self.docs.write(self.markdown_section(command, headline, rows, info))
         say(f"updated {self.docs.path.relative_to(REPO_ROOT)} and {self.plot_path.relative_to(REPO_ROOT)}")
 
 

@@ -1,19 +1,32 @@
-"""Each benchmark owns one marked section of docs/benchmarks.md and rewrites only that section."""
+"""Each benchmark owns one marked section of docs/benchmarks.md and rewrites only that section; the command line a
+section quotes is `python -m bench NAME ARGS`."""
 
 from __future__ import annotations
 
+import shlex
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def bench_command(name: str, argv: Sequence[str] | None = None) -> str:
+    """The command that runs benchmark `name` with `argv` (None: this process's own arguments), as the docs quote it:
+    `python -m bench NAME ARGS`."""
+    return shlex.join(["python", "-m", "bench", name, *(sys.argv[1:] if argv is None else argv)])
 
 
 class DocsSection:
-    """The part of docs/benchmarks.md between `<!-- {script}:begin -->` and `<!-- {script}:end -->`."""
+    """The part of docs/benchmarks.md between `<!-- {key}:begin -->` and `<!-- {key}:end -->`.
 
-    def __init__(self, script: str, path: Path = DOCS_PATH) -> None:
+    The keys are the sections' names in the file since the benchmarks ran as scripts ("bench/capacity.py",
+    "bench/kernels.py --shape mla", "grammar_engines"): they stay as they are, so every recorded section is found."""
+
+    def __init__(self, key: str, path: Path = DOCS_PATH) -> None:
         self.path = path
-        self.begin = f"<!-- {script}:begin -->"
-        self.end = f"<!-- {script}:end -->"
+        self.begin = f"<!-- {key}:begin -->"
+        self.end = f"<!-- {key}:end -->"
 
     def replaced(self, text: str, section: str) -> str:
         """`text` with this section replaced by `section` (appended, under a title if the file is new)."""

@@ -1,5 +1,5 @@
-"""30 JSON schemas of growing complexity for structured-output tests and bench/structured.py: scalars, enums,
-bounded numbers, required and optional fields, arrays, nested objects, anyOf, references.
+"""30 JSON schemas of growing complexity for the structured-output tests and the structured and grammar_engines
+benchmarks: scalars, enums, bounded numbers, required and optional fields, arrays, nested objects, anyOf, references.
 
 The tiny test model's free text is random, so every free-form string here has a maxLength and every array a
 maxItems: the grammar then forces an end within max_tokens whatever the model prefers, and 100% of outputs must

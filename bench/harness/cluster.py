@@ -1,5 +1,5 @@
-"""The Ray head of a test session and the apps deployed on it, for tests/e2e, tests/dashboards and the engine's Ray
-tests.
+"""A Ray head of this process's own and the apps deployed on it: the test session's head (tests/e2e, tests/dashboards,
+tests/local and the engine's Ray tests) and the cluster the soak and fairness benchmarks start for themselves.
 
 `ray_head(state_dir)` starts one head (`ray start`, loopback only, logical GPUs, token auth, ports of its own; the
 same code as `make serve`, dcpserve/local/serve.py), joins this process to it as a Ray driver and, on exit,
@@ -302,7 +302,7 @@ class ServeCluster:
     def every_replica_stats(self) -> list[dict[str, Any]]:
         """EngineReplica.stats() of each replica the admission queue knows, each call addressed to its replica
         (ReplicaQuery): Serve's own choice among idle replicas may send every unaddressed call to one of them."""
-        from dcpserve.deployments.replica.engine_replica import ReplicaQuery
+        from dcpserve.deployments.messages import ReplicaQuery
 
         return [self.call("EngineReplica", "stats", ReplicaQuery(replica_id))
                 for replica_id in self.admission_stats()["replicas"]]
@@ -313,10 +313,12 @@ class ServeCluster:
         pressure is the test's doing, not a long request's that may end early; yields the replica it holds them on.
         The app must give such grants time: its grant_leak_grace_s must outlast the block (the replica never
         reports a ticket it never got)."""
-        reply = self.call("KvAdmission", "acquire", ticket, blocks, 30.0)
-        assert "error" not in reply, reply
+        from dcpserve.deployments.messages import Acquire, Granted
+
+        reply = self.call("KvAdmission", "acquire", Acquire(ticket, blocks, 30.0))
+        assert isinstance(reply, Granted), reply
         try:
-            yield reply["replica_id"]
+            yield reply.replica_id
         finally:
             self.call("KvAdmission", "release", ticket)
 
@@ -374,8 +376,8 @@ def delete_apps(head: RayHead, timeout_s: float = 60) -> None:
 @contextlib.contextmanager
 def serve_cluster(state: Path, app_args: dict[str, Any], num_gpus: int = 4, extra_env: dict[str, str] | None = None,
                   deploy_timeout_s: float = 240) -> Iterator[ServeCluster]:
-    """A head of its own with the app deployed (bench/soak.py runs standalone with it); `extra_env` reaches every Ray
-    process."""
+    """A head of its own with the app deployed (the soak and fairness benchmarks run on one); `extra_env` reaches
+    every Ray process."""
     with ray_head(state, num_gpus, extra_env) as head, deploy_app(head, app_args,
                                                                    deploy_timeout_s=deploy_timeout_s) as cluster:
         yield cluster
