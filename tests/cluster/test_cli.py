@@ -1,6 +1,6 @@
-"""The dcpserve command line: each command run as a user would (the installed console script), and the checks of
-its arguments and the planner's output through the same entry point in this process (`cli`): the same parsing,
-output and exit status, without a new interpreter importing torch for each of them."""
+"""The dcpserve command line: each command run once as a user would (the installed console script), and its other
+cases, the checks of its arguments and the planner's output through the same entry point in this process (`cli`):
+the same parsing, output and exit status, without a new interpreter importing torch for each of them."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_layout_prints_the_worked_example() -> None:
 def test_layout_with_pcp_shows_who_computes_each_query() -> None:
     """12 tokens in chunks of 8 at pcp=2: the first chunk's parts of 2 go 0, 1, 1, 0; the 4-token chunk's parts
     of 1 go 0, 1, 1, 0 too. DCP rank 1 is PCP group 1's."""
-    result = dcpserve("layout", "--tokens", "12", "--dcp", "2", "--block-size", "2", "--pcp", "2", "--chunk", "8")
+    result = cli("layout", "--tokens", "12", "--dcp", "2", "--block-size", "2", "--pcp", "2", "--chunk", "8")
     assert result.returncode == 0, result.stderr
     assert "PCP rank 0 computes the queries (and K/V) of positions [0, 1, 6, 7, 8, 11]" in result.stdout
     assert "PCP rank 1 computes the queries (and K/V) of positions [2, 3, 4, 5, 9, 10]" in result.stdout
@@ -99,12 +99,12 @@ def test_tiny_model_writes_a_model_and_reports_progress(tiny_model: TinyModelRun
     assert f"wrote {directory}" in lines
     assert "410,240 parameters" in result.stdout
     assert (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file()
-    again = dcpserve("tiny-model", str(directory))  # a tiny model may be rewritten without --force
+    again = cli("tiny-model", str(directory))  # a tiny model may be rewritten without --force
     assert again.returncode == 0, again.stderr
 
 
 def test_tiny_model_mla_writes_a_deepseek_v2_model(tmp_path: Path) -> None:
-    result = dcpserve("tiny-model", "--mla", str(tmp_path / "mla"))
+    result = cli("tiny-model", "--mla", str(tmp_path / "mla"))
     assert result.returncode == 0, result.stderr
     assert "DeepseekV2ForCausalLM" in result.stdout and "one latent KV head of 40 + 12" in result.stdout
     config = json.loads((tmp_path / "mla" / "config.json").read_text())
@@ -113,11 +113,11 @@ def test_tiny_model_mla_writes_a_deepseek_v2_model(tmp_path: Path) -> None:
 
 def test_tiny_model_refuses_a_foreign_directory_without_force(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
-    result = dcpserve("tiny-model", str(tmp_path))
+    result = cli("tiny-model", str(tmp_path))
     assert result.returncode != 0
     assert f"dcpserve tiny-model: {tmp_path} is not empty and is not a dcpserve tiny model" in result.stderr
     assert "--force" in result.stderr
-    forced = dcpserve("tiny-model", str(tmp_path), "--force")
+    forced = cli("tiny-model", str(tmp_path), "--force")
     assert forced.returncode == 0, forced.stderr
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
@@ -237,9 +237,9 @@ def test_generate_takes_the_engine_args_flags(tiny_model: TinyModelRun) -> None:
     # The tiny model on CPU: K and V x 2 layers x 1 KV head x 32 dims x 4 B (fp32) = 512 B per token; 1 MiB = 2048.
     assert "KV capacity: 2048 tokens per replica" in result.stderr
     assert "4 tokens, finish_reason=length" in result.stdout
-    long = dcpserve("generate", *common, "--tensor-parallel-size", "1", "--kv-cache-memory-bytes", "1048576",
-                    "--block-size", "8", "--no-enable-chunked-prefill", "--max-model-len", "256", "--engine-seed", "9",
-                    "--device", "cpu")
+    long = cli("generate", *common, "--tensor-parallel-size", "1", "--kv-cache-memory-bytes", "1048576",
+               "--block-size", "8", "--no-enable-chunked-prefill", "--max-model-len", "256", "--engine-seed", "9",
+               "--device", "cpu")
     assert long.returncode == 0, long.stderr
     assert long.stdout == result.stdout  # the request's own seed decides its tokens, not the engine seed
 

@@ -40,22 +40,40 @@ ATTENTION_IMPLS = ["ref", "triton", "cpu"]
 TEST_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
 # Without a GPU, "triton" runs in Triton's CPU interpreter: every program instance simulated in Python, seconds per
-# case. There the attention tests run float16 through Triton only where DCP is 1 or 2 ranks: the half-precision path
-# (loads, float32 accumulation, stores) is the same code at every geometry, and the sharding geometry (3, 4 and 8
-# ranks, every block size and interleave) is covered by float32 on Triton and by every dtype on "ref" and "cpu".
-# That takes a minute off the fast tier on 2 cores; on a GPU every case runs in every dtype.
-INTERPRETED_HALF_MAX_DCP = 2
+# case. There an attention case runs through Triton only where it covers a path of the kernel no other case does:
+# - every case of 1 or 2 DCP ranks in float32, and the first case also in float16 (the half-precision path: loads,
+#   float32 accumulation, stores, is the same code at every geometry);
+# - a case of more ranks only in float32, and only when its page size and head width (what decides how a key tile
+#   maps to pages and how wide the channel tile is) are not run already: the rank count and interleave only change
+#   each rank's local lengths, which the hostile lengths of every case exercise, and the exact sharding geometry of
+#   3, 4 and 8 ranks runs in every dtype on "ref" and "cpu".
+# That takes about two and a half minutes of CPU off the fast tier; on a GPU every case runs in every dtype.
+INTERPRETED_MAX_DCP = 2
+
+
+def _interpreted_triton_cases(cases: Sequence[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """The cases the interpreter runs through Triton (the rule above): (dcp, block_size, ..., head_dim) tuples."""
+    chosen = {case for case in cases if case[0] <= INTERPRETED_MAX_DCP}
+    seen = {(case[1], case[-1]) for case in chosen}
+    for case in cases:
+        if case[0] > INTERPRETED_MAX_DCP and (case[1], case[-1]) not in seen:
+            chosen.add(case)
+            seen.add((case[1], case[-1]))
+    return chosen
 
 
 def attention_params(cases: Sequence[tuple[int, ...]], impls: list[str]) -> list[object]:
-    """pytest parameters (case, dtype, impl) for an attention test whose case starts with its DCP size; ids as
-    "N{dcp}-B{block}-I{interleave}-kv{heads}-g{group}-d{head_dim}-{dtype}-{impl}"."""
+    """pytest parameters (case, dtype, impl) for an attention test whose case starts with its DCP size and ends with
+    its head width; ids as "N{dcp}-B{block}-I{interleave}-kv{heads}-g{group}-d{head_dim}-{dtype}-{impl}"."""
+    interpreted = not torch.cuda.is_available()
+    triton_cases = _interpreted_triton_cases(cases) if interpreted else set(cases)
     params: list[object] = []
     for case in cases:
         for dtype in TEST_DTYPES:
             for impl in impls:
-                if (impl == "triton" and dtype == torch.float16 and not torch.cuda.is_available()
-                        and case[0] > INTERPRETED_HALF_MAX_DCP):
+                if impl == "triton" and interpreted and (
+                        case not in triton_cases
+                        or (dtype == torch.float16 and case != cases[0])):
                     continue
                 case_id = "N{}-B{}-I{}-kv{}-g{}-d{}".format(*case)
                 params.append(pytest.param(case, dtype, impl, id=f"{case_id}-{dtype}-{impl}"))

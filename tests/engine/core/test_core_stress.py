@@ -60,7 +60,8 @@ from dcpserve.engine.frontend.async_engine import AsyncEngine
 from dcpserve.engine.protocol import RequestDelta
 from dcpserve.engine.sampling_params import SamplingParams
 
-STRESS_SECONDS = 20.0
+# Before the engine core this test saw 41-78 failures per 20 s of this load: 8 s per seed still fails every run.
+STRESS_SECONDS = 8.0
 DELTA_TIMEOUT_S = 60.0  # longest wait for a stream's next delta (queued behind preemptions on a busy machine)
 DRAIN_TIMEOUT_S = 90.0  # longest wait for the streams in flight once the load stops
 SETTLE_TIMEOUT_S = 20.0  # longest wait for the engine to show the drained state once every stream ended
