@@ -1,6 +1,6 @@
-"""One replica's inference engine: configs, scheduling, KV blocks, model runner, and the dcpserve CLI.
+"""One replica's inference engine: configs, scheduling, KV blocks, model runner.
 
-`from engine import LLM, SamplingParams, AsyncEngine` works; the names load on first use so that light entry
+`from dcpserve.engine import LLM, SamplingParams, AsyncEngine` works; the names load on first use so that light entry
 points (the CLI's `layout` and `plan`) do not import the model stack.
 """
 
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,14 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(["dcpserve", *args], code, out.getvalue(), err.getvalue())
 
 
+def test_python_m_dcpserve_is_the_command_line() -> None:
+    """`python -m dcpserve` runs the same command line as the console script (an environment without it on PATH)."""
+    result = subprocess.run([sys.executable, "-m", "dcpserve", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: dcpserve ")
+    assert "tiny-model" in result.stdout and "simulate" in result.stdout
+
+
 def test_layout_prints_the_worked_example() -> None:
     result = dcpserve("layout", "--tokens", "9", "--dcp", "3", "--block-size", "2", "--interleave", "2")
     assert result.returncode == 0, result.stderr

@@ -184,7 +184,7 @@ class EngineReplica:
             outbox.close()
 
     async def renew(self, query: ReplicaQuery, subscriber: str) -> bool:
-        """The ingress renews the lease of its delta stream (dcpserve.deployments.dispatch.streams.LEASE_S). False: no
+        """The ingress renews the lease of its delta stream (dcpserve.deployments.messages.LEASE_S). False: no
         stream of that ingress is open here (it ended: the ingress ends its side too)."""
         self._check_addressed(query, "renew")
         outbox = self._outboxes.get(subscriber)
