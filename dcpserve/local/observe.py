@@ -27,7 +27,7 @@ from pathlib import Path
 from dcpserve.local.debian import ensure_debian_package
 from dcpserve.local.serve import stop_on_signals
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository: make serve and make observe run from a checkout
 DASHBOARDS = REPO / "dashboards"
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # ray._private.ray_constants
 

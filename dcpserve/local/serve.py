@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository: make serve and make observe run from a checkout
 # DCPSERVE_MODEL -> (directory under the state dir, the serve config it runs with unless DCPSERVE_CONFIG says)
 TINY_MODELS = {
     "tiny": ("tiny-model", "serve_config.local.yaml"),
