@@ -16,7 +16,7 @@ import pytest
 
 from dcpserve.engine.backends.vllm.reaper import GRACE_S, EngineCoreReaper, _reap, descendants, start_time
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the reaper reads /proc (Linux)")
 
 # A stand-in replica: starts an "engine core" that ignores SIGTERM and has a "worker" of its own, hands them to the
