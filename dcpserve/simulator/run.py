@@ -3,11 +3,13 @@
 The request's way through it, in simulated time (dcpserve.simulator.clock), is the served one's:
 1. The client sends it at its trace time (open loop), or when one of `concurrency` clients is free (closed loop);
    a later turn of a session goes `delay_ms` after the previous turn's answer.
-2. The ingress' part (dcpserve.deployments.dispatch.sessions.Sessions.open): the request's admission blocks with the one
-   function every part of the app counts them with (dcpserve.engine.core.block_manager.admission_blocks), its prompt's
-   block names for prefix routing, then `AdmissionQueue.acquire` (FIFO, grants, prefix-aware replica choice, queue_full
-   / queue_timeout / never_fits). A replica that refuses the grant (its ledger is fresher than the queue's copy) gives
-   it back with `refused()` and the request waits at the head again, as Sessions.open does.
+2. The ingress' part: the request's admission blocks with the one function every part of the app counts them with
+   (dcpserve.engine.core.block_manager.admission_blocks) and its prompt's block names for prefix routing, then the
+   app's own admission loop (dcpserve.deployments.dispatch.admit.admit, which the ingress' Sessions.open runs too),
+   here through `SimAdmission` (the real AdmissionQueue, in process) and a dispatch to the granted SimReplica: a
+   replica that refuses the grant (its ledger is fresher than the queue's copy) reports, the grant goes back with
+   `refused()` and the request waits at the head again; the queue's refusals (queue_full, queue_timeout,
+   never_fits, ...) end it with their code.
 3. The replica's part: dcpserve.simulator.replica.SimReplica (the engine's scheduler and block manager).
 4. Its tokens reach the client at the end of each step that made one; the grant is released when it finishes.
 
