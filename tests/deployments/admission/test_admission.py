@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 
@@ -12,20 +13,21 @@ from dcpserve.deployments.admission.ledger import Grant
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.messages import KvReport, PrefixAsk
 from dcpserve.engine.core.prefix_cache import (
-    CACHED,
-    EVICTED,
     PINNED,
-    PrefixIndex,
-    PrefixReport,
     PrefixReporter,
     prompt_hashes,
 )
 
 
+def kv(replica_id: str, capacity: int, **fields: Any) -> KvReport:
+    """A replica's KV report in blocks of 32 tokens, holding nothing unless `held` says otherwise."""
+    return KvReport(replica_id=replica_id, capacity=capacity, tokens_per_block=32, **fields)
+
+
 def make_queue(capacities: dict[str, int], max_queued: int = 8) -> AdmissionQueue:
     queue = AdmissionQueue(max_queued=max_queued)
     for replica_id, capacity in capacities.items():
-        queue.report(KvReport(replica_id=replica_id, capacity=capacity, tokens_per_block=32, held={}))
+        queue.report(kv(replica_id, capacity))
     return queue
 
 
@@ -98,7 +100,7 @@ def test_no_healthy_replica() -> None:
         with pytest.raises(NoReplica):
             await empty.acquire("t", 1, 0.1)  # nothing ever registered
         queue = make_queue({"a": 4})
-        queue.report(KvReport(replica_id="a", capacity=4, tokens_per_block=32, held={}, healthy=False))
+        queue.report(kv("a", 4, healthy=False))
         with pytest.raises(NoReplica):
             await queue.acquire("t", 1, 5.0)  # known but failing: at once
 
@@ -120,20 +122,17 @@ def test_refusal_requeues_at_head_and_trusts_the_replica() -> None:
 def test_reports_reconcile_external_and_leaked_grants() -> None:
     now = [0.0]
     queue = AdmissionQueue(max_queued=4, leak_grace_s=10.0, clock=lambda: now[0])
-    queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32,
-                          held={"direct": 3}))  # a request that did not come through the queue
+    queue.report(kv("a", 10, held={"direct": 3}))  # a request that did not come through the queue
     assert queue.replicas["a"].free == 7
 
     async def run() -> None:
         assert await queue.acquire("t", 5, 1.0) == "a"
 
     asyncio.run(run())
-    queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32,
-                          held={"direct": 3}))  # not yet arrived at the replica: kept
+    queue.report(kv("a", 10, held={"direct": 3}))  # not yet arrived at the replica: kept
     assert queue.replicas["a"].free == 2
     now[0] = 20.0
-    queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32,
-                          held={}))  # never arrived, long ago: the caller died, the grant is dropped
+    queue.report(kv("a", 10))  # never arrived, long ago: the caller died, the grant is dropped
     assert queue.replicas["a"].free == 10
 
 
@@ -168,9 +167,8 @@ def test_random_load_never_over_commits_and_answers_everyone() -> None:
 def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)
-        queue.report(KvReport(replica_id="ready", capacity=8, tokens_per_block=32, held={}, routable=True, probes=3))
-        queue.report(KvReport(replica_id="starting", capacity=26, tokens_per_block=32, held={}, routable=False,
-                              probes=0))  # more free KV, but Serve does not route to it
+        queue.report(kv("ready", 8, routable=True, probes=3))
+        queue.report(kv("starting", 26, routable=False, probes=0))  # more free KV, but Serve does not route to it
         assert await queue.acquire("t1", 2, 1.0) == "ready"
         # A caller could not reach "ready" (e.g. it is draining but Serve still probed it a moment ago): the grant
         # comes back and "ready" gets nothing until Serve has probed it again.
@@ -179,15 +177,12 @@ def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
         waiting = asyncio.create_task(queue.acquire("t1", 2, 5.0, front=True))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        queue.report(KvReport(replica_id="ready", capacity=8, tokens_per_block=32, held={}, routable=True,
-                              probes=3))  # no new probe: still blocked
+        queue.report(kv("ready", 8, routable=True, probes=3))  # no new probe: still blocked
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        queue.report(KvReport(replica_id="starting", capacity=9, tokens_per_block=32, held={}, routable=True,
-                              probes=1))  # now RUNNING: routers know it
+        queue.report(kv("starting", 9, routable=True, probes=1))  # now RUNNING: routers know it
         assert await waiting == "starting"
-        queue.report(KvReport(replica_id="ready", capacity=8, tokens_per_block=32, held={}, routable=True,
-                              probes=4))  # probed again: grantable again
+        queue.report(kv("ready", 8, routable=True, probes=4))  # probed again: grantable again
         assert queue.replicas["ready"].grantable
         assert await queue.acquire("t2", 8, 1.0) == "ready"  # 8 fit only there ("starting" has 18 free)
         assert queue.stats()["num_unreachable"] == 1
@@ -198,9 +193,8 @@ def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
 def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports_after_a_new_probe() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)
-        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32, held={"x": 2},
-                              probes=2))  # "x": a request the queue did not grant (external)
-        queue.report(KvReport(replica_id="b", capacity=6, tokens_per_block=32, held={}, probes=2))
+        queue.report(kv("a", 10, held={"x": 2}, probes=2))  # "x": a request the queue did not grant (external)
+        queue.report(kv("b", 6, probes=2))
         assert await queue.acquire("t1", 4, 1.0) == "a"
         queue.replica_lost("a")  # an ingress' stream from "a" failed: its node went, say
         queue.replica_lost("a")  # from every ingress: counted once
@@ -211,11 +205,9 @@ def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports
         assert await queue.acquire("t2", 4, 1.0) == "b"  # "a" had more free KV, but it is lost
         with pytest.raises(NeverFits, match="a replica holds 6 blocks"):  # only "b"'s KV counts now
             await queue.acquire("t3", 8, 1.0)
-        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32, held={},
-                              probes=2))  # alive after all, but Serve has not probed it since
+        queue.report(kv("a", 10, probes=2))  # alive after all, but Serve has not probed it since
         assert not queue.replicas["a"].grantable
-        queue.report(KvReport(replica_id="a", capacity=10, tokens_per_block=32, held={},
-                              probes=3))  # probed again: grantable
+        queue.report(kv("a", 10, probes=3))  # probed again: grantable
         assert await queue.acquire("t3", 8, 1.0) == "a"
         queue.replica_lost("unknown")  # a replica the queue never heard of: nothing to do
         assert queue.stats()["num_lost"] == 1
@@ -226,11 +218,10 @@ def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports
 def test_timeout_without_a_grantable_replica_says_so() -> None:
     async def run() -> None:
         queue = AdmissionQueue(max_queued=4)
-        queue.report(KvReport(replica_id="draining", capacity=8, tokens_per_block=32, held={}, routable=False,
-                              probes=9))
+        queue.report(kv("draining", 8, routable=False, probes=9))
         with pytest.raises(NoReplica, match=r"draining: starting or draining"):
             await queue.acquire("t", 2, 0.2)
-        queue.report(KvReport(replica_id="a", capacity=4, tokens_per_block=32, held={}, routable=True, probes=1))
+        queue.report(kv("a", 4, routable=True, probes=1))
         await queue.acquire("big", 4, 1.0)
         with pytest.raises(QueueTimeout, match=r"waited 0\.\ds in the admission queue and no replica had 2 free"):
             await queue.acquire("t", 2, 0.2)
@@ -257,154 +248,7 @@ def cache_report(reporter: PrefixReporter, queue: AdmissionQueue, replica_id: st
                  held: dict[str, int] | None = None) -> None:
     """The replica's periodic report, with its prefix changes since the queue's copy."""
     epoch, version = queue.prefix_position(replica_id)
-    queue.report(KvReport(replica_id=replica_id, capacity=capacity, tokens_per_block=32, held=held or {},
-                          prefix=reporter.report(epoch, version)))
-
-
-def test_prefix_report_changes_apply_in_order_and_a_lost_report_brings_the_whole_state() -> None:
-    writer, index = PrefixReporter(32, SEED), PrefixIndex()
-    writer.set(1, PINNED)
-    writer.set(2, PINNED)
-    first = writer.report(index.epoch, index.version)
-    assert first.full  # a new reader gets the whole state
-    index.apply(first)
-    writer.set(2, CACHED)
-    writer.set(3, PINNED)
-    delta = writer.report(index.epoch, index.version)
-    assert not delta.full and delta.changes == {2: CACHED, 3: PINNED}
-    index.apply(delta)
-    assert index.blocks == {1: PINNED, 2: CACHED, 3: PINNED}
-    writer.set(1, EVICTED)
-    writer.report(index.epoch, index.version)  # lost on the way: the reader stays where it was
-    writer.set(4, CACHED)
-    again = writer.report(index.epoch, index.version)
-    assert again.full and again.changes == {2: CACHED, 3: PINNED, 4: CACHED}
-    index.apply(again)
-    assert index.blocks == writer.state
-    assert index.epoch is not None
-    stale = PrefixReport(index.epoch, index.version + 5, index.version + 4, False, {9: PINNED}, 32, SEED)
-    index.apply(stale)  # changes from a state the reader never had are ignored
-    assert 9 not in index.blocks
-
-
-def test_routes_to_the_replica_caching_the_prefix_and_counts_only_the_blocks_it_adds() -> None:
-    async def run() -> None:
-        queue = make_queue({"a": 20, "b": 20})
-        prompt = list(range(100))  # 3 full blocks of 32 before the last token
-        writer = PrefixReporter(32, SEED)
-        for block in prompt_hashes(prompt, 32, SEED):
-            writer.set(block, CACHED)  # cached but held by nobody: saves compute, not KV
-        cache_report(writer, queue, "b", 20)
-        queue.report(KvReport(replica_id="a", capacity=20, tokens_per_block=32, held={}))
-        assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [7, 8])) == "b"
-        assert grant_of(queue, "t1").need == 5 and grant_of(queue, "t1").hit_blocks == 3
-        for block in prompt_hashes(prompt, 32, SEED):
-            writer.set(block, PINNED)  # t1 runs and holds them
-        cache_report(writer, queue, "b", 20, {"t1": 5})
-        assert await queue.acquire("t2", 5, 1.0, ask=ask_for(prompt + [9])) == "b"
-        assert grant_of(queue, "t2").need == 2  # its 3 shared blocks are t1's
-        assert queue.replicas["b"].free == 20 - 5 - 2
-        assert queue.stats()["prefix_hit_blocks"] == 6 and queue.stats()["prefix_query_blocks"] == 6
-
-    asyncio.run(run())
-
-
-def test_a_replica_with_the_prefix_but_no_room_does_not_hold_the_request_back() -> None:
-    async def run() -> None:
-        queue = make_queue({"a": 20, "b": 20})
-        prompt = list(range(100))
-        writer = PrefixReporter(32, SEED)
-        for block in prompt_hashes(prompt, 32, SEED):
-            writer.set(block, CACHED)
-        cache_report(writer, queue, "b", 20, {"other": 18})  # b has 2 blocks free
-        assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == "a"
-        assert grant_of(queue, "t").hit_blocks == 0
-
-    asyncio.run(run())
-
-
-def test_the_longest_cached_run_wins_and_free_kv_decides_between_equal_runs() -> None:
-    async def run() -> None:
-        prompt = list(range(100))  # 3 blocks cached on b (and, in the last case, 2 on a)
-        for b_held, a_blocks, routing, expected in [(2, 0, True, "b"),  # b caches more: b, though a has more free
-                                                    (14, 0, True, "b"),  # far less free, still room: b
-                                                    (16, 0, True, "a"),  # no room for 5 on b: a
-                                                    (2, 3, True, "a"),  # equal runs: the most free KV
-                                                    (2, 2, True, "b"),  # a's run is shorter: b
-                                                    (1, 0, False, "a")]:  # prefix routing off: most free KV
-            queue = AdmissionQueue(max_queued=4, prefix_routing=routing)
-            writer_a, writer_b = PrefixReporter(32, SEED), PrefixReporter(32, SEED)
-            for index, block in enumerate(prompt_hashes(prompt, 32, SEED)):
-                writer_b.set(block, CACHED)
-                if index < a_blocks:
-                    writer_a.set(block, CACHED)
-            cache_report(writer_a, queue, "a", 20)
-            cache_report(writer_b, queue, "b", 20, {"other": b_held})
-            assert await queue.acquire("t", 5, 1.0, ask=ask_for(prompt)) == expected, (b_held, a_blocks, routing)
-
-    asyncio.run(run())
-
-
-def test_a_burst_sharing_a_new_prefix_follows_the_first_grant_and_other_layouts_never_match() -> None:
-    async def run() -> None:
-        queue = make_queue({"a": 20, "b": 18})
-        prompt = list(range(100))
-        assert await queue.acquire("t1", 5, 1.0, ask=ask_for(prompt + [1])) == "a"  # most free
-        assert grant_of(queue, "t1").hit_blocks == 0
-        queue.release("t1")
-        long_prompt = list(range(300))  # 9 blocks = 288 tokens
-        assert await queue.acquire("t2", 10, 1.0, ask=ask_for(long_prompt + [1])) == "a"
-        # Nothing reported yet, but t2 computes the prefix on a: t3 follows it (after the grant a would have no
-        # block free and b 8 = 256 tokens, but the 288 tokens of prefix in flight on a weigh more).
-        assert await queue.acquire("t3", 10, 1.0, ask=ask_for(long_prompt + [2])) == "a"
-        assert grant_of(queue, "t3").need == 10  # in flight is a preference, never a KV discount
-        queue.release("t2")
-        queue.release("t3")
-        other = PrefixAsk(tuple(prompt_hashes(long_prompt, 64, SEED)), 64, SEED, len(long_prompt))
-        writer = PrefixReporter(32, SEED)
-        for block in prompt_hashes(long_prompt, 32, SEED):
-            writer.set(block, PINNED)
-        cache_report(writer, queue, "b", 18, {})
-        assert queue.replicas["b"].prefix.match(other)[0].hit_blocks == 0  # hashed with another block size
-        assert queue.replicas["b"].prefix.match(ask_for(long_prompt))[0].pinned_blocks == 9
-
-    asyncio.run(run())
-
-
-def test_a_finished_turn_keeps_steering_its_conversation_until_the_replica_reports_its_cache() -> None:
-    async def run() -> None:
-        queue = make_queue({"a": 20, "b": 18})
-        history = list(range(300))
-        assert await queue.acquire("turn1", 10, 1.0, ask=ask_for(history)) == "a"
-        queue.release("turn1")  # the answer ended; the next turn comes at once, before a's next report
-        queue.report(KvReport(replica_id="b", capacity=21, tokens_per_block=32, held={}))  # b now has more free KV
-        assert await queue.acquire("turn2", 10, 1.0, ask=ask_for(history + [1, 2])) == "a"
-        queue.release("turn2")
-        for _ in range(2):  # two reports from a (neither names the prefix): the preference is gone
-            queue.report(KvReport(replica_id="a", capacity=20, tokens_per_block=32, held={},
-                                  prefix=PrefixReporter(32, SEED).report(None, 0)))
-        assert await queue.acquire("turn3", 10, 1.0, ask=ask_for(history + [1, 2, 3])) == "b"
-
-    asyncio.run(run())
-
-
-def test_prefix_affinity_never_piles_requests_onto_one_replica_while_another_idles() -> None:
-    async def run() -> None:
-        queue = make_queue({"a": 100, "b": 100})
-        system = list(range(640))  # a long shared system prompt: 20 blocks
-        assert await queue.acquire("t0", 21, 1.0, ask=ask_for(system + [0])) == "a"
-        writer = PrefixReporter(32, SEED)
-        for block in prompt_hashes(system, 32, SEED):
-            # t0 runs on a and holds the system prompt (19 whole blocks before its last token).
-            writer.set(block, PINNED)
-        cache_report(writer, queue, "a", 100, {"t0": 21})
-        granted = [await queue.acquire(f"t{i}", 21, 1.0, ask=ask_for(system + [i])) for i in range(1, 5)]
-        # a wins on cost every time, but with 3 sequences against none (past least + 2) b takes the next one; then
-        # 3 against 1 is in balance again.
-        assert granted == ["a", "a", "b", "a"], granted
-        assert grant_of(queue, "t1").need == 2 and grant_of(queue, "t3").need == 21  # 19 of its 21 blocks shared on a
-
-    asyncio.run(run())
+    queue.report(kv(replica_id, capacity, held=held or {}, prefix=reporter.report(epoch, version)))
 
 
 def test_a_report_made_before_a_release_does_not_count_the_released_blocks_again() -> None:
@@ -416,14 +260,13 @@ def test_a_report_made_before_a_release_does_not_count_the_released_blocks_again
         queue = make_queue({"a": 32})
         assert await queue.acquire("held", 19, 1.0) == "a"
         assert await queue.acquire("head", 13, 1.0) == "a"
-        queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32, held={"held": 19, "head": 13}))
+        queue.report(kv("a", 32, held={"held": 19, "head": 13}))
         queue.release("head")  # it finished: its 13 blocks are free on a
         assert await queue.acquire("next", 13, 1.0) == "a"
-        queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32,
-                              held={"held": 19, "head": 13}))  # made before the release, delivered after it
+        queue.report(kv("a", 32, held={"held": 19, "head": 13}))  # made before the release, delivered after it
         replica = queue.replicas["a"]
         assert replica.external == 0 and replica.granted + replica.external <= replica.capacity
-        queue.report(KvReport(replica_id="a", capacity=32, tokens_per_block=32, held={"held": 19, "next": 13}))
+        queue.report(kv("a", 32, held={"held": 19, "next": 13}))
         assert replica.external == 0 and replica.granted == 32 and replica.released == set()
 
     asyncio.run(run())
@@ -437,9 +280,9 @@ def test_a_released_ticket_stops_counting_as_a_sequence_before_the_replica_repor
         history = list(range(300))
         assert await queue.acquire("c1-turn1", 10, 1.0, ask=ask_for(history)) == "a"
         assert await queue.acquire("c3-turn1", 10, 1.0, ask=ask_for(list(range(1000, 1300)))) == "b"
-        queue.report(KvReport(replica_id="b", capacity=100, tokens_per_block=32, held={"c3-turn1": 10}))
+        queue.report(kv("b", 100, held={"c3-turn1": 10}))
         queue.release("c3-turn1")
-        queue.report(KvReport(replica_id="b", capacity=100, tokens_per_block=32, held={}))
+        queue.report(kv("b", 100))
         writer = PrefixReporter(32, SEED)
         for block in prompt_hashes(history, 32, SEED):
             writer.set(block, PINNED)
