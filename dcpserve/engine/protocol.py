@@ -91,6 +91,23 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
     )
 
 
+@runtime_checkable
+class DeltaSink(Protocol):
+    """Where the engine delivers the deltas of the requests submitted to it with submit_to(): the serving layer's
+    batch of requests bound for one reader (a replica's outbox for one ingress). The engine splits a step's output
+    by sink, never by request, so that a step's deltas bound for one reader stay one batch; the per-request split
+    happens once, where the reader demultiplexes them (dcpserve.deployments.dispatch.streams)."""
+
+    def deliver(self, deltas: Sequence[RequestDelta]) -> None:
+        """One engine step's deltas of this sink's requests, in the step's order (a request's finishing delta is its
+        last: nothing more comes for it). Called on the engine's event loop; must not block."""
+        ...
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """The request ended with an error (the engine failed): nothing more comes for it."""
+        ...
+
+
 @dataclass(frozen=True)
 class KvLedger:
     """One replica's KV in logical blocks (block_size * dcp tokens): the one ledger that accept / refuse, the reports
@@ -220,6 +237,14 @@ class EngineClient(Protocol):
         abort(). prompt_hashes: the hashes of the prompt's first full blocks as dcpserve.engine.core.prefix_cache's
         prompt_hashes names them with this engine's ModelLimits (the ingress computed them to route the request):
         the engine's prefix cache starts from them instead of hashing those blocks again."""
+        ...
+
+    async def submit_to(self, sink: DeltaSink, sampling_params: SamplingParams, prompt_token_ids: list[int],
+                        request_id: str, check_kv: bool = False, *, prompt_hashes: Sequence[int] = ()) -> None:
+        """submit(), with the request's deltas delivered to `sink` (batched per step with the sink's other requests)
+        instead of a stream of its own. Raises what submit() raises, and then nothing is queued. Deltas may reach
+        the sink before this returns: the caller makes the sink ready for the request first. Until the request's
+        finishing delta (or fail()) reached the sink, abort() is the caller's to call when it gives up."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -9,6 +9,7 @@ bad requests are ValueErrors before anything is queued, typed stats, health and 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.engine.args import EngineArgs
 from dcpserve.engine.backends import start_engine
-from dcpserve.engine.protocol import EngineClient, EngineStats, KvFull, KvLedger
+from dcpserve.engine.protocol import EngineClient, EngineStats, KvFull, KvLedger, RequestDelta
 from dcpserve.engine.sampling_params import SamplingParams
 from tests.engine.llm_checks import hf_greedy
 
@@ -187,6 +188,61 @@ def test_abort_frees_the_request_inside_the_engine(engine) -> None:
         await _settle(client)
 
     loop.run_until_complete(run())
+
+
+class _Sink:
+    """A DeltaSink that records each delivery (the deltas of one call) and each failure."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[list[RequestDelta]] = []
+        self.failed: list[tuple[str, BaseException]] = []
+
+    def deliver(self, deltas: Sequence[RequestDelta]) -> None:
+        self.deliveries.append(list(deltas))
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.failed.append((request_id, error))
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for batch in self.deliveries for d in batch if d.request_id == request_id for t in d.new_token_ids]
+
+
+def test_submit_to_delivers_each_requests_deltas_to_its_sink(engine, hf_expected) -> None:
+    """Requests bound for one reader share a sink: each gets the tokens a stream of its own would (transformers'),
+    in order, ending with one finishing delta; another sink gets only its own request's; an aborted one gets nothing
+    after the abort. The native engine hands a sink a whole step of its requests in one call (the one split of its
+    step output is by sink); vLLM streams per request, so its deliveries carry one request each."""
+    loop, client = engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    shared, other = _Sink(), _Sink()
+
+    async def run() -> None:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            await client.submit_to(shared, params, prompt, f"shared-{i}")
+        await client.submit_to(other, params, PROMPTS[3], "other")
+        long = SamplingParams(temperature=1.0, seed=2, max_tokens=500, ignore_eos=True)
+        await client.submit_to(other, long, list(range(50, 90)), "aborted")
+        while len(other.tokens("aborted")) < 3:
+            await asyncio.sleep(0.01)
+        client.abort("aborted")
+        await _settle(client)
+        await asyncio.sleep(0.1)  # anything still in flight for the aborted request would come now
+
+    loop.run_until_complete(run())
+    for i, prompt in enumerate(PROMPTS[:3]):
+        deltas = [d for batch in shared.deliveries for d in batch if d.request_id == f"shared-{i}"]
+        assert shared.tokens(f"shared-{i}") == hf_expected[tuple(prompt)]
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert other.tokens("other") == hf_expected[tuple(PROMPTS[3])]
+    assert {d.request_id for batch in other.deliveries for d in batch} == {"other", "aborted"}
+    assert not any(d.finished for batch in other.deliveries for d in batch if d.request_id == "aborted")
+    assert len(other.tokens("aborted")) < 500 and not client.has_request("aborted")
+    assert not shared.failed and not other.failed
+    if client.backend == "native":  # every step of the three shared requests came to their sink in one call
+        assert max(len(batch) for batch in shared.deliveries) == 3
+        assert all(len({d.request_id for d in batch}) == len(batch) for batch in shared.deliveries)
+    else:
+        assert all(len(batch) == 1 for batch in shared.deliveries + other.deliveries)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -205,11 +205,13 @@ class EngineReplica:
         if self.engine.has_request(request.ticket) or (request.ticket, request.attempt) in self._aborted:
             # An earlier dispatch of this ticket is still here, or the ingress gave up on it already.
             return Refused(self.replica_id, self.engine.kv_ledger().free_blocks)
+        outbox.expect(request.ticket, self._forwarded)  # the engine may deliver its first deltas before it answers
         try:
-            stream = await self.engine.submit(sampling_params=request.sampling_params,
-                                              prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
-                                              check_kv=True, prompt_hashes=request.prompt_hashes)
+            await self.engine.submit_to(outbox, sampling_params=request.sampling_params,
+                                        prompt_token_ids=request.prompt_token_ids, request_id=request.ticket,
+                                        check_kv=True, prompt_hashes=request.prompt_hashes)
         except KvFull as full:
+            outbox.forget(request.ticket)
             # Normal with prefix caching when the queue's copy of the cache is a report behind: the replica's count
             # decides. It reports before it answers, so the queue re-grants the request from the replica's state of
             # now: with the stale copy it would grant it here again, and the request would go round in a tight loop
@@ -223,18 +225,22 @@ class EngineReplica:
                     logger.warning("KV report to the admission queue after a refusal failed: %r", err)
             return Refused(self.replica_id, full.free_blocks)
         except RequestError as err:  # never fits this engine, bad token ids or constraint: the client's error
+            outbox.forget(request.ticket)
             return Rejected(self.replica_id, str(err))
+        except BaseException:
+            outbox.forget(request.ticket)
+            raise
         metrics = self.metrics
         assert metrics is not None  # set in the constructor, before any call
         metrics.accepted.inc(tags={"admission": self.args.admission})
-        if outbox.closed:  # the stream ended while the engine took the request: nobody would read its deltas
-            self.engine.abort(request.ticket)
+        if outbox.closed:  # the stream ended while the engine took the request (its close aborted it): nobody reads
             raise RuntimeError(f"the delta stream from ingress {request.reply_to!r} ended")
-        self._attempts[request.ticket] = request.attempt
-        outbox.forward(request.ticket, stream, self._forwarded)
+        if self.engine.has_request(request.ticket):  # else it finished already (its on_end ran)
+            self._attempts[request.ticket] = request.attempt
         return Accepted(self.replica_id)
 
     def _forwarded(self, ticket: str, finished: bool) -> None:
+        """A request's deltas stopped coming to its outbox."""
         self._attempts.pop(ticket, None)
         if not finished:  # aborted by the ingress, its stream gone, or failed: abort frees the KV
             self.engine.abort(ticket)

@@ -5,6 +5,10 @@ manager, prefix cache and executor. This front, on the replica's event loop, onl
 queries) and takes its output batches: token deltas go to one asyncio.Queue per request, admissions and query replies to
 the futures awaiting them, and each batch's snapshot becomes what kv_ledger() and stats() return. A stream whose
 consumer goes away (client disconnect, cancellation) aborts its request, which frees its KV at the core's next turn.
+
+A batch's deltas are split once, by sink (dcpserve.engine.protocol.DeltaSink): a request submitted with submit_to()
+shares its sink with the other requests bound for the same reader, and the sink gets the step's deltas of all of them
+in one call; submit() and generate() give a request a sink of its own, a queue read as its stream.
 """
 
 from __future__ import annotations
@@ -35,12 +39,26 @@ from dcpserve.engine.core.core import (
 from dcpserve.engine.core.engine import LLMEngine
 from dcpserve.engine.core.prefix_cache import PrefixReport
 from dcpserve.engine.core.request import Request
-from dcpserve.engine.protocol import EngineDeadError, EngineStats, KvLedger, RequestDelta
+from dcpserve.engine.protocol import DeltaSink, EngineDeadError, EngineStats, KvLedger, RequestDelta
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.tokenizer import Tokenizer
 
 # How long shutdown() waits for the core to finish its step and stop before it stops the executor under it.
 CORE_STOP_TIMEOUT_S = 30.0
+
+
+class _RequestStream:
+    """The sink of one request submitted with submit(): its deltas queued for the stream that reads them."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+
+    def deliver(self, deltas: Sequence[RequestDelta]) -> None:
+        for delta in deltas:
+            self.queue.put_nowait(delta)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.queue.put_nowait(error)
 
 
 class AsyncEngine:
@@ -56,7 +74,7 @@ class AsyncEngine:
         self.config = config
         self._core: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
+        self._sinks: dict[str, DeltaSink] = {}  # request id -> where its deltas go, until it finished or aborted
         self._admitting: dict[str, asyncio.Future[Admission]] = {}
         self._replies: dict[int, asyncio.Future[object]] = {}
         self._ids = itertools.count()
@@ -104,18 +122,27 @@ class AsyncEngine:
         core first checks its admission need against the ledger, in input order, and it raises KvFull when it does
         not fit now. A caller that never iterates the stream must abort(request_id). Invalid or never-fitting
         requests raise before anything is queued."""
+        sink = _RequestStream()
+        request_id = await self._add(sink, sampling_params, prompt_token_ids, request_id, check_kv, prompt,
+                                     prompt_hashes)
+        return self._stream(request_id, sink.queue)
+
+    async def submit_to(self, sink: DeltaSink, sampling_params: SamplingParams, prompt_token_ids: list[int],
+                        request_id: str, check_kv: bool = False, *, prompt_hashes: Sequence[int] = ()) -> None:
+        """submit(), the request's deltas delivered to `sink` with those of its other requests of the same step
+        (dcpserve.engine.protocol.EngineClient.submit_to)."""
+        await self._add(sink, sampling_params, prompt_token_ids, request_id, check_kv, None, prompt_hashes)
+
+    async def _add(self, sink: DeltaSink, sampling_params: SamplingParams | None, prompt_token_ids: list[int] | None,
+                   request_id: str | None, check_kv: bool, prompt: str | None, prompt_hashes: Sequence[int]) -> str:
+        """Hands a request to the core, its deltas bound for `sink`, and returns its id once the core took it."""
         self._check_alive()
         params = sampling_params or SamplingParams()
         prompt_token_ids = self.engine.prompt_token_ids(prompt, prompt_token_ids, params)
         self.check_request(len(prompt_token_ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        if request_id in self._queues:
+        if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
-        core = self._ensure_core()
-        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        admitted: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
-        self._queues[request_id] = queue
-        self._admitting[request_id] = admitted
         request = Request(request_id, prompt_token_ids, params, prompt=prompt)
         if prompt_hashes:
             tokens_per_block = self._snapshot.ledger.tokens_per_block
@@ -124,6 +151,10 @@ class AsyncEngine:
                                  f"tokens ({len(prompt_token_ids) // tokens_per_block} full blocks of "
                                  f"{tokens_per_block}): they were computed for another engine")
             request.block_hashes = list(prompt_hashes)
+        core = self._ensure_core()
+        admitted: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        self._sinks[request_id] = sink
+        self._admitting[request_id] = admitted
         core.send(AddRequest(request, check_kv))
         try:
             admission = await admitted
@@ -133,9 +164,9 @@ class AsyncEngine:
         finally:
             self._admitting.pop(request_id, None)
         if admission.error is not None:
-            self._queues.pop(request_id, None)
+            self._sinks.pop(request_id, None)
             raise admission.error
-        return self._stream(request_id, queue)
+        return request_id
 
     async def _stream(self, request_id: str,
                       queue: asyncio.Queue[RequestDelta | BaseException]) -> AsyncGenerator[RequestDelta]:
@@ -151,13 +182,12 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request with this id is queued or running here (its stream not yet ended)."""
-        return request_id in self._queues
+        return request_id in self._sinks
 
     def admission_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The blocks a request asks admission for under this engine's policy (block_manager.admission_blocks)."""
@@ -191,7 +221,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stops a request (if still running) and frees its KV at the core's next turn. Idempotent."""
-        self._queues.pop(request_id, None)
+        self._sinks.pop(request_id, None)
         if self._core is not None and self.dead_error is None:
             self._core.send(AbortRequest(request_id))
 
@@ -265,12 +295,18 @@ class AsyncEngine:
             reply = self._replies.get(query_id)
             if reply is not None and not reply.done():
                 reply.set_result(value)
-        for delta in outputs.deltas:
-            queue = self._queues.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
-            elif not delta.finished:
-                self.abort(delta.request_id)  # nobody is listening any more
+        by_sink: dict[int, tuple[DeltaSink, list[RequestDelta]]] = {}
+        for delta in outputs.deltas:  # the one split of a step's output: by the sink each request's deltas go to
+            sink = self._sinks.get(delta.request_id)
+            if sink is None:
+                if not delta.finished:
+                    self.abort(delta.request_id)  # nobody is listening any more
+                continue
+            if delta.finished:
+                del self._sinks[delta.request_id]
+            by_sink.setdefault(id(sink), (sink, []))[1].append(delta)
+        for sink, deltas in by_sink.values():
+            sink.deliver(deltas)
         if outputs.stepped and self.on_step is not None:
             self.on_step(self.stats())
         if outputs.error is not None:
@@ -280,8 +316,9 @@ class AsyncEngine:
         """The core died: every request in flight, every pending add and query ends with the error, at once."""
         self.dead_error = err
         dead = EngineDeadError(f"the engine failed: {err!r}")
-        for queue in self._queues.values():
-            queue.put_nowait(dead)
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink.fail(request_id, dead)
         pending: list[asyncio.Future[Any]] = [*self._admitting.values(), *self._replies.values()]
         for future in pending:
             if not future.done():

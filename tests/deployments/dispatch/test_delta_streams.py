@@ -1,14 +1,13 @@
 """The replica -> ingress delta stream (dcpserve.deployments.dispatch.streams) on a virtual clock: what reaches the
 ingress, and when, is a function of when the engine produced each token, never of how fast this machine is.
 
-The engine stand-in delivers a step's deltas the way AsyncEngine does: one pass over the requests' queues per step,
-so every request's stream wakes in the same turn of the event loop."""
+The engine stand-in delivers a step's deltas the way AsyncEngine does: the outbox is the sink of every request, and
+each step's deltas of all of them reach it in one call."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -27,8 +26,8 @@ def _delta(request_id: str, i: int, finished: bool) -> RequestDelta:
 
 class _Engine:
     """A batch of requests decoded together: every `step_s` one token for each, request r finishing after
-    `lengths[r]` tokens; failing requests raise after `fail_after` tokens. Records each step's time and the
-    streams closed before they finished."""
+    `lengths[r]` tokens; failing requests fail after `fail_after` tokens. Like AsyncEngine it delivers a step's
+    deltas to each sink in one call. Records each step's time and the requests aborted before they finished."""
 
     def __init__(self, lengths: dict[str, int], step_s: float, fail_after: dict[str, int] | None = None) -> None:
         self.lengths = lengths
@@ -36,7 +35,8 @@ class _Engine:
         self.fail_after = fail_after or {}
         self.step_at: list[float] = []
         self.closed_early: set[str] = set()
-        self._queues: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {r: asyncio.Queue() for r in lengths}
+        self.sinks: dict[str, Outbox] = {}
+        self.deliveries = 0
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -44,33 +44,39 @@ class _Engine:
         while any(step < n for n in self.lengths.values()):
             await asyncio.sleep(self.step_s)
             self.step_at.append(loop.time())
+            by_sink: dict[int, tuple[Outbox, list[RequestDelta]]] = {}
             for request_id, n in self.lengths.items():  # one pass: every request's delta of this step
-                if request_id in self.closed_early or step >= n:
+                sink = self.sinks.get(request_id)
+                if sink is None or step >= n:
                     continue
                 if self.fail_after.get(request_id) == step:
-                    self._queues[request_id].put_nowait(RuntimeError(f"{request_id} failed in the engine"))
-                elif step < n:
-                    self._queues[request_id].put_nowait(_delta(request_id, step, step == n - 1))
+                    del self.sinks[request_id]
+                    sink.fail(request_id, RuntimeError(f"{request_id} failed in the engine"))
+                    continue
+                if step == n - 1:
+                    del self.sinks[request_id]
+                by_sink.setdefault(id(sink), (sink, []))[1].append(_delta(request_id, step, step == n - 1))
+            for sink, deltas in by_sink.values():
+                self.deliveries += 1
+                sink.deliver(deltas)
             step += 1
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
-        done = False
-        try:
-            while not done:
-                item = await self._queues[request_id].get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-        finally:
-            if not done:
-                self.closed_early.add(request_id)
+    def abort(self, request_id: str) -> None:
+        if self.sinks.pop(request_id, None) is not None:
+            self.closed_early.add(request_id)
 
 
 async def _forward_all(engine: _Engine, outbox: Outbox, ended: dict[str, bool]) -> None:
+    """Every request of the engine submitted with the outbox as its sink, on_end as the replica's (_forwarded)."""
+
+    def on_end(request_id: str, finished: bool) -> None:
+        ended[request_id] = finished
+        if not finished:
+            engine.abort(request_id)
+
     for request_id in engine.lengths:
-        outbox.forward(request_id, engine.stream(request_id), ended.__setitem__)
+        outbox.expect(request_id, on_end)
+        engine.sinks[request_id] = outbox
 
 
 async def _collect(engine: _Engine, interval_s: float) -> tuple[list[tuple[float, DeltaBatch]], dict[str, bool]]:
@@ -112,6 +118,7 @@ def test_one_item_carries_a_whole_step_of_every_request(step_s: float) -> None:
     tokens = sum(batch.num_tokens for _, batch in received)
     assert tokens == 32 * 60 and tokens / len(received) >= 4 * 4  # far above 1 token per item per request
     assert len(received) <= 60 + 1  # never more than one item per step (the first step's and the last's included)
+    assert engine.deliveries == 60  # the engine handed the outbox each step's deltas of all 32 requests at once
     assert received[0][0] == engine.step_at[0] and received[-1][0] == engine.step_at[-1]  # first and last at once
     times = [t for t, _ in received]
     if step_s >= 0.05:
@@ -158,8 +165,8 @@ def test_a_failing_request_gets_its_error_after_its_tokens_and_the_others_go_on(
 
 
 def test_cancel_and_close_end_the_engine_streams_and_report_them_unfinished() -> None:
-    """abort() of one request cancels its forwarder; the ingress' stream going away closes the outbox, which cancels
-    every forwarder: each engine stream ends, and on_end reports it unfinished (the replica aborts it)."""
+    """abort() of one request ends it in the outbox; the ingress' stream going away closes the outbox, which ends
+    every request still there: on_end reports each unfinished, and the replica aborts it in the engine."""
     lengths = {f"r{i}": 1000 for i in range(4)}
 
     async def main() -> tuple[_Engine, dict[str, bool], bool]:

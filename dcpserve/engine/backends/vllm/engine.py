@@ -42,6 +42,7 @@ from dcpserve.engine.core.block_manager import admission_blocks, blocks_needed, 
 from dcpserve.engine.core.prefix_cache import PrefixReport
 from dcpserve.engine.core.request import resolve_prompt_token_ids
 from dcpserve.engine.protocol import (
+    DeltaSink,
     EngineDeadError,
     EngineStats,
     KvLedger,
@@ -76,6 +77,7 @@ class VllmEngine:
         self.admission = args.admission
         self.dead_error: BaseException | None = None
         self._held: dict[str, HeldRequest] = {}
+        self._relays: dict[str, asyncio.Task[None]] = {}  # submit_to()'s requests: the task relaying each to its sink
         self._recorder = StatsRecorder()
         self.prefix: VllmPrefixCache | None = None
         self._app_tokens_per_block = 0  # block_size * dcp: the blocks the ingress hashes prompts in
@@ -197,6 +199,29 @@ class VllmEngine:
             self.prefix.hold(request_id, held)
         return self._stream(request_id, list(prompt_token_ids), params)
 
+    async def submit_to(self, sink: DeltaSink, sampling_params: SamplingParams, prompt_token_ids: list[int],
+                        request_id: str, check_kv: bool = False, *, prompt_hashes: Sequence[int] = ()) -> None:
+        """submit(), the deltas delivered to `sink`. vLLM streams each request on its own (its OutputProcessor splits
+        a step's outputs per request, its one place for that), so a task per request relays its stream to the
+        sink as it comes; abort() cancels it."""
+        stream = await self.submit(sampling_params, prompt_token_ids, request_id, check_kv,
+                                   prompt_hashes=prompt_hashes)
+        # A fresh context: the relay belongs to the engine, not to the call that submitted the request.
+        self._relays[request_id] = asyncio.get_running_loop().create_task(
+            self._relay(request_id, stream, sink), context=contextvars.Context())
+
+    async def _relay(self, request_id: str, stream: AsyncGenerator[RequestDelta], sink: DeltaSink) -> None:
+        try:
+            async for delta in stream:
+                sink.deliver((delta,))
+        except asyncio.CancelledError:
+            pass  # aborted: the cancellation ended the stream, whose end aborted the request in vLLM
+        except Exception as err:  # noqa: BLE001 - the request's error goes to its sink
+            sink.fail(request_id, err)
+        finally:
+            if self._relays.get(request_id) is asyncio.current_task():
+                del self._relays[request_id]
+
     async def _stream(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> AsyncGenerator[RequestDelta]:
         from vllm.inputs import TokensPrompt
@@ -269,6 +294,9 @@ class VllmEngine:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        relay = self._relays.pop(request_id, None)
+        if relay is not None and relay is not asyncio.current_task():
+            relay.cancel()
         # A fresh context: the abort belongs to the engine, not to the (possibly cancelled) request that asked.
         loop.create_task(self._abort(request_id), context=contextvars.Context())
 
