@@ -1,6 +1,6 @@
-"""The HTTP edge of the ingress: the FastAPI app and its OpenAPI document, OpenAI-shaped errors, API keys and the
-request-body limit. Everything here runs before a request body is parsed; dcpserve/deployments/api/ingress.py binds the
-routes.
+"""The HTTP edge of the ingress: the FastAPI app and its OpenAPI document, OpenAI-shaped errors (`error_body`: an HTTP
+error's body, and a stream's error event), API keys and the request-body limit. Everything else here runs before a
+request body is parsed; dcpserve/deployments/api/ingress.py binds the routes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dcpserve.deployments.api import openapi, protocol
+from dcpserve.deployments.api import openapi
 from dcpserve.deployments.messages import ANONYMOUS, ApiError
 
 api = FastAPI(title="dcpserve", version="0.1", docs_url=None, redoc_url=None,
@@ -34,17 +34,36 @@ def _openapi() -> dict[str, Any]:
 api.openapi = _openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
+# OpenAI's error type of each HTTP status the app answers with.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
+
+
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes and methods (404 / 405) answer in OpenAI's error shape too."""
-    return JSONResponse(protocol.error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
+    return JSONResponse(error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def error_response(err: ApiError) -> JSONResponse:
     """An ApiError as its OpenAI-shaped body, with its status and Retry-After."""
     headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
-    return JSONResponse(protocol.error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
                         headers=headers)
 
 

@@ -8,9 +8,9 @@ context, max_model_len minus the prompt) and check max_model_len (400) -> need =
 429 queue full or timed out / 503 no healthy replica -> EngineReplica.generate through the KV-aware router to that
 replica, its deltas to come on this ingress' delta stream from it (dcpserve/deployments/dispatch/streams.py) -> a
 refusal, or a replica that does not take the request within dispatch_timeout_s (still starting, draining, gone), gives
-the grant back and re-queues the request at the head -> deltas back as JSON or SSE. Whatever ends the request (finish,
-error, client disconnect, request_timeout_s) aborts it on its replica if it did not finish (which frees its KV) and
-releases the grant.
+the grant back and re-queues the request at the head -> deltas back as JSON or SSE, every body and chunk shaped by the
+request's shaper (dcpserve/deployments/api/responses.py). Whatever ends the request (finish, error, client disconnect,
+request_timeout_s) aborts it on its replica if it did not finish (which frees its KV) and releases the grant.
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods' signatures, and FastAPI
@@ -29,12 +29,10 @@ from ray import serve
 
 from dcpserve.deployments.admission.pools import request_need
 from dcpserve.deployments.api import openapi, protocol
-from dcpserve.deployments.api.choices import Choice, Tokens, chat_choices, collect, completion_choices
-from dcpserve.deployments.api.choices import usage as choices_usage
 from dcpserve.deployments.api.http_edge import api, authorize, error_response, read_body, validation_message
-from dcpserve.deployments.api.logprob_shapes import chat_logprobs, completion_logprobs
+from dcpserve.deployments.api.responses import ChatShaper, CompletionShaper, ResponseShaper
 from dcpserve.deployments.api.structured import FieldError, check_constraint
-from dcpserve.deployments.api.tool_calls import ToolPlan, ToolStream, builtin_messages, chat_message, finish_reason
+from dcpserve.deployments.api.tool_calls import ToolPlan, builtin_messages
 from dcpserve.deployments.config import AppArgs
 from dcpserve.deployments.dispatch.sessions import Sessions
 from dcpserve.deployments.messages import ApiError, Need, ServiceLevel
@@ -44,6 +42,17 @@ from dcpserve.engine.protocol import RequestDelta
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import Grammars
 from dcpserve.engine.tokenizer import load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedChoice:
+    """One sequence a request asks for (choice k: prompt k // per_prompt), with its own ticket and KV need: each
+    choice is admitted on its own; choice j of a seeded request samples with seed + j, so it equals a one-choice
+    request with that seed."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    need: Need  # KV blocks admission counts for it (per pool with layout pools: admission/pools.py)
 
 
 # Decorated here, at import, not in build_app: Serve pickles the app by reference, so each replica re-imports
@@ -113,12 +122,14 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         try:
             body, tenant = await self._parse(request, protocol.CompletionRequest)
-            prompts, texts = [], []
+            prompts, echo_texts = [], []
             for prompt in body.prompts():
                 ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
                 prompts.append(ids)
-                texts.append(prompt if isinstance(prompt, str) or not body.echo else self._decode(ids))
-            response = await self._serve(body, tenant, prompts, chat=False, prompt_texts=texts)
+                if body.echo:
+                    echo_texts.append(prompt if isinstance(prompt, str) else self._decode(ids))
+            shaper = CompletionShaper(body, self.model_name, self.tokenizer, prompts, echo_texts)
+            response = await self._serve(body, tenant, prompts, shaper)
         except ApiError as err:
             response = error_response(err)
         self.metrics.response("completions", response.status_code)
@@ -141,7 +152,8 @@ class OpenAIIngress:
                     tools=plan.openai_tools() if plan is not None and renders_tools else None)
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            response = await self._serve(body, tenant, [token_ids], chat=True, plan=plan)
+            shaper = ChatShaper(body, self.model_name, self.tokenizer, token_ids, plan)
+            response = await self._serve(body, tenant, [token_ids], shaper)
         except ApiError as err:
             response = error_response(err)
         self.metrics.response("chat_completions", response.status_code)
@@ -240,8 +252,9 @@ class OpenAIIngress:
             )
         return request_need(self.pool_layouts, self.admission_policy, len(token_ids), params.max_tokens)
 
-    def _plan(self, body: Any, prompts: list[list[int]], prompt_texts: list[str]) -> list[Choice]:
-        """Every choice of the request, each checked (400s name the field) and counted in KV blocks."""
+    def _plan(self, body: Any, prompts: list[list[int]]) -> list[PlannedChoice]:
+        """Every choice of the request (every prompt x n or best_of), each checked (400s name the field) and counted
+        in KV blocks."""
         unknown = [k for k in (body.logit_bias or {}) if int(k) >= self.vocab_size]
         if unknown:
             raise ApiError(400, f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): "
@@ -252,17 +265,16 @@ class OpenAIIngress:
                            param="stop_token_ids")
         per_prompt = body.num_choices()
         planned = []
-        for i, ids in enumerate(prompts):
+        for ids in prompts:
             for j in range(per_prompt):
                 try:
                     params = body.sampling_params(context_left=self.max_model_len - len(ids), choice=j)
                 except ValueError as err:
                     raise ApiError(400, str(err)) from None
-                planned.append(Choice(i * per_prompt + j, i, ids, prompt_texts[i] if prompt_texts else None,
-                                      params, self._check(ids, params)))
+                planned.append(PlannedChoice(ids, params, self._check(ids, params)))
         return planned
 
-    async def _admit(self, planned: list[Choice], level: ServiceLevel) -> list[AsyncGenerator[RequestDelta]]:
+    async def _admit(self, planned: list[PlannedChoice], level: ServiceLevel) -> list[AsyncGenerator[RequestDelta]]:
         """One admitted session per choice, or none: if any choice is refused (400 / 429 / 503), the others give
         their grants back and the first error is the answer."""
         sessions = [self.sessions.open(uuid.uuid4().hex, c.prompt_ids, c.params, c.need,
@@ -276,40 +288,29 @@ class OpenAIIngress:
             raise first
         return sessions
 
-    async def _serve(self, body: Any, tenant: str, prompts: list[list[int]], chat: bool,
-                     prompt_texts: list[str] | None = None, plan: ToolPlan | None = None) -> Response:
+    async def _serve(self, body: Any, tenant: str, prompts: list[list[int]], shaper: ResponseShaper) -> Response:
         level = self._level(body, tenant)
         await self._check_constraint(body)
-        planned = self._plan(body, prompts, prompt_texts or [])
+        planned = self._plan(body, prompts)
         sessions = await self._admit(planned, level)  # before any byte is sent: errors are plain HTTP statuses
-        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
-        tokens = Tokens(self.tokenizer, body.return_tokens_as_token_ids)
         if body.stream:
-            return StreamingResponse(self._sse(body, planned, sessions, request_id, chat, tokens, prompts, plan),
-                                     media_type="text/event-stream")
-        results = await asyncio.gather(*(collect(c, s) for c, s in zip(planned, sessions, strict=True)),
-                                       return_exceptions=True)
+            return StreamingResponse(self._sse(shaper, sessions), media_type="text/event-stream")
+
+        async def collect(k: int) -> None:
+            async for delta in sessions[k]:
+                shaper.add(k, delta)
+
+        results = await asyncio.gather(*(collect(k) for k in range(len(sessions))), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
             raise failed[0]
-        score_only = not chat and body.max_tokens == 0
-        used = choices_usage(prompts, planned, score_only)
-        if chat:
-            choices = chat_choices(body, planned, tokens)
-            if plan is not None:
-                for out, choice in zip(choices, planned, strict=True):
-                    out["message"], out["finish_reason"] = chat_message(plan, out["message"]["content"], choice.finish)
-            return JSONResponse(protocol.chat_body(request_id, self.model_name, choices, used))
-        return JSONResponse(protocol.completion_body(
-            request_id, self.model_name, completion_choices(body, planned, tokens, prompt_texts or []), used))
+        return JSONResponse(shaper.body())
 
-    async def _sse(self, body: Any, planned: list[Choice], sessions: list[AsyncGenerator[RequestDelta]],
-                   request_id: str, chat: bool, tokens: Tokens, prompts: list[list[int]],
-                   plan: ToolPlan | None = None) -> AsyncIterator[str]:
-        """The choices' deltas merged into one SSE stream, each chunk with its choice's index; with include_usage a
-        final usage chunk, with continuous_usage_stats the usage so far on every chunk (vLLM's extension). With
-        tools, each chat choice's text goes through its ToolStream (content or tool_calls deltas)."""
+    @staticmethod
+    async def _sse(shaper: ResponseShaper, sessions: list[AsyncGenerator[RequestDelta]]) -> AsyncIterator[str]:
+        """The choices' deltas merged into one SSE stream, in the order they come, each turned into chunks by the
+        shaper; an ApiError on the way (a deadline, a lost replica) ends it with an error event."""
         queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
 
         async def pump(k: int) -> None:
@@ -320,23 +321,13 @@ class OpenAIIngress:
             except BaseException as err:  # noqa: BLE001 - delivered to the stream below
                 await queue.put((k, None, err))
 
-        pumps = [asyncio.get_running_loop().create_task(pump(k)) for k in range(len(sessions))]
-        outputs = [0] * len(planned)
-        prompt_tokens = sum(len(p) for p in prompts)
-        tool_streams = [ToolStream(plan) for _ in planned] if plan is not None else None
-
         def event(chunk: dict[str, Any]) -> str:
-            if body.continuous_usage:
-                chunk["usage"] = protocol.usage(prompt_tokens, sum(outputs))
             return f"data: {json.dumps(chunk)}\n\n"
 
+        pumps = [asyncio.get_running_loop().create_task(pump(k)) for k in range(len(sessions))]
         try:
-            if chat:
-                for choice in planned:
-                    yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
-                                                    {"role": "assistant", "content": ""}, None))
-            score_only = not chat and body.max_tokens == 0
-            echoed: set[int] = set()
+            for chunk in shaper.first_chunks():
+                yield event(chunk)
             remaining = len(sessions)
             while remaining:
                 k, delta, err = await queue.get()
@@ -345,56 +336,12 @@ class OpenAIIngress:
                 if delta is None:
                     remaining -= 1
                     continue
-                choice = planned[k]
-                outputs[k] = 0 if score_only else delta.num_output_tokens
-                if not chat and body.echo and k not in echoed:
-                    # The prompt first: its text and (with logprobs) its tokens' logprobs, from the first delta.
-                    echoed.add(k)
-                    logprobs = None
-                    if body.logprobs is not None:
-                        prompt_lp = delta.prompt_logprobs or [None] * len(choice.prompt_ids)
-                        logprobs = completion_logprobs(
-                            [tokens.entry(lp, t, body.logprobs)
-                             for t, lp in zip(choice.prompt_ids, prompt_lp, strict=False)])
-                    yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
-                        choice.index, choice.prompt_text or "", None, logprobs)))
-                finish = delta.finish_reason if delta.finished else None
-                if score_only:
-                    if finish is not None:
-                        yield event(protocol.completion_chunk(request_id, self.model_name,
-                                                              protocol.completion_choice(choice.index, "", "length")))
-                    continue
-                if not delta.new_text and finish is None and not delta.logprobs:
-                    continue
-                k_top = body.logprobs if not chat else (body.top_logprobs or 0)
-                entries = [tokens.entry(lp, t, k_top or 0) for t, lp in
-                           zip(delta.new_token_ids, delta.logprobs or [], strict=False)]
-                if chat and tool_streams is not None:
-                    logprobs = chat_logprobs(entries) if body.logprobs else None
-                    stream = tool_streams[k]
-                    parts = stream.feed(delta.new_text) + (stream.finish(finish) if finish is not None else [])
-                    if not parts and finish is None and logprobs is None:
-                        continue  # text held back (a call in progress): nothing to send yet
-                    for i, part in enumerate(parts or [{}]):
-                        last = i == max(len(parts), 1) - 1
-                        yield event(protocol.chat_chunk(
-                            request_id, self.model_name, choice.index, part,
-                            finish_reason(finish, stream.num_calls) if last else None, logprobs if i == 0 else None))
-                elif chat:
-                    logprobs = chat_logprobs(entries) if body.logprobs else None
-                    yield event(protocol.chat_chunk(request_id, self.model_name, choice.index,
-                                                    {"content": delta.new_text} if delta.new_text else {},
-                                                    finish, logprobs))
-                else:
-                    logprobs = completion_logprobs(entries) if body.logprobs is not None else None
-                    yield event(protocol.completion_chunk(request_id, self.model_name, protocol.completion_choice(
-                        choice.index, delta.new_text, finish, logprobs)))
-            if body.include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                used = protocol.usage(prompt_tokens, sum(outputs))
-                yield f"data: {json.dumps(protocol.usage_chunk(request_id, self.model_name, obj, used))}\n\n"
+                for chunk in shaper.chunks(k, delta):
+                    yield event(chunk)
+            for chunk in shaper.last_chunks():
+                yield event(chunk)
         except ApiError as err:
-            yield f"data: {json.dumps(protocol.error_body(err.status, err.message, err.param, err.code))}\n\n"
+            yield event(shaper.error_chunk(err))
         finally:
             for task in pumps:
                 task.cancel()

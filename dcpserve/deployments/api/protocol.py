@@ -1,4 +1,4 @@
-"""OpenAI wire format: request bodies (validated), response and stream-chunk bodies, error bodies.
+"""OpenAI request bodies, validated (their responses: dcpserve/deployments/api/responses.py).
 
 Completions and chat completions with the OpenAI sampling fields (n, temperature, top_p, seed, stop, penalties,
 logit_bias, logprobs / top_logprobs, echo, best_of, stream + stream_options) and vLLM's extensions (top_k,
@@ -15,7 +15,6 @@ a 400 that names them. docs/operations.md has the table of every field.
 from __future__ import annotations
 
 import time
-import uuid
 from datetime import datetime
 from typing import Any, Literal
 
@@ -363,84 +362,3 @@ class ChatCompletionRequest(_SamplingFields):
 
     def tool_plan(self) -> ToolPlan | None:
         return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
-
-
-# ---- responses ------------------------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    """The engine's reasons (stop, length, abort) in OpenAI's vocabulary; "tool_calls"
-    (dcpserve/deployments/api/tool_calls.py) as it is."""
-    if reason is None:
-        return None
-    return reason if reason in ("length", "tool_calls") else "stop"
-
-
-def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None,
-                      prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish)}
-    if prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs  # vLLM's extension
-    return choice
-
-
-def completion_body(request_id: str, model: str, choices: list[dict[str, Any]], used: dict[str, int]) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": used}
-
-
-def completion_chunk(request_id: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice]}
-
-
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": openai_finish_reason(finish)}
-
-
-def chat_body(request_id: str, model: str, choices: list[dict[str, Any]], used: dict[str, int]) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": used}
-
-
-def chat_chunk(request_id: str, model: str, index: int, delta: dict[str, str], finish: str | None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": openai_finish_reason(finish)}]}
-
-
-def usage_chunk(request_id: str, model: str, obj: str, used: dict[str, int]) -> dict[str, Any]:
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": used}
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dcpserve.cluster.tiny_model import BOS_TOKEN, END_OF_TURN_TOKEN, EOS_TOKEN, train_tokenizer
 from dcpserve.deployments.api import protocol
-from dcpserve.deployments.api.choices import Choice, Tokens, _byte_level_bytes, chat_choices, completion_choices
-from dcpserve.deployments.api.logprob_shapes import chat_logprobs, completion_logprobs
+from dcpserve.deployments.api.logprobs import Tokens, _byte_level_bytes, chat_logprobs, completion_logprobs
+from dcpserve.deployments.api.responses import ChatShaper, CompletionShaper, ResponseShaper
 from dcpserve.engine.protocol import RequestDelta, TokenLogprob
-from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -44,11 +44,12 @@ def escaped(raw: bytes) -> str:
     return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def choice_with(token_id: int, logprob: float, top: list[tuple[int, float]]) -> Choice:
-    choice = Choice(0, 0, [5], "p", SamplingParams(), need=1)
-    choice.add(RequestDelta("r", [token_id], "", True, "length", 1, 1,
-                            logprobs=[TokenLogprob(token_id, logprob, 1, tuple(top))]))
-    return choice
+def one_token_body(shaper: ResponseShaper, token_id: int, logprob: float,
+                   top: list[tuple[int, float]]) -> dict[str, Any]:
+    """The JSON answer of a request whose one choice generated one token."""
+    shaper.add(0, RequestDelta("r", [token_id], "", True, "length", 1, 1,
+                               logprobs=[TokenLogprob(token_id, logprob, 1, tuple(top))]))
+    return shaper.body()
 
 
 def test_byte_tokens_are_named_by_their_own_bytes(tokenizer: Tokenizer) -> None:
@@ -94,8 +95,8 @@ def test_chat_bytes_are_the_tokens_own_bytes(tokenizer: Tokenizer) -> None:
     [letter] = tokenizer.encode("a", add_special_tokens=False)
     body = protocol.ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3})
-    choice = choice_with(tail, -0.5, [(tail, -0.5), (lead, -1.0), (letter, -2.0)])
-    [out] = chat_choices(body, [choice], Tokens(tokenizer, as_ids=False))
+    shaper = ChatShaper(body, "m", tokenizer, [5], None)
+    [out] = one_token_body(shaper, tail, -0.5, [(tail, -0.5), (lead, -1.0), (letter, -2.0)])["choices"]
     [content] = out["logprobs"]["content"]
     assert (content["token"], content["bytes"]) == ("bytes:\\xa9", [0xA9])  # not U+FFFD's [239, 191, 189]
     assert [(t["token"], t["bytes"]) for t in content["top_logprobs"]] == [
@@ -106,7 +107,7 @@ def test_completions_top_logprobs_keep_k_distinct_byte_tokens(tokenizer: Tokeniz
     ids = byte_tokens(tokenizer, "😀")  # f0 9f 98 80: four tokens that all decoded to U+FFFD
     top = [(t, -0.25 * (i + 1)) for i, t in enumerate(ids)]
     body = protocol.CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": 3, "max_tokens": 1})
-    [out] = completion_choices(body, [choice_with(ids[0], -0.25, top)], Tokens(tokenizer, as_ids=False), ["p"])
+    [out] = one_token_body(CompletionShaper(body, "m", tokenizer, [[5]], []), ids[0], -0.25, top)["choices"]
     logprobs = out["logprobs"]
     assert logprobs["tokens"] == ["bytes:\\xf0"] and logprobs["token_logprobs"] == [-0.25]
     assert logprobs["top_logprobs"] == [{"bytes:\\xf0": -0.25, "bytes:\\x9f": -0.5, "bytes:\\x98": -0.75}]

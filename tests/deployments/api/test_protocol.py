@@ -1,5 +1,5 @@
-"""The OpenAI request models and response shapes, without a server: which fields are supported, ignored or refused
-(docs/operations.md's table), batched prompts, n / best_of, seeds per choice, the logprobs shapes of both APIs."""
+"""The OpenAI request models, without a server: which fields are supported, ignored or refused (docs/operations.md's
+table), batched prompts, n / best_of, seeds per choice (the responses' shapes: test_responses.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import pytest
 from pydantic import ValidationError
 
 from dcpserve.deployments.api import protocol
-from dcpserve.deployments.api.choices import Choice, Tokens, completion_choices, pick_best
-from dcpserve.deployments.api.logprob_shapes import chat_logprobs
-from dcpserve.engine.protocol import RequestDelta, TokenLogprob
-from dcpserve.engine.sampling_params import SamplingParams
 
 
 def completion(**fields: object) -> protocol.CompletionRequest:
@@ -117,38 +113,3 @@ def test_priority_and_deadline_set_the_service_level() -> None:
     assert completion().priority is None and completion().deadline_s(now) is None  # the key's default; no deadline
     with pytest.raises(ValueError, match=r"deadline: '2026-12-05T12:00:10\+00:00' passed 5.000s ago"):
         body.deadline_s(now + 15)
-
-
-def _choice(index: int, prompt_index: int, logprob: float, tokens: list[int]) -> Choice:
-    choice = Choice(index, prompt_index, [3, 4], "ab", SamplingParams(), need=1)
-    choice.add(RequestDelta(
-        "t", tokens, "xy", True, "length", 2, len(tokens),
-        logprobs=[TokenLogprob(t, logprob, 1, ((t, logprob), (0, -9.0))) for t in tokens],
-        prompt_logprobs=[None, TokenLogprob(4, -1.5, 2, ((7, -0.5), (4, -1.5)))]))
-    return choice
-
-
-def test_best_of_keeps_the_n_most_likely_per_prompt_and_indexes_them_i_times_n_plus_j() -> None:
-    choices = [_choice(0, 0, -3.0, [5]), _choice(1, 0, -1.0, [6]), _choice(2, 0, -2.0, [7]),
-               _choice(3, 1, -0.5, [8]), _choice(4, 1, -4.0, [9]), _choice(5, 1, -0.1, [10])]
-    picked = pick_best(choices, per_prompt=3, n=2)
-    assert [c.token_ids for c in picked] == [[6], [7], [10], [8]]
-    body = completion(prompt=["a", "b"], n=2, best_of=3)
-    out = completion_choices(body, choices, Tokens(None, as_ids=True), ["a", "b"])
-    assert [c["index"] for c in out] == [0, 1, 2, 3] and all(c["logprobs"] is None for c in out)
-
-
-def test_echo_with_logprobs_puts_the_scored_prompt_first() -> None:
-    body = completion(prompt=[3, 4], echo=True, max_tokens=0, logprobs=1)
-    [out] = completion_choices(body, [_choice(0, 0, -0.25, [5])], Tokens(None, as_ids=True), ["ab"])
-    assert out["text"] == "ab" and out["finish_reason"] == "length"  # scoring only: nothing generated shown
-    assert out["logprobs"] == {
-        "tokens": ["token_id:3", "token_id:4"], "token_logprobs": [None, -1.5],
-        "top_logprobs": [None, {"token_id:7": -0.5}], "text_offset": [0, 10],
-    }
-
-
-def test_chat_logprobs_shape() -> None:
-    shaped = chat_logprobs([("a", -0.5, [("a", -0.5), ("b", -1.0)])])
-    assert shaped == {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
-        {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.0, "bytes": [98]}]}]}

@@ -1,6 +1,6 @@
 """The request fields that constrain the output (dcpserve/deployments/api/structured.py) and the tools
 (dcpserve/deployments/api/tool_calls.py): which constraint each field makes, 400s that name the field, tool calls read
-back whole and as OpenAI's stream deltas."""
+back (dcpserve/deployments/api/tool_parser.py) whole and as OpenAI's stream deltas."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from typing import Any
 import pytest
 
 from dcpserve.deployments.api import protocol
+from dcpserve.deployments.api.responses import ChatShaper
 from dcpserve.deployments.api.structured import FieldError
-from dcpserve.deployments.api.tool_calls import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    ToolStream,
-    builtin_messages,
-    chat_message,
-    parse_builtin,
-)
+from dcpserve.deployments.api.tool_calls import CALL_CLOSE, CALL_OPEN, builtin_messages
+from dcpserve.deployments.api.tool_parser import ToolStream, parse_builtin
+from dcpserve.engine.protocol import RequestDelta
 from dcpserve.engine.structured_output import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
@@ -109,18 +105,26 @@ def test_bad_tools_name_their_field(fields: dict[str, Any], param: str, match: s
     assert caught.value.param == param
 
 
+def finished(body: protocol.ChatCompletionRequest, text: str, finish: str) -> tuple[dict[str, Any], str | None]:
+    """The message and finish_reason of a JSON answer whose one choice generated `text`."""
+    shaper = ChatShaper(body, "m", None, [1], body.tool_plan())
+    shaper.add(0, RequestDelta("r", [2], text, True, finish, 1, 1))
+    [choice] = shaper.body()["choices"]
+    return choice["message"], choice["finish_reason"]
+
+
 def test_finished_outputs_become_tool_calls() -> None:
-    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}}).tool_plan()
-    message, finish = chat_message(named, '{"city":"Oslo"}', "stop")
+    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}})
+    message, finish = finished(named, '{"city":"Oslo"}', "stop")
     assert message["content"] is None and finish == "tool_calls"
     assert message["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city":"Oslo"}'}
-    required = chat(tools=TOOLS, tool_choice="required").tool_plan()
-    message, finish = chat_message(required, '[{"name":"time","arguments":{}},{"name":"weather","arguments":'
-                                             '{"city":"Rome"}}]', "stop")
+    required = chat(tools=TOOLS, tool_choice="required")
+    message, finish = finished(required, '[{"name":"time","arguments":{}},{"name":"weather","arguments":'
+                                         '{"city":"Rome"}}]', "stop")
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["time", "weather"]
     assert json.loads(message["tool_calls"][1]["function"]["arguments"]) == {"city": "Rome"}
     assert len({c["id"] for c in message["tool_calls"]}) == 2
-    cut, finish = chat_message(required, '[{"name":"ti', "length")
+    cut, finish = finished(required, '[{"name":"ti', "length")
     assert cut == {"role": "assistant", "content": '[{"name":"ti'} and finish == "length"
 
 
