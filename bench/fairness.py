@@ -155,7 +155,7 @@ async def run_mode(cluster: ServeCluster, args: argparse.Namespace) -> dict[str,
         health_s = await probe
         await a_task
         after_flood = await drained(http)
-        waits = (await asyncio.to_thread(cluster.admission_stats))["tenants"]
+        waits = (await asyncio.to_thread(cluster.admission_stats)).tenants
         prio = Record()
         until = time.monotonic() + args.b_seconds
         await asyncio.gather(*(closed_loop(http, "P", priority, 2 * capacity, until, prio, 200_000 + 10_000 * priority)
@@ -205,8 +205,8 @@ def tables(results: dict[str, dict[str, Any]]) -> list[str]:
         a = r["flood"].of("A")
         lines.append(f"| {order} | {fmt(p(alone, 0.5))} / {fmt(p(alone, 0.9))} | {fmt(p(with_a, 0.5))} / "
                      f"{fmt(p(with_a, 0.9))} | {ratio:.2f}x | {len(b_refused)} of {len(r['flood'].of('B'))} | "
-                     f"{sum(o.status == 200 for o in a)} | {refused(a)} | {fmt(r['waits']['B']['wait_max_s'])} / "
-                     f"{fmt(r['waits']['A']['wait_p90_s'])} | {fmt(p(r['health_s'], 0.5))} / "
+                     f"{sum(o.status == 200 for o in a)} | {refused(a)} | {fmt(r['waits']['B'].wait_max_s)} / "
+                     f"{fmt(r['waits']['A'].wait_p90_s)} | {fmt(p(r['health_s'], 0.5))} / "
                      f"{fmt(p(r['health_s'], 0.9))} |")
     lines += ["", "| order | priority | requests | p50 / p90 TTFT (s) | refusals |", "|---|---|---|---|---|"]
     for order, r in results.items():

@@ -126,8 +126,8 @@ def engine_counters(head: compare.ServeHead) -> tuple[int, int]:
         by_replica[stats["replica_id"]] = stats
     if len(by_replica) != REPLICAS:
         raise SystemExit(f"expected {REPLICAS} engine replicas to answer, got {sorted(by_replica)}")
-    return (sum(s["prefix_cache_queries"] for s in by_replica.values()),
-            sum(s["prefix_cache_hits"] for s in by_replica.values()))
+    return (sum(s["engine"]["prefix_cache_queries"] for s in by_replica.values()),
+            sum(s["engine"]["prefix_cache_hits"] for s in by_replica.values()))
 
 
 async def completion(client: Any, prompt: list[int], max_tokens: int, timing: Timing) -> list[int]:

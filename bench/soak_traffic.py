@@ -17,7 +17,7 @@ import httpx
 
 from bench.harness import faults
 from bench.harness.cluster import ServeCluster, tiny_app_args
-from dcpserve.deployments.messages import ReplicaQuery
+from dcpserve.deployments.messages import ReplicaQuery, ReplicaStats
 
 MODEL = "tiny-soak"
 KEY = "soak-key-0123456789"  # the tenant `default` (api_keys_env)
@@ -161,17 +161,18 @@ async def disconnectors(url: str, report: Report, stop: threading.Event) -> None
             await asyncio.sleep(2.0)
 
 
-def _ledgers(cluster: ServeCluster) -> list[dict[str, Any]]:
+def _ledgers(cluster: ServeCluster) -> list[ReplicaStats]:
     """EngineReplica.stats() of each replica the admission queue knows as healthy, each call addressed to it."""
-    replicas = cluster.call("KvAdmission", "stats", timeout_s=5)["replicas"]
+    replicas = cluster.call("KvAdmission", "stats", timeout_s=5).replicas
     return [cluster.call("EngineReplica", "stats", ReplicaQuery(replica_id), timeout_s=5)
-            for replica_id, replica in replicas.items() if replica["healthy"]]
+            for replica_id, replica in replicas.items() if replica.healthy]
 
 
-def _over_committed(stats: dict[str, Any], admission: str) -> str | None:
-    capacity, used, committed = stats["kv_capacity_blocks"], stats["kv_used_blocks"], stats["kv_held_blocks"]
+def _over_committed(stats: ReplicaStats, admission: str) -> str | None:
+    ledger = stats.ledger
+    capacity, used, committed = ledger.capacity_blocks, ledger.used_blocks, ledger.committed_blocks
     if used > capacity or (admission == "full" and committed > capacity):
-        return f"replica {stats['replica_id']}: {used} blocks allocated, {committed} committed of {capacity}"
+        return f"replica {stats.replica_id}: {used} blocks allocated, {committed} committed of {capacity}"
     return None
 
 

@@ -23,12 +23,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from dcpserve.cluster.tiny_model import write_tiny_model
 from dcpserve.local import serve as local_serve
+
+if TYPE_CHECKING:
+    from dcpserve.deployments.messages import AdmissionStats, ReplicaStats
 
 APP_NAME = "dcpserve"
 
@@ -291,21 +294,21 @@ class ServeCluster:
         handle = serve.get_deployment_handle(deployment, app_name=self.app_name)
         return getattr(handle, method).remote(*args).result(timeout_s=timeout_s)
 
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self) -> ReplicaStats:
         """EngineReplica.stats() of the one engine replica (any replica, when there are several)."""
         return self.call("EngineReplica", "stats")
 
-    def admission_stats(self) -> dict[str, Any]:
+    def admission_stats(self) -> AdmissionStats:
         """KvAdmission.stats(): the queue's counters and its view of each replica's KV."""
         return self.call("KvAdmission", "stats")
 
-    def every_replica_stats(self) -> list[dict[str, Any]]:
+    def every_replica_stats(self) -> list[ReplicaStats]:
         """EngineReplica.stats() of each replica the admission queue knows, each call addressed to its replica
         (ReplicaQuery): Serve's own choice among idle replicas may send every unaddressed call to one of them."""
         from dcpserve.deployments.messages import ReplicaQuery
 
         return [self.call("EngineReplica", "stats", ReplicaQuery(replica_id))
-                for replica_id in self.admission_stats()["replicas"]]
+                for replica_id in self.admission_stats().replicas]
 
     @contextlib.contextmanager
     def held_kv(self, blocks: int, ticket: str = "test-held-kv") -> Iterator[str]:

@@ -220,14 +220,14 @@ class ServeHead:
         return replicas[0]["replica_id"], {"capacity": counts["kv_capacity_blocks"], "num_grants": counts["num_grants"]}
 
     def serve_stats(self, deployment: str, method: str, calls: int) -> list[dict[str, Any]]:
-        """`method`'s answers from the deployment through Serve handles, in a driver of its own (this process never
-        joins the cluster); calls > 1: that many calls, e.g. until every replica answered (told apart by
-        replica_id)."""
+        """`method`'s answers (typed messages, dcpserve/deployments/messages.py) from the deployment through Serve
+        handles, in a driver of its own (this process never joins the cluster), as plain data (dataclasses.asdict);
+        calls > 1: that many calls, e.g. until every replica answered (told apart by replica_id)."""
         script = (
-            "import json, ray; from ray import serve; "
+            "import dataclasses, json, ray; from ray import serve; "
             f"ray.init(address='127.0.0.1:{self.settings.ray_port}', log_to_driver=False); "
             f"h = serve.get_deployment_handle({deployment!r}, app_name='dcpserve'); "
-            f"print('STATS' + json.dumps([getattr(h, {method!r}).remote().result(timeout_s=60) "
+            f"print('STATS' + json.dumps([dataclasses.asdict(getattr(h, {method!r}).remote().result(timeout_s=60)) "
             f"for _ in range({calls})]))"
         )
         result = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True,

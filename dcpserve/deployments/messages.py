@@ -9,7 +9,10 @@ The hops, and what travels on each:
   `KvReportReply` (the queue's length, where the queue's copy of its prefix cache stands, its pool's `SloReport`);
 - ingress -> engine replica: `EngineRequest`, answered `Accepted`, `Refused` or `Rejected`; `ReplicaQuery` addresses
   every other call to one replica;
-- engine replica -> ingress: the delta stream, `Subscribed` then `DeltaBatch`es.
+- engine replica -> ingress: the delta stream, `Subscribed` then `DeltaBatch`es;
+- for the ingress' /health, benchmarks and tests: `AdmissionStats` (KvAdmission.stats()) and `ReplicaStats`
+  (EngineReplica.stats()). Only Serve's own hooks (record_routing_stats, record_autoscaling_stats) answer dicts: Serve
+  asks for them.
 
 Errors carry their HTTP status from where they are raised: `ApiError` (status, OpenAI error code, Retry-After), and a
 `Refusal` is the admission queue's error as a value, with its status and Retry-After set by the queue.
@@ -21,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dcpserve.engine.protocol import RequestDelta
+from dcpserve.engine.protocol import EngineStats, KvLedger, RequestDelta
 
 if TYPE_CHECKING:
     from dcpserve.engine.core.prefix_cache import PrefixReport
@@ -243,7 +246,7 @@ Admission = Accepted | Refused | Rejected
 @dataclass(frozen=True)
 class ReplicaQuery:
     """Addresses a call other than generate() to one replica (the router sends it only there), e.g.
-    `handle.stats.remote(ReplicaQuery(replica_id))` for each id of KvAdmission.stats()["replicas"]."""
+    `handle.stats.remote(ReplicaQuery(replica_id))` for each id of KvAdmission.stats().replicas."""
 
     target_replica: str
 
@@ -276,3 +279,71 @@ class DeltaBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(d.new_token_ids) for d in self.deltas)
+
+
+# ---- stats: KvAdmission.stats() and EngineReplica.stats() (the ingress' /health, benchmarks, tests) ---------------
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant in the admission queue: its attained KV token-seconds, the KV it holds, and how long its last (up to
+    1,000) granted requests waited in the queue (p50, p90, max; None before its first grant)."""
+
+    attained_kv_token_s: float
+    holding_kv_tokens: int
+    granted: int
+    wait_p50_s: float | None
+    wait_p90_s: float | None
+    wait_max_s: float | None
+
+
+@dataclass(frozen=True)
+class QueueReplicaView:
+    """The admission queue's view of one replica: its capacity, what the queue granted there and the replica holds
+    beyond the grants (external), what is free to grant, and whether it may be granted."""
+
+    pool: str
+    capacity: int
+    granted: int
+    external: int
+    free: int
+    healthy: bool
+    grantable: bool
+    num_grants: int  # grants outstanding now
+    num_granted: int  # grants since it joined
+    cached_prefix_blocks: int
+    prefill_ahead_blocks: int
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    """The admission queue's counters (since it started) and its view of each replica."""
+
+    num_queued: int
+    queued_blocks: int
+    num_granted: int
+    num_timeouts: int
+    num_rejected_full: int
+    num_refusals: int
+    num_unreachable: int
+    num_lost: int
+    num_leaked: int
+    num_shed: int
+    num_deadline: int
+    prefix_query_blocks: int
+    prefix_hit_blocks: int
+    pool_grants: Mapping[str, int]  # "pool/reason" -> grants
+    tenants: Mapping[str, TenantStats]
+    replicas: Mapping[str, QueueReplicaView]  # by replica id
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One engine replica: its engine's stats and KV ledger as of its last step, and its delta stream's counters (items
+    sent to the ingresses and the generated tokens they carried, since it started)."""
+
+    replica_id: str
+    engine: EngineStats
+    ledger: KvLedger
+    stream_items: int
+    stream_tokens: int

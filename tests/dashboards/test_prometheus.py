@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from bench.harness.cluster import CAPACITY_BLOCKS, RayHead, ServeCluster, deploy_app, tiny_app_args
+from dcpserve.deployments.messages import AdmissionStats, ReplicaStats
 from dcpserve.local import observe
 from dcpserve.local import serve as local_serve
 
@@ -221,7 +222,7 @@ def drive_load(stack: Stack) -> dict[str, int | str]:
         if prefix_caching(stack):
             asyncio.run(wait_until(
                 lambda: asyncio.to_thread(admission_stats, stack),
-                lambda queue: all(r["cached_prefix_blocks"] >= 11 for r in queue["replicas"].values()),
+                lambda queue: all(r.cached_prefix_blocks >= 11 for r in queue.replicas.values()),
                 "the admission queue knows the repeated prompt's 11 blocks are cached"))
         statuses["prefix_repeated"] = http.post("/v1/completions", json=repeated).status_code
         if prefix_caching(stack):
@@ -245,11 +246,11 @@ async def wait_until(read: Callable[[], Awaitable[Any]], done: Callable[[Any], b
         await asyncio.sleep(0.1)
 
 
-def engine_stats(stack: Stack) -> dict:
+def engine_stats(stack: Stack) -> ReplicaStats:
     return stack.cluster.engine_stats()
 
 
-def admission_stats(stack: Stack) -> dict:
+def admission_stats(stack: Stack) -> AdmissionStats:
     """KvAdmission.stats(): the queue's own counts."""
     return stack.cluster.admission_stats()
 
@@ -257,7 +258,7 @@ def admission_stats(stack: Stack) -> dict:
 def prefix_caching(stack: Stack) -> bool:
     """Whether the replica's engine caches prefixes (EngineStats.prefix_caching); its prefix counters stay at 0 if
     not."""
-    return bool(engine_stats(stack)["prefix_caching"])
+    return engine_stats(stack).engine.prefix_caching
 
 
 def wait_for(stack: Stack, exprs: list[str], timeout_s: float) -> list[str]:
@@ -402,21 +403,21 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
     asyncio.run(wait_until(health, lambda h: h["queued"] == 0 and h["kv_free_blocks"] == loaded.backend.capacity_blocks,
                            "the app is quiet"))
     stats = engine_stats(loaded)
-    assert stats["num_running"] == 0 and stats["kv_capacity_tokens"] == loaded.backend.capacity_blocks * 32
-    assert stats["backend"] == loaded.backend.name
-    replica = stats["replica_id"]
+    assert stats.engine.num_running == 0 and stats.engine.kv_capacity_tokens == loaded.backend.capacity_blocks * 32
+    assert stats.engine.backend == loaded.backend.name
+    replica = stats.replica_id
     expected = {
-        "ray_dcpserve_kv_capacity_tokens": stats["kv_capacity_tokens"],
-        "ray_dcpserve_kv_used_tokens": stats["kv_used_tokens"],
-        "ray_dcpserve_kv_reserved_tokens": stats["kv_reserved_tokens"],
-        "ray_dcpserve_kv_usage_ratio": stats["kv_usage"],
-        "ray_dcpserve_kv_block_size_tokens": stats["kv_block_size_tokens"],
-        "ray_dcpserve_sequences_running": stats["num_running"],
+        "ray_dcpserve_kv_capacity_tokens": stats.engine.kv_capacity_tokens,
+        "ray_dcpserve_kv_used_tokens": stats.engine.kv_used_tokens,
+        "ray_dcpserve_kv_reserved_tokens": stats.engine.kv_reserved_tokens,
+        "ray_dcpserve_kv_usage_ratio": stats.engine.kv_usage,
+        "ray_dcpserve_kv_block_size_tokens": stats.engine.kv_block_size_tokens,
+        "ray_dcpserve_sequences_running": stats.engine.num_running,
         # The prefix cache: the gauge, and the counters the replica fed from the engine's counts since it started.
-        "ray_dcpserve_kv_cached_blocks": stats["kv_blocks_cached"],
-        "ray_dcpserve_prefix_cache_query_tokens_total": stats["prefix_cache_queries"],
-        "ray_dcpserve_prefix_cache_hit_tokens_total": stats["prefix_cache_hits"],
-        "ray_dcpserve_prefix_cache_evictions_total": stats["prefix_cache_evictions"],
+        "ray_dcpserve_kv_cached_blocks": stats.engine.kv_blocks_cached,
+        "ray_dcpserve_prefix_cache_query_tokens_total": stats.engine.prefix_cache_queries,
+        "ray_dcpserve_prefix_cache_hit_tokens_total": stats.engine.prefix_cache_hits,
+        "ray_dcpserve_prefix_cache_evictions_total": stats.engine.prefix_cache_evictions,
     }
     # A gauge reaches Prometheus within a gauge period + Ray's export + a scrape: poll until they agree.
     deadline = time.monotonic() + 60
@@ -432,8 +433,8 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
     assert seen == {k: float(v) for k, v in expected.items()}
     # Prefix routing: the admission queue's counters equal its own counts.
     queue = admission_stats(loaded)
-    routing = {"ray_dcpserve_admission_prefix_query_blocks_total": float(queue["prefix_query_blocks"]),
-               "ray_dcpserve_admission_prefix_hit_blocks_total": float(queue["prefix_hit_blocks"])}
+    routing = {"ray_dcpserve_admission_prefix_query_blocks_total": float(queue.prefix_query_blocks),
+               "ray_dcpserve_admission_prefix_hit_blocks_total": float(queue.prefix_hit_blocks)}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         seen = {name: sum(float(r["value"][1]) for r in query(loaded, of_app(name))["result"]) for name in routing}
@@ -443,4 +444,4 @@ def test_kv_in_prometheus_matches_engine_stats_when_quiet(loaded: Stack) -> None
     assert seen == routing
     ranks = query(loaded, f'ray_dcpserve_kv_rank_capacity_tokens{{replica="{replica}"}}')["result"]
     assert sorted((r["metric"]["rank"], float(r["value"][1])) for r in ranks) == sorted(
-        (str(r["rank"]), float(r["tokens_capacity"])) for r in stats["per_rank"])
+        (str(r.rank), float(r.tokens_capacity)) for r in stats.engine.per_rank)

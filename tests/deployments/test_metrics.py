@@ -163,8 +163,8 @@ def test_the_admission_queue_reports_each_grant_to_on_routed(recorded: Recorded)
     asyncio.run(run())
     assert calls == [(3, 3), (3, 0)]
     stats = queue.stats()
-    assert stats["prefix_query_blocks"] == recorded.counter("dcpserve_admission_prefix_query_blocks") == 6
-    assert stats["prefix_hit_blocks"] == recorded.counter("dcpserve_admission_prefix_hit_blocks") == 3
+    assert stats.prefix_query_blocks == recorded.counter("dcpserve_admission_prefix_query_blocks") == 6
+    assert stats.prefix_hit_blocks == recorded.counter("dcpserve_admission_prefix_hit_blocks") == 3
     routed = "dcpserve_admission_prefix_routed_requests"
     assert recorded.counter(routed, prefix_hit="true") == recorded.counter(routed, prefix_hit="false") == 1
 

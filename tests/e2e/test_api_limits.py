@@ -198,7 +198,7 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_kv(cluster
         while (health := http.get("/health").json())["kv_granted_blocks"] + health["kv_external_blocks"]:
             assert time.monotonic() < deadline, health  # the KV is freed by the ingress, not by leak reconciliation
             time.sleep(0.25)
-    assert cluster.admission_stats()["num_leaked"] == 0
+    assert cluster.admission_stats().num_leaked == 0
 
 
 @pytest.fixture(scope="module")

@@ -182,8 +182,8 @@ def test_guidellm_streams_a_concurrent_profile_without_errors(cluster: ServeClus
     after = cluster.admission_stats()
     # The requests the app served: its grants, less those given back and granted again (a replica that refused one
     # or did not take it in time).
-    served = sum((after[k] - before[k]) * sign for k, sign in (("num_granted", 1), ("num_refusals", -1),
-                                                               ("num_unreachable", -1)))
+    served = ((after.num_granted - before.num_granted) - (after.num_refusals - before.num_refusals)
+              - (after.num_unreachable - before.num_unreachable))
     # What the server controls: no error, nothing cut off, and every request the app served counted as a success.
     # How many guidellm sends before its max_requests constraint stops it is guidellm's own accounting.
     print(f"guidellm {request_format}: {totals}; the app granted {served} requests")

@@ -60,10 +60,10 @@ def test_each_request_goes_to_a_pool_that_holds_it_and_gets_the_offline_tokens(c
     got = asyncio.run(run())
     assert got == expected
     stats = cluster.admission_stats()
-    grants = stats["pool_grants"]
+    grants = stats.pool_grants
     # Every grant counted, re-grants after a refusal included; a long request's grants are all "only_pool" on the
     # long pool, and no request has the short pool as its only one.
-    assert sum(grants.values()) == len(prompts) + stats["num_refusals"] + stats["num_unreachable"]
+    assert sum(grants.values()) == len(prompts) + stats.num_refusals + stats.num_unreachable
     assert grants.get("long/only_pool", 0) >= len(LONG) and "short/only_pool" not in grants
-    assert {r["pool"] for r in stats["replicas"].values()} == {"short", "long"}
-    assert all(r["num_grants"] == 0 and r["granted"] == 0 for r in stats["replicas"].values())
+    assert {r.pool for r in stats.replicas.values()} == {"short", "long"}
+    assert all(r.num_grants == 0 and r.granted == 0 for r in stats.replicas.values())

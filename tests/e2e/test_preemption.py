@@ -114,4 +114,4 @@ def test_streaming_clients_that_disconnect_free_their_kv(cluster: ServeCluster) 
 
     freed = [asyncio.run(round_trip()) for _ in range(3)]
     print(f"KV free {', '.join(f'{s:.1f}' for s in freed)} s after the clients left")
-    assert cluster.admission_stats()["num_leaked"] == 0
+    assert cluster.admission_stats().num_leaked == 0

@@ -29,8 +29,8 @@ TOKENS_PER_BLOCK = 16  # tp=1: block_size 16 x dcp 1
 
 def replica_counters(cluster: ServeCluster) -> dict[str, dict[str, int]]:
     """Every engine replica's prefix counters, by replica id (a stats() call addressed to each)."""
-    return {stats["replica_id"]: {k: stats[k] for k in ("prefix_cache_queries", "prefix_cache_hits",
-                                                        "tokens_computed", "kv_blocks_cached")}
+    return {stats.replica_id: {k: getattr(stats.engine, k) for k in ("prefix_cache_queries", "prefix_cache_hits",
+                                                                     "tokens_computed", "kv_blocks_cached")}
             for stats in cluster.every_replica_stats()}
 
 
@@ -88,8 +88,8 @@ def test_conversations_return_to_the_replica_holding_their_history(cluster: Serv
     # The router's view: of the prompt blocks that could be cached, those the granted replica had cached. At most,
     # every turn after the first finds its whole previous turn's prompt there (its answer's blocks too once a report
     # named them): 75% of all prompt blocks when every turn returns to its history.
-    queried = after["prefix_query_blocks"] - before["prefix_query_blocks"]
-    hit = after["prefix_hit_blocks"] - before["prefix_hit_blocks"]
+    queried = after.prefix_query_blocks - before.prefix_query_blocks
+    hit = after.prefix_hit_blocks - before.prefix_hit_blocks
     assert queried == sum(prompt_blocks(t) for t in range(TURNS)) * CONVERSATIONS
     most = sum((CONTEXT + t * (USER + ANSWER)) // TOKENS_PER_BLOCK for t in range(1, TURNS)) * CONVERSATIONS
     print(f"router prefix-hit share: {hit}/{queried} blocks = {hit / queried:.0%} (every turn home: {most})")

@@ -252,7 +252,7 @@ def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(cl
     for sample in samples:  # one replica: the app-wide counts are its own
         assert sample["kv_granted_blocks"] + sample["kv_external_blocks"] <= sample["kv_capacity_blocks"] == \
             CAPACITY_BLOCKS
-    assert cluster.admission_stats()["num_leaked"] == 0  # every grant was released by its holder
+    assert cluster.admission_stats().num_leaked == 0  # every grant was released by its holder
 
 
 def test_nothing_of_the_cluster_listens_beyond_loopback(cluster: ServeCluster) -> None:
@@ -285,4 +285,4 @@ def test_killed_client_frees_its_kv(cluster: ServeCluster) -> None:
     while (counts := health(server))["kv_free_blocks"] != CAPACITY_BLOCKS:
         assert time.monotonic() < deadline, f"KV still held 60 s after the client left: {counts}"
         time.sleep(0.25)
-    assert cluster.admission_stats()["num_leaked"] == 0
+    assert cluster.admission_stats().num_leaked == 0

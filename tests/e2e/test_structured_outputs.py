@@ -42,6 +42,6 @@ def test_constraints_and_tools_at_tp2_dcp2(cluster: ServeCluster) -> None:
 def test_bad_constraints_are_400s_before_admission(cluster: ServeCluster) -> None:
     check_bad_constraints_are_400s(client(cluster), MODEL)
     deadline = time.monotonic() + 60
-    while (stats := cluster.engine_stats())["num_running"] or stats["num_held"]:
+    while (stats := cluster.engine_stats()).engine.num_running or stats.ledger.per_request:
         assert time.monotonic() < deadline, f"the replica still holds requests after every reply: {stats}"
         time.sleep(0.2)

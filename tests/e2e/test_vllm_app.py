@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from bench.harness.cluster import RayHead, ServeCluster, deploy_app, present, tiny_app_args
+from dcpserve.deployments.messages import ReplicaStats
 from tests.e2e.structured_checks import (
     check_bad_constraints_are_400s,
     check_constraints_and_tools,
@@ -62,11 +63,11 @@ def client(cluster: ServeCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def wait_quiet(cluster: ServeCluster, timeout_s: float = 60) -> dict:
+def wait_quiet(cluster: ServeCluster, timeout_s: float = 60) -> ReplicaStats:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = cluster.engine_stats()
-        if stats["num_running"] == 0 and stats["num_held"] == 0:
+        if stats.engine.num_running == 0 and not stats.ledger.per_request:
             return stats
         assert time.monotonic() < deadline, f"the vLLM replica still holds requests: {stats}"
         time.sleep(0.5)
@@ -92,8 +93,8 @@ def test_greedy_tokens_equal_transformers(cluster: ServeCluster) -> None:
 
 def test_capacity_is_what_vllm_sized(cluster: ServeCluster) -> None:
     stats = wait_quiet(cluster)
-    assert stats["backend"] == "vllm" and stats["tp"] == 2 and stats["dcp"] == 1
-    assert stats["kv_capacity_blocks"] == CAPACITY_BLOCKS and stats["kv_tokens_per_block"] == BLOCK_TOKENS
+    assert stats.engine.backend == "vllm" and stats.engine.tp == 2 and stats.engine.dcp == 1
+    assert stats.ledger.capacity_blocks == CAPACITY_BLOCKS and stats.ledger.tokens_per_block == BLOCK_TOKENS
     # This app's engine replica's own logs (its Ray worker's, where vLLM's engine core writes too): other apps on
     # the session's head sized KV caches of their own.
     (replica,) = cluster.serve_details()["applications"][cluster.app_name]["deployments"]["EngineReplica"]["replicas"]
@@ -154,15 +155,15 @@ def test_a_burst_is_admitted_by_the_kv_it_finds_and_vllm_never_preempts(cluster:
     for sample in samples:
         assert sample["kv_granted_blocks"] + sample["kv_external_blocks"] <= sample["kv_capacity_blocks"], sample
     stats = wait_quiet(cluster)
-    assert stats["num_preemptions"] == 0 and stats["kv_free_blocks"] == CAPACITY_BLOCKS
-    assert cluster.admission_stats()["num_leaked"] == 0
+    assert stats.engine.num_preemptions == 0 and stats.ledger.free_blocks == CAPACITY_BLOCKS
+    assert cluster.admission_stats().num_leaked == 0
 
 
 def test_disconnect_leaves_nothing_held_inside_vllm(cluster: ServeCluster) -> None:
     """A client that leaves after 5 chunks of a 900-token stream: afterwards vLLM runs and holds nothing, the ingress
     released the grant (the leak grace of 600 s is far past the wait), and the next request is served. Whether vLLM
     got the abort before the last of the 900 tokens (about 1 ms each here) depends on the machine's load: printed."""
-    before = wait_quiet(cluster)["generation_tokens"]
+    before = wait_quiet(cluster).engine.generation_tokens
     stream = client(cluster).completions.create(model=MODEL, prompt="def hello", max_tokens=900, temperature=1.0,
                                                 seed=5, stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
@@ -170,11 +171,11 @@ def test_disconnect_leaves_nothing_held_inside_vllm(cluster: ServeCluster) -> No
             break
     stream.close()  # the client goes away mid-stream
     stats = wait_quiet(cluster)
-    assert stats["num_waiting"] == 0 and stats["kv_held_blocks"] == 0
-    generated = stats["generation_tokens"] - before
+    assert stats.engine.num_waiting == 0 and stats.ledger.committed_blocks == 0
+    generated = stats.engine.generation_tokens - before
     print(f"vLLM generated {generated} of the 900 tokens of the disconnected request")
     assert 5 <= generated <= 900
-    assert cluster.admission_stats()["num_leaked"] == 0
+    assert cluster.admission_stats().num_leaked == 0
     # And the replica serves the next request normally.
     reply = client(cluster).completions.create(model=MODEL, prompt="x", max_tokens=3)
     assert present(reply.usage).completion_tokens >= 1

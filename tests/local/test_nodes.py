@@ -45,6 +45,7 @@ from bench.harness.cluster import (
     session_processes,
     tiny_app_args,
 )
+from dcpserve.deployments.messages import AdmissionStats, QueueReplicaView
 from dcpserve.local import head_keeper
 from dcpserve.local import serve as local_serve
 
@@ -230,12 +231,12 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
                            max_retries=0, timeout=300)
     probes = iter(range(100, 10_000))
 
-    def new_replica_granted(second: dict[str, Any]) -> dict[str, Any] | None:
+    def new_replica_granted(second: dict[str, Any]) -> QueueReplicaView | None:
         reply = client.completions.create(model=MODEL, prompt=f"def probe_{next(probes)}():", max_tokens=4,
                                           temperature=0)
         assert reply.choices and reply.choices[0].finish_reason in ("length", "stop"), reply
-        granted: dict[str, Any] = admission_stats(local_nodes)["replicas"].get(second["replica_id"], {})
-        return granted if granted.get("num_granted", 0) > 0 else None
+        granted = admission_stats(local_nodes).replicas.get(second["replica_id"])
+        return granted if granted is not None and granted.num_granted > 0 else None
 
     # 3 sequences at a target of 1 per replica: Serve wants a second replica (max_replicas 2) for as long as it runs.
     load = faults.Load(local_nodes.url, MODEL, streams=3, plain=0, max_tokens=1500, client_timeout_s=300).start()
@@ -276,7 +277,7 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
     local_nodes.timings["idle to node removed"] = time.monotonic() - start
     assert kept["node_id"] in alive_nodes()
     stats = admission_stats(local_nodes)
-    assert all(r["num_grants"] == 0 for r in stats["replicas"].values()), stats  # no KV held after the drain
+    assert all(r.num_grants == 0 for r in stats.replicas.values()), stats  # no KV held after the drain
 
 
 def kill_node(node_id: str) -> list[int]:
@@ -312,13 +313,13 @@ def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local
 
         replicas = wait_for("two engine replicas on two nodes", two_running)
         granted = wait_for("a replica holding grants", lambda: [
-            r for r in replicas if admission_stats(local_nodes)["replicas"].get(r["replica_id"], {}).get("num_grants")])
+            r for r in replicas if num_grants(local_nodes, r["replica_id"])])
         victim = granted[0]
         in_flight = [o for o in list(load.outcomes) if o.ended is None]
         killed_at = time.monotonic()
         killed = kill_node(victim["node_id"])
         forgotten = wait_for("the admission queue forgot the dead replica", lambda: victim["replica_id"] not in
-                             admission_stats(local_nodes)["replicas"], period_s=0.2)
+                             admission_stats(local_nodes).replicas, period_s=0.2)
         local_nodes.timings["node kill to replica forgotten"] = time.monotonic() - killed_at
         assert forgotten
         local_nodes.timings["node kill to a new request served"] = (
@@ -523,9 +524,15 @@ def scrape(target: str) -> str:
         return f"(scrape failed: {err})"
 
 
-def admission_stats(local_nodes: LocalNodes) -> dict[str, Any]:
+def admission_stats(local_nodes: LocalNodes) -> AdmissionStats:
     from ray import serve
 
     handle = serve.get_deployment_handle("KvAdmission", app_name="dcpserve")
-    stats: dict[str, Any] = handle.stats.remote().result(timeout_s=60)
+    stats: AdmissionStats = handle.stats.remote().result(timeout_s=60)
     return stats
+
+
+def num_grants(local_nodes: LocalNodes, replica_id: str) -> int:
+    """The grants the admission queue holds on a replica now (0 for one it does not know)."""
+    view = admission_stats(local_nodes).replicas.get(replica_id)
+    return 0 if view is None else view.num_grants

@@ -6,7 +6,6 @@ and learn the queue's length (and, for service-level autoscaling, their pool's l
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from ray import serve
 
@@ -15,6 +14,7 @@ from dcpserve.deployments.admission.tenant_limits import Limits, TenantLimits
 from dcpserve.deployments.messages import (
     Acquire,
     AcquireReply,
+    AdmissionStats,
     KvReport,
     KvReportReply,
 )
@@ -91,5 +91,5 @@ class KvAdmission:
     async def remove_replica(self, replica_id: str) -> None:
         self.queue.remove_replica(replica_id)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> AdmissionStats:
         return self.queue.stats()

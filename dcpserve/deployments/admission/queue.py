@@ -37,7 +37,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from dcpserve.deployments.admission.errors import (
     AdmissionError,
@@ -57,10 +56,13 @@ from dcpserve.deployments.admission.tenant_limits import TenantLimits
 from dcpserve.deployments.messages import (
     Acquire,
     AcquireReply,
+    AdmissionStats,
     Granted,
     Need,
     PrefixAsk,
+    QueueReplicaView,
     ServiceLevel,
+    TenantStats,
 )
 
 
@@ -214,18 +216,19 @@ class AdmissionQueue(ReplicaLedger):
     def _waited(self, level: ServiceLevel, seconds: float) -> None:
         self._waits.setdefault(level.tenant, deque(maxlen=1000)).append(seconds)
 
-    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+    def tenant_stats(self) -> dict[str, TenantStats]:
         """Per tenant: its attained KV token-seconds, the KV it holds, and how long its last (up to 1,000) granted
         requests waited in the queue (p50, p90, max; 0 for those granted at once)."""
         now = self._clock()
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, TenantStats] = {}
         for tenant in sorted(set(self.shares.tenants()) | set(self._waits)):
             waits = sorted(self._waits.get(tenant, ()))
-            out[tenant] = {"attained_kv_token_s": round(self.shares.attained(tenant, now), 3),
-                           "holding_kv_tokens": self.shares.holding.get(tenant, 0), "granted": len(waits),
-                           "wait_p50_s": nearest_rank(waits, 0.5) if waits else None,
-                           "wait_p90_s": nearest_rank(waits, 0.9) if waits else None,
-                           "wait_max_s": waits[-1] if waits else None}
+            out[tenant] = TenantStats(
+                attained_kv_token_s=round(self.shares.attained(tenant, now), 3),
+                holding_kv_tokens=self.shares.holding.get(tenant, 0), granted=len(waits),
+                wait_p50_s=nearest_rank(waits, 0.5) if waits else None,
+                wait_p90_s=nearest_rank(waits, 0.9) if waits else None,
+                wait_max_s=waits[-1] if waits else None)
         return out
 
     def in_flight(self, tenant: str) -> int:
@@ -358,32 +361,20 @@ class AdmissionQueue(ReplicaLedger):
     def queued_blocks(self) -> int:
         return sum(smallest_blocks(w.need) for w in self._waiters)
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "num_queued": self.num_queued,
-            "queued_blocks": self.queued_blocks,
-            "num_granted": self.num_granted,
-            "num_timeouts": self.num_timeouts,
-            "num_rejected_full": self.num_rejected_full,
-            "num_refusals": self.num_refusals,
-            "num_unreachable": self.num_unreachable,
-            "num_lost": self.num_lost,
-            "num_leaked": self.num_leaked,
-            "num_shed": self.num_shed,
-            "num_deadline": self.num_deadline,
-            "tenants": self.tenant_stats(),
-            "prefix_query_blocks": self.num_prefix_query_blocks,
-            "prefix_hit_blocks": self.num_prefix_hit_blocks,
-            "pool_grants": dict(self.pool_grants),
-            "replicas": {
-                r.replica_id: {"pool": r.pool, "capacity": r.capacity, "granted": r.granted, "external": r.external,
-                               "free": r.free, "healthy": r.healthy, "grantable": r.grantable,
-                               "num_grants": len(r.grants), "num_granted": r.num_granted,
-                               "cached_prefix_blocks": len(r.prefix.index.blocks),
-                               "prefill_ahead_blocks": r.prefill_ahead}
-                for r in self.replicas.values()
-            },
-        }
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(
+            num_queued=self.num_queued, queued_blocks=self.queued_blocks, num_granted=self.num_granted,
+            num_timeouts=self.num_timeouts, num_rejected_full=self.num_rejected_full, num_refusals=self.num_refusals,
+            num_unreachable=self.num_unreachable, num_lost=self.num_lost, num_leaked=self.num_leaked,
+            num_shed=self.num_shed, num_deadline=self.num_deadline,
+            prefix_query_blocks=self.num_prefix_query_blocks, prefix_hit_blocks=self.num_prefix_hit_blocks,
+            pool_grants=dict(self.pool_grants), tenants=self.tenant_stats(),
+            replicas={r.replica_id: QueueReplicaView(
+                pool=r.pool, capacity=r.capacity, granted=r.granted, external=r.external, free=r.free,
+                healthy=r.healthy, grantable=r.grantable, num_grants=len(r.grants), num_granted=r.num_granted,
+                cached_prefix_blocks=len(r.prefix.index.blocks), prefill_ahead_blocks=r.prefill_ahead)
+                for r in self.replicas.values()},
+        )
 
     # ---- internals ------------------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from dcpserve.deployments.api.structured import FieldError, check_constraint
 from dcpserve.deployments.api.tool_calls import ToolPlan, builtin_messages
 from dcpserve.deployments.config import AppArgs
 from dcpserve.deployments.dispatch.sessions import Sessions
-from dcpserve.deployments.messages import ApiError, Need, ServiceLevel
+from dcpserve.deployments.messages import AdmissionStats, ApiError, Need, ServiceLevel
 from dcpserve.deployments.metrics import IngressMetrics
 from dcpserve.engine.backends import model_limits
 from dcpserve.engine.protocol import RequestDelta
@@ -91,18 +91,18 @@ class OpenAIIngress:
     @api.get("/health", responses={200: {"model": openapi.HealthResponse}, 503: {"model": openapi.ErrorResponse}})
     async def health(self) -> Response:
         """Open to load balancers: status and counts only (no replica ids, no keys, no request data)."""
-        stats = await self.admission.stats.remote()
-        replicas = list(stats["replicas"].values())
-        healthy = [r for r in replicas if r["healthy"]]
+        stats: AdmissionStats = await self.admission.stats.remote()
+        replicas = list(stats.replicas.values())
+        healthy = [r for r in replicas if r.healthy]
         if not healthy:
             return error_response(ApiError(503, "no healthy engine replica", code="no_replica"))
         return JSONResponse(openapi.HealthResponse(
-            status="ok", replicas=len(replicas), healthy_replicas=len(healthy), queued=stats["num_queued"],
-            kv_capacity_blocks=sum(r["capacity"] for r in replicas),
-            kv_granted_blocks=sum(r["granted"] for r in replicas),
-            kv_external_blocks=sum(r["external"] for r in replicas),
-            kv_free_blocks=sum(max(r["free"], 0) for r in healthy),
-            num_grants=sum(r["num_grants"] for r in replicas),
+            status="ok", replicas=len(replicas), healthy_replicas=len(healthy), queued=stats.num_queued,
+            kv_capacity_blocks=sum(r.capacity for r in replicas),
+            kv_granted_blocks=sum(r.granted for r in replicas),
+            kv_external_blocks=sum(r.external for r in replicas),
+            kv_free_blocks=sum(max(r.free, 0) for r in healthy),
+            num_grants=sum(r.num_grants for r in replicas),
         ).model_dump())
 
     @api.get("/v1/models", responses={200: {"model": openapi.ModelList}, **openapi.ERROR_RESPONSES})

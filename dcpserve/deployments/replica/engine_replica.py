@@ -42,6 +42,7 @@ from dcpserve.deployments.messages import (
     Refused,
     Rejected,
     ReplicaQuery,
+    ReplicaStats,
     SloReport,
     Subscribed,
 )
@@ -261,32 +262,13 @@ class EngineReplica:
         if query is not None and query.target_replica != self.replica_id:
             raise ValueError(f"{method}() addressed to replica {query.target_replica} reached {self.replica_id}")
 
-    async def stats(self, query: ReplicaQuery | None = None) -> dict[str, Any]:
-        """This replica's engine stats, KV report and id; `query` only addresses the call (the router's)."""
+    async def stats(self, query: ReplicaQuery | None = None) -> ReplicaStats:
+        """This replica's engine stats, KV ledger and id; `query` only addresses the call (the router's)."""
         self._check_addressed(query, "stats")
-        stats = self.engine.stats().as_dict()
-        stats.update(self._kv_report())
-        stats["replica_id"] = self.replica_id
-        stats["stream_items"] = self.num_stream_items
-        stats["stream_tokens"] = self.num_stream_tokens
-        return stats
+        return ReplicaStats(self.replica_id, self.engine.stats(), self.engine.kv_ledger(), self.num_stream_items,
+                            self.num_stream_tokens)
 
     # ---- reports --------------------------------------------------------------------------------------------
-
-    def _kv_report(self) -> dict[str, Any]:
-        ledger = self.engine.kv_ledger()
-        return {
-            "kv_admission": ledger.admission,
-            "kv_capacity_blocks": ledger.capacity_blocks,
-            "kv_free_blocks": ledger.free_blocks,
-            "kv_held_blocks": ledger.committed_blocks,
-            "kv_used_blocks": ledger.used_blocks,
-            "kv_headroom_blocks": ledger.headroom_blocks,
-            "kv_tokens_per_block": ledger.tokens_per_block,
-            "kv_capacity_tokens": ledger.capacity_blocks * ledger.tokens_per_block,
-            "kv_free_tokens": ledger.free_blocks * ledger.tokens_per_block,
-            "num_held": len(ledger.per_request),
-        }
 
     @property
     def routable(self) -> bool:
@@ -301,14 +283,23 @@ class EngineReplica:
         """Routers read these (stale by up to routing_stats_period_s): KV in tokens and blocks, sequences."""
         self._probed()
         engine = self.engine.stats()
-        report = self._kv_report()
-        report.update({
+        ledger = self.engine.kv_ledger()
+        return {  # a dict: Serve's hook asks for one
+            "kv_admission": ledger.admission,
+            "kv_capacity_blocks": ledger.capacity_blocks,
+            "kv_free_blocks": ledger.free_blocks,  # what dispatch/router.py ranks by
+            "kv_held_blocks": ledger.committed_blocks,
+            "kv_used_blocks": ledger.used_blocks,
+            "kv_headroom_blocks": ledger.headroom_blocks,
+            "kv_tokens_per_block": ledger.tokens_per_block,
+            "kv_capacity_tokens": ledger.capacity_blocks * ledger.tokens_per_block,
+            "kv_free_tokens": ledger.free_blocks * ledger.tokens_per_block,
             "kv_reserved_tokens": engine.kv_reserved_tokens,
+            "num_held": len(ledger.per_request),
             "num_running": engine.num_running,
             "num_waiting": engine.num_waiting + engine.num_pending,
             "healthy": engine.healthy,
-        })
-        return report
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Concurrent sequences here, KV usage, and the admission queue's length (the same on every replica); with a

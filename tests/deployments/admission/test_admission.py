@@ -43,9 +43,9 @@ def test_grants_the_replica_with_most_free_kv_and_counts_it() -> None:
         # Grants ever made, per replica: what shows that a replica that joined takes traffic.
         assert await queue.acquire("t3", 1, 1.0) == "a"
         queue.release("t3")
-        replicas = queue.stats()["replicas"]
-        assert (replicas["a"]["num_granted"], replicas["b"]["num_granted"]) == (2, 1)
-        assert (replicas["a"]["num_grants"], replicas["b"]["num_grants"]) == (0, 1)
+        replicas = queue.stats().replicas
+        assert (replicas["a"].num_granted, replicas["b"].num_granted) == (2, 1)
+        assert (replicas["a"].num_grants, replicas["b"].num_grants) == (0, 1)
 
     asyncio.run(run())
 
@@ -87,7 +87,7 @@ def test_bounded_queue_and_timeout() -> None:
             await queue.acquire("t2", 1, 1.0)
         with pytest.raises(QueueTimeout, match=r"waited 0\.\ds in the admission queue"):
             await waiting
-        assert queue.stats()["num_queued"] == 0
+        assert queue.stats().num_queued == 0
         queue.release("t0")
         assert await queue.acquire("t3", 4, 1.0) == "a"
 
@@ -159,7 +159,7 @@ def test_random_load_never_over_commits_and_answers_everyone() -> None:
         assert len(outcomes) == 60  # every client got exactly one answer
         assert sum(v == "ok" for v in outcomes.values()) >= 5
         assert all(r.granted == 0 for r in queue.replicas.values())
-        assert queue.stats()["num_queued"] == 0
+        assert queue.stats().num_queued == 0
 
     asyncio.run(run())
 
@@ -185,7 +185,7 @@ def test_grants_only_routable_replicas_and_not_one_found_unreachable() -> None:
         queue.report(kv("ready", 8, routable=True, probes=4))  # probed again: grantable again
         assert queue.replicas["ready"].grantable
         assert await queue.acquire("t2", 8, 1.0) == "ready"  # 8 fit only there ("starting" has 18 free)
-        assert queue.stats()["num_unreachable"] == 1
+        assert queue.stats().num_unreachable == 1
 
     asyncio.run(run())
 
@@ -199,7 +199,7 @@ def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports
         queue.replica_lost("a")  # an ingress' stream from "a" failed: its node went, say
         queue.replica_lost("a")  # from every ingress: counted once
         stats = queue.stats()
-        assert "a" not in stats["replicas"] and stats["num_lost"] == 1  # its capacity, grants and holdings gone
+        assert "a" not in stats.replicas and stats.num_lost == 1  # its capacity, grants and holdings gone
         assert queue.grant_of("t1") is None
         queue.release("t1")  # its request fails and releases: nothing left to release
         assert await queue.acquire("t2", 4, 1.0) == "b"  # "a" had more free KV, but it is lost
@@ -210,7 +210,7 @@ def test_a_lost_replica_is_forgotten_at_once_and_comes_back_only_when_it_reports
         queue.report(kv("a", 10, probes=3))  # probed again: grantable
         assert await queue.acquire("t3", 8, 1.0) == "a"
         queue.replica_lost("unknown")  # a replica the queue never heard of: nothing to do
-        assert queue.stats()["num_lost"] == 1
+        assert queue.stats().num_lost == 1
 
     asyncio.run(run())
 

@@ -64,7 +64,7 @@ def test_routes_to_the_replica_caching_the_prefix_and_counts_only_the_blocks_it_
         assert await queue.acquire("t2", 5, 1.0, ask=ask_for(prompt + [9])) == "b"
         assert grant_of(queue, "t2").need == 2  # its 3 shared blocks are t1's
         assert queue.replicas["b"].free == 20 - 5 - 2
-        assert queue.stats()["prefix_hit_blocks"] == 6 and queue.stats()["prefix_query_blocks"] == 6
+        assert queue.stats().prefix_hit_blocks == 6 and queue.stats().prefix_query_blocks == 6
 
     asyncio.run(run())
 
