@@ -82,6 +82,7 @@ def desired_replicas(
     kv_usage_per_replica: list[float],
     admission_queued: float,
     current_replicas: int,
+    *,
     target_sequences_per_replica: float,
     kv_usage_scale_up: float,
 ) -> int:
@@ -215,7 +216,7 @@ def within_budget(desired: int, current: int, tp: int, budget: int, others: int)
 class SequenceAutoscalingPolicy:
     """Serve instantiates this once with policy_kwargs and calls it every control-loop period."""
 
-    def __init__(self, target_sequences_per_replica: float = 8.0, kv_usage_scale_up: float = 0.85,
+    def __init__(self, *, target_sequences_per_replica: float = 8.0, kv_usage_scale_up: float = 0.85,
                  gpu_budget: int | None = None, tensor_parallel_size: int = 1,
                  ledger: GpuLedger | None = None) -> None:
         if target_sequences_per_replica <= 0:
@@ -239,7 +240,7 @@ class SequenceAutoscalingPolicy:
             return self._budgeted(ctx, ctx.target_num_replicas), {}
         desired = desired_replicas(
             sequences, usage, queued, ctx.current_num_replicas,
-            self.target_sequences_per_replica, self.kv_usage_scale_up,
+            target_sequences_per_replica=self.target_sequences_per_replica, kv_usage_scale_up=self.kv_usage_scale_up,
         )
         low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
         return self._budgeted(ctx, max(low, min(high, desired))), {"demand": sum(sequences) + queued}
@@ -264,13 +265,15 @@ class SloAutoscalingPolicy(SequenceAutoscalingPolicy):
     Prometheus (`_export`).
     """
 
-    def __init__(self, ttft_target_s: float | None = None, itl_target_s: float | None = None,
+    def __init__(self, *, ttft_target_s: float | None = None, itl_target_s: float | None = None,
                  scale_down_fraction: float = 0.7, cooldown_s: float = 60.0,
                  target_sequences_per_replica: float = 8.0, kv_usage_scale_up: float = 0.85,
                  gpu_budget: int | None = None, tensor_parallel_size: int = 1, ledger: GpuLedger | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """clock: seconds, for the cooldown (the simulator gives its simulated time)."""
-        super().__init__(target_sequences_per_replica, kv_usage_scale_up, gpu_budget, tensor_parallel_size, ledger)
+        super().__init__(target_sequences_per_replica=target_sequences_per_replica,
+                         kv_usage_scale_up=kv_usage_scale_up, gpu_budget=gpu_budget,
+                         tensor_parallel_size=tensor_parallel_size, ledger=ledger)
         for name, value in (("ttft_target_s", ttft_target_s), ("itl_target_s", itl_target_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -281,7 +284,7 @@ class SloAutoscalingPolicy(SequenceAutoscalingPolicy):
         if not cooldown_s >= 0:
             raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s}")
         self.targets = SloTargets(ttft_target_s, itl_target_s, target_sequences_per_replica, kv_usage_scale_up,
-                                  scale_down_fraction, cooldown_s)
+                                  scale_down_fraction=scale_down_fraction, cooldown_s=cooldown_s)
         self._clock = clock
         self._last_target: int | None = None  # Serve's target at the previous call
         self._last_scale_at: float | None = None  # when the policy saw that target change

@@ -130,7 +130,7 @@ class ReplicaMetrics:
     """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, prefix cache, step
     timings; every series tagged with the replica's layout pool."""
 
-    def __init__(self, pool: str, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
+    def __init__(self, *, pool: str, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
                  admission: str = "usage", node_id: str = "", node_type: str = "") -> None:
         # Every metric of the replica carries `pool` (a default tag): PromQL can then sum by (pool).
         gauge = partial(_gauge, pool=pool)

@@ -12,12 +12,14 @@ from dcpserve.deployments.autoscaling import desired_replicas
 from dcpserve.deployments.config import parse_args
 from dcpserve.deployments.dispatch.router import rank_by_free_kv
 
+TARGETS = {"target_sequences_per_replica": 8, "kv_usage_scale_up": 0.85}
+
 
 def test_desired_replicas_by_sequences_and_kv() -> None:
-    assert desired_replicas([3, 4], [0.1, 0.2], 0, 2, 8, 0.85) == 1
-    assert desired_replicas([8, 8], [0.1, 0.2], 9, 2, 8, 0.85) == 4  # 25 sequences / 8
-    assert desired_replicas([1], [0.9], 0, 1, 8, 0.85) == 2  # KV nearly full: one more
-    assert desired_replicas([0, 0], [0.0, 0.0], 0, 2, 8, 0.85) == 0  # idle: Serve clamps to min_replicas
+    assert desired_replicas([3, 4], [0.1, 0.2], 0, 2, **TARGETS) == 1
+    assert desired_replicas([8, 8], [0.1, 0.2], 9, 2, **TARGETS) == 4  # 25 sequences / 8
+    assert desired_replicas([1], [0.9], 0, 1, **TARGETS) == 2  # KV nearly full: one more
+    assert desired_replicas([0, 0], [0.0, 0.0], 0, 2, **TARGETS) == 0  # idle: Serve clamps to min_replicas
 
 
 @dataclass

@@ -32,7 +32,7 @@ class KvAdmission:
     over the queue's state and set its waiters' futures from other threads ("deque mutated during iteration" under
     load). Async methods all run on the one loop, one at a time between awaits, as AdmissionQueue assumes."""
 
-    def __init__(self, max_queued: int, replica_ttl_s: float = 10.0, prefix_routing: bool = True,
+    def __init__(self, max_queued: int, *, replica_ttl_s: float = 10.0, prefix_routing: bool = True,
                  leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
                  fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
                  fair_share_reserve: bool = True, limits: dict[str, Limits] | None = None,

@@ -133,7 +133,8 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
         return None
     if len(candidates) == 1:
         pool, (blocks, replica, hits), pool_ask, _ = candidates[0]
-        return PoolChoice(pool, blocks, replica, hits, pool_ask, "only_pool" if len(holding) == 1 else "only_room")
+        return PoolChoice(pool, blocks, replica, hits, pool_ask,
+                          reason="only_pool" if len(holding) == 1 else "only_room")
     # A replica that has not stepped yet is priced at its pool's mean step, or at the fastest step any candidate
     # reports (a pool that has not run yet gets tried), or alike when none has run.
     fastest = min((step for *_, step in candidates if step > 0), default=1.0)
@@ -149,4 +150,4 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
     best = min(candidates, key=key)
     costs = {cost(c) for c in candidates}
     pool, (blocks, replica, hits), pool_ask, _ = best
-    return PoolChoice(pool, blocks, replica, hits, pool_ask, "cheapest" if len(costs) > 1 else "most_free")
+    return PoolChoice(pool, blocks, replica, hits, pool_ask, reason="cheapest" if len(costs) > 1 else "most_free")

@@ -87,6 +87,7 @@ class AdmissionQueue(ReplicaLedger):
     def __init__(
         self,
         max_queued: int,
+        *,
         replica_ttl_s: float = 10.0,
         leak_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -187,7 +188,7 @@ class AdmissionQueue(ReplicaLedger):
         if not front:
             self.limits.charge(level.tenant, ticket, level.tokens, now)
         try:
-            return await self._wait(ticket, need, timeout_s, front, ask, level, now)
+            return await self._wait(ticket, need, timeout_s, front=front, ask=ask, level=level, now=now)
         except AdmissionError:
             if not front:
                 self.limits.refund(level.tenant, ticket)
@@ -236,14 +237,14 @@ class AdmissionQueue(ReplicaLedger):
         return (sum(1 for grant in self._grants.values() if grant.level.tenant == tenant)
                 + sum(1 for w in self._waiters if not w.future.done() and w.level.tenant == tenant))
 
-    async def _wait(self, ticket: str, need: Need, timeout_s: float, front: bool, ask: PrefixAsk | None,
+    async def _wait(self, ticket: str, need: Need, timeout_s: float, *, front: bool, ask: PrefixAsk | None,
                     level: ServiceLevel, now: float) -> str:
         """acquire's grant, at once or after waiting in the queue's order."""
         self._seq += 1
         self.shares.seen(level, self._need_tokens(need), now)
-        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, self._seq, front,
-                         None if level.deadline_s is None else now + level.deadline_s, self._need_tokens(need),
-                         now)
+        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, seq=self._seq,
+                         front=front, deadline_at=None if level.deadline_s is None else now + level.deadline_s,
+                         tokens=self._need_tokens(need), arrived=now)
         self._waiters.append(waiter)
         self._fulfill()
         if waiter.future.done():  # granted at once
@@ -390,7 +391,8 @@ class AdmissionQueue(ReplicaLedger):
         replica.grant_prefill[ticket] = max(prompt_blocks(need, ask) - hit_blocks, 0)
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
-        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, replica.pool, level, tokens)
+        self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, pool=replica.pool, level=level,
+                                     tokens=tokens)
         self.num_granted += 1
         replica.num_granted += 1
         key = f"{choice.pool}/{choice.reason}"

@@ -126,7 +126,7 @@ async def admit(ticket: str, need: Need, *, ask: PrefixAsk | None, level: Servic
             timeout = REQUEUE_MIN_WAIT_S
         asking = level if deadline_at is None else dataclasses.replace(  # what is left of its deadline
             level, deadline_s=deadline_at - loop.time())
-        reply = await admission.acquire(Acquire(ticket, need, timeout, bool(returned), ask, asking))
+        reply = await admission.acquire(Acquire(ticket, need, timeout, front=bool(returned), ask=ask, level=asking))
         if isinstance(reply, Refusal):
             raise reply.error("; ".join(returned))
         attempt = len(returned)

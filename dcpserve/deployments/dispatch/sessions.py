@@ -163,7 +163,8 @@ class Sessions:
             pool = admitted.grant.pool
             self.metrics.prompt_tokens.inc(len(token_ids))
             latency_tags = {POOL_TAG: pool, **level_tags(level)}  # the pool of the replica that took it
-            yield RequestDelta(ticket, [], "", False, None, len(token_ids), 0)  # admitted: no tokens yet
+            yield RequestDelta(ticket, [], "", finished=False, finish_reason=None,  # admitted: no tokens yet
+                               num_prompt_tokens=len(token_ids), num_output_tokens=0)
             request_deadline = arrived + self.args.request_timeout_s
             while True:
                 try:

@@ -62,7 +62,7 @@ class DeltaLinks:
     the replica died, its node went, or it did not open the stream in time), not when it ends or closes."""
 
     def __init__(self, open_stream: Callable[[str, str], Any],
-                 renew: Callable[[str, str], Awaitable[bool]], idle_s: float = LINK_IDLE_S,
+                 renew: Callable[[str, str], Awaitable[bool]], *, idle_s: float = LINK_IDLE_S,
                  subscribe_timeout_s: float = 60.0, renew_s: float = RENEW_S,
                  on_lost: Callable[[str], None] | None = None) -> None:
         self.subscriber = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
