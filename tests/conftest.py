@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -51,6 +52,8 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402
 
+from tests.spawn_pool import SpawnPool  # noqa: E402
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -79,6 +82,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture(scope="session")
+def spawn_pool() -> Iterator[SpawnPool]:
+    """mp.spawn for the multi-rank model and exchange tests, in processes kept for the session (tests/spawn_pool.py)."""
+    pool = SpawnPool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""DcpAttentionExchange across real processes (torch.multiprocessing + gloo on loopback).
+"""DcpAttentionExchange across real processes (torch.multiprocessing + gloo on loopback; the session's spawn_pool,
+tests/spawn_pool.py).
 
 Every process builds the same sequences, keeps only its own shard and its own query heads, runs the gather ->
 local attention -> exchange -> combine path, and checks the result against the single-process merge of all
@@ -13,7 +14,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dcpserve.kernels import (
     DcpAttentionExchange,
@@ -25,6 +25,7 @@ from dcpserve.kernels import (
 )
 from dcpserve.kernels.exchange import ExchangeMethod
 from tests.kernels.sharding import assert_close_rows, dense_attention_f64, shard_kv
+from tests.spawn_pool import SpawnPool
 
 HEADS_PER_RANK = 2
 HEAD_DIM = 32
@@ -120,8 +121,9 @@ def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: Exchan
     (2, 2, "all_gather"),
     (4, 4, "all_gather"),
 ])
-def test_exchange_matches_single_process_merge(world_size, dcp_size, method) -> None:
-    mp.spawn(_worker, args=(world_size, dcp_size, _free_port(), method), nprocs=world_size, join=True)
+def test_exchange_matches_single_process_merge(world_size: int, dcp_size: int, method: ExchangeMethod,
+                                              spawn_pool: SpawnPool) -> None:
+    spawn_pool.spawn(_worker, (world_size, dcp_size, _free_port(), method), world_size)
 
 
 def test_exchange_needs_an_initialized_process_group() -> None:

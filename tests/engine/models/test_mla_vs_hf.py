@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from bench.harness.model_harness import Job, Scenario, run_job, run_rank
@@ -36,6 +35,7 @@ from tests.engine.models.test_model_vs_hf import (
     one_torch_thread,  # noqa: F401 - its autouse fixture, here too
     prompt,
 )
+from tests.spawn_pool import SpawnPool
 
 MAX_NEW_TOKENS = 24
 # The shape every model shares: 4 heads (tp 4 leaves one per rank), a latent of 24 + 6 (no power of two), a dense
@@ -154,7 +154,8 @@ def test_single_rank_reference_and_triton_kernels_match_transformers(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp,dcp", MULTI_RANK_LAYOUTS)
-def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[str, Path], tmp_path: Path,
+                                        spawn_pool: SpawnPool) -> None:
     names = [name for name in MODELS if (tp, dcp) in layouts(name)]
     for name in names:
         ParallelConfig(tp, dcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
@@ -163,7 +164,7 @@ def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[st
         # The MLA DCP path's Triton call sites, under the interpreter (gloo carries CPU tensors only).
         name = "v2_no_q_lora_yarn_greedy"
         jobs.append(Job(name, str(checkpoints[name]), (Scenario((prompt(9), prompt(2)), 5, 4),), kernels="triton"))
-    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), nprocs=tp, join=True)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp)]
         check_against_hf(job, per_rank[0])
@@ -174,7 +175,7 @@ def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[st
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp,dcp,pcp", [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2)])
 def test_prefill_context_parallel_matches_transformers(tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path],
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, spawn_pool: SpawnPool) -> None:
     """PCP with MLA: each PCP group computes one early and one late part of every prefill chunk of the latent
     cache; tokens equal transformers' and logits within bounds on every rank. Not bit for bit across PCP groups:
     each runs the step's decodes beside other prefill rows, and the MoE (tokens grouped by expert) rounds by batch.
@@ -183,8 +184,7 @@ def test_prefill_context_parallel_matches_transformers(tp: int, dcp: int, pcp: i
     for name in names:
         ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
     jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
-    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), nprocs=tp * pcp,
-             join=True)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
         for rank, result in enumerate(per_rank):

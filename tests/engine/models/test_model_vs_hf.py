@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from bench.harness.model_harness import Job, Scenario, run_job, run_rank
@@ -33,6 +32,7 @@ from dcpserve.engine.layers.rotary import RotaryEmbedding
 from dcpserve.engine.layers.weights import TensorSource
 from dcpserve.engine.worker.loader import load_model
 from dcpserve.engine.worker.parallel import ParallelState
+from tests.spawn_pool import SpawnPool
 
 BLOCK_SIZE = 4
 MAX_NEW_TOKENS = 32
@@ -246,7 +246,7 @@ def test_single_rank_reference_kernels_match_transformers(checkpoints: dict[str,
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,dcp,interleave", MULTI_RANK_LAYOUTS)
 def test_multi_rank_matches_transformers(
-    tp: int, dcp: int, interleave: int, checkpoints: dict[str, Path], tmp_path: Path
+    tp: int, dcp: int, interleave: int, checkpoints: dict[str, Path], tmp_path: Path, spawn_pool: SpawnPool
 ) -> None:
     names = [name for name, spec in MODELS.items() if (tp, dcp) in spec[3]]
     for name in names:
@@ -255,8 +255,7 @@ def test_multi_rank_matches_transformers(
     if (tp, dcp) == (2, 2) and not torch.cuda.is_available():
         # The DCP path's Triton call sites, under the interpreter (gloo carries CPU tensors only).
         jobs.append(Job("llama_mqa", str(checkpoints["llama_mqa"]), (triton_scenario(),), kernels="triton"))
-    mp.spawn(run_rank, args=(tp, dcp, interleave, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), nprocs=tp,
-             join=True)
+    spawn_pool.spawn(run_rank, (tp, dcp, interleave, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp)]
         check_against_hf(job, per_rank[0])
@@ -273,7 +272,7 @@ PCP_LAYOUTS = [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2)]
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,dcp,pcp", PCP_LAYOUTS)
 def test_prefill_context_parallel_matches_transformers(
-    tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path], tmp_path: Path
+    tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path], tmp_path: Path, spawn_pool: SpawnPool
 ) -> None:
     """Each PCP group computes one early and one late part of every prefill chunk; every PCP group runs the
     decodes. Tokens equal transformers', logits within LOGITS_ATOL; every rank's tokens and logits are rank
@@ -281,8 +280,7 @@ def test_prefill_context_parallel_matches_transformers(
     names = [name for name in MODELS if _valid(checkpoints[name], tp, dcp, pcp)]
     assert names, f"no model takes (tp, dcp, pcp) = {(tp, dcp, pcp)}"
     jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
-    mp.spawn(run_rank, args=(tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), nprocs=tp * pcp,
-             join=True)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
         check_against_hf(job, per_rank[0])
