@@ -157,23 +157,33 @@ def test_autoscaling_follows_a_burst_up_and_back_down() -> None:
 
 
 def test_the_same_seed_gives_the_same_summary_bit_for_bit(tmp_path: Path) -> None:
-    """Two runs of the CLI in processes with different string-hash seeds write identical summary.json files."""
+    """Two runs of the CLI in processes with different string-hash seeds write identical summary.json files. The
+    two run at once (each is one core's work): as a test that ends the tier's last worker, it took twice as long."""
     model = tmp_path / "model"
     model.mkdir()
     from dcpserve.cluster.published_models import DEEPSEEK_V2_LITE
 
     (model / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
-    outputs = []
+    runs = []
     for hash_seed in ("1", "2"):
         out = tmp_path / f"out{hash_seed}"
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        result = subprocess.run(
+        process = subprocess.Popen(
             [sys.executable, "-m", "dcpserve.cli", "simulate", "--trace", "chat", "--requests", "200", "--seed", "5",
              "--model", str(model), "--gpu", "h100", "--gpus-per-node", "2", "--layout", "tp=2,dcp=2",
              "--concurrency", "32", "--quiet", "--out", str(out)],
-            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-        assert result.returncode == 0, result.stderr
-        outputs.append((out / "summary.json").read_bytes())
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        runs.append((process, out))
+    outputs = []
+    try:
+        for process, out in runs:
+            _, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0, stderr
+            outputs.append((out / "summary.json").read_bytes())
+    finally:
+        for process, _ in runs:
+            process.kill()
+            process.wait()
     assert outputs[0] == outputs[1]
     summary = json.loads(outputs[0])
     assert summary["finished"] > 0 and summary["output_tokens_per_s_per_gpu"] > 0
