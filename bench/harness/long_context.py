@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,21 +135,25 @@ def hf_logits(model_dir: str, tokens: tuple[int, ...], keep: int, first_position
         return model(torch.tensor([tokens]), position_ids=positions, logits_to_keep=keep).logits[0].float()
 
 
-def check_long_against_hf(job: Job, results: dict[str, list]) -> float:
+# hf_logits' signature: (model_dir, tokens, keep, first_position) -> logits
+ReferenceLogits = Callable[[str, tuple[int, ...], int, int], torch.Tensor]
+
+
+def check_long_against_hf(job: Job, results: dict[str, list], reference: ReferenceLogits = hf_logits) -> float:
     """Our greedy tokens are transformers' and our logits within LOGITS_ATOL of its, at the last prompt position and
     every decode step; returns the largest logit difference. The reference is one full forward over the prompt and
     our tokens but the last (teacher forcing): while our tokens are its argmax, its greedy tokens are ours, so it
-    checks both at once."""
+    checks both at once. `reference` computes it: hf_logits, or a cache of its results that processes share."""
     (prompt,) = job.scenarios[0].prompts
     ours_tokens, ours_logits = results["tokens"][0], results["logits"][0]
     assert len(ours_tokens) == MAX_NEW_TOKENS and ours_logits.shape[0] == MAX_NEW_TOKENS
     tokens = prompt + tuple(ours_tokens[:-1])
-    ref_logits = hf_logits(job.model_dir, tokens, MAX_NEW_TOKENS)
+    ref_logits = reference(job.model_dir, tokens, MAX_NEW_TOKENS, 0)
     # The test has teeth only if the far context matters: the same last tokens without all but the last chunk's
     # context (at their own positions) must give other logits, by far more than the tolerance.
     chunk = job.scenarios[0].prefill_chunk
     window = chunk + MAX_NEW_TOKENS - 1
-    near_only = hf_logits(job.model_dir, tokens[-window:], MAX_NEW_TOKENS, len(tokens) - window)
+    near_only = reference(job.model_dir, tokens[-window:], MAX_NEW_TOKENS, len(tokens) - window)
     far_effect = float((ref_logits - near_only).abs().amax())
     assert far_effect >= FAR_CONTEXT_MIN_EFFECT, (
         f"{job.name}: the context before the last chunk moves transformers' logits by {far_effect:.2e} only: this "

@@ -42,16 +42,22 @@ On CUDA, the single-rank run repeats with the Triton kernels (skipped elsewhere:
 
 The checkpoints, the prompt and the check are bench/harness/long_context.py's: bench/long_context.py runs them at 128k.
 
-Cost, on 2 cores: about 110 s for the module alone (each test 11-25 s), 140 s under `-n 2` beside itself.
+The ranks of the multi-rank tests run in the session's spawn pool (tests/spawn_pool.py: no fresh interpreter per rank
+per layout), and each transformers reference is computed once per session, shared by the xdist workers (`reference`).
+
+Cost, on 2 cores: about 220 CPU-s for the module alone (`-n 0`; 250 when every layout spawned its ranks afresh),
+almost all of it our engine and transformers at 32k (110 s wall on an idle machine, measured before the pool).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from bench.harness.long_context import (
     BLOCK_SIZE,
@@ -59,8 +65,10 @@ from bench.harness.long_context import (
     LLAMA_GQA,
     LLAMA_MQA,
     MLA,
+    ReferenceLogits,
     check_long_against_hf,
     free_port,
+    hf_logits,
     scenario,
     write_checkpoints,
 )
@@ -68,6 +76,7 @@ from bench.harness.model_harness import Job, run_job, run_rank
 from dcpserve.engine.config import ModelConfig, ParallelConfig
 from dcpserve.engine.worker.parallel import ParallelState
 from tests.engine.models.test_model_vs_hf import one_torch_thread  # noqa: F401 - its autouse fixture, here too
+from tests.spawn_pool import SpawnPool
 
 # (tp, dcp, interleave) -> the models run there: MULTI_RANK_LAYOUTS of test_model_vs_hf (Llama; (4, 2) with
 # interleave 2) and test_mla_vs_hf (MLA), each Llama layout on a model it is valid for.
@@ -94,21 +103,47 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_checkpoints(tmp_path_factory.mktemp("long_context_checkpoints"), CASE)
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceLogits:
+    """hf_logits, each result computed once per pytest session and shared by its xdist workers (a 32k forward is
+    5-6 s, and every layout of a model needs the same one): saved under the session's temporary root, keyed by the
+    checkpoint's bytes and the forward's arguments, one process computing it while the others wait on its lock."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # xdist: <root>/popen-gwN per worker
+    cache = root / "long_context_hf_logits"
+    cache.mkdir(exist_ok=True)
+
+    def cached(model_dir: str, tokens: tuple[int, ...], keep: int, first_position: int) -> torch.Tensor:
+        key = hashlib.sha256(repr((tokens, keep, first_position)).encode())
+        for path in sorted(Path(model_dir).iterdir()):
+            key.update(path.name.encode() + path.read_bytes())
+        path = cache / f"{key.hexdigest()}.pt"
+        with open(cache / f"{path.stem}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                partial = path.with_suffix(".partial")
+                torch.save(hf_logits(model_dir, tokens, keep, first_position), partial)
+                partial.rename(path)
+            return torch.load(path)
+
+    return cached
+
+
 @pytest.mark.parametrize("name", [LLAMA_GQA, MLA])
 def test_single_rank_long_context_matches_transformers(
-    name: str, checkpoints: dict[str, Path], tmp_path: Path
+    name: str, checkpoints: dict[str, Path], reference: ReferenceLogits, tmp_path: Path
 ) -> None:
     """tp = dcp = 1 in this process: the fused CPU kernels over one rank's whole 32k cache."""
     config = ModelConfig.from_pretrained(checkpoints[name])
     job = Job(name, str(checkpoints[name]), (scenario(checkpoints[name]),))
     results = run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, tmp_path, BLOCK_SIZE)
     assert results["kernels"] == ["cpu"]
-    check_long_against_hf(job, results)
+    check_long_against_hf(job, results, reference)
 
 
 @pytest.mark.parametrize("name", [LLAMA_GQA, MLA])
 def test_single_rank_triton_kernels_long_context_match_transformers(
-    name: str, checkpoints: dict[str, Path], device: torch.device, tmp_path: Path
+    name: str, checkpoints: dict[str, Path], reference: ReferenceLogits, device: torch.device, tmp_path: Path
 ) -> None:
     """The Triton kernels at 32k: decode splits each sequence over up to 64 programs (flash-decoding), which only a
     long context fills with many key tiles each. CUDA only: Triton's CPU interpreter is far too slow at this length."""
@@ -118,12 +153,13 @@ def test_single_rank_triton_kernels_long_context_match_transformers(
     job = Job(name, str(checkpoints[name]), (scenario(checkpoints[name]),), kernels="triton", device=str(device))
     results = run_job(job, config, ParallelState.single(config.num_key_value_heads), 1, tmp_path, BLOCK_SIZE)
     assert results["kernels"] == ["triton"]
-    check_long_against_hf(job, results)
+    check_long_against_hf(job, results, reference)
 
 
 @pytest.mark.parametrize("tp,dcp,interleave", list(MULTI_RANK_LAYOUTS))
 def test_multi_rank_long_context_matches_transformers(
-    tp: int, dcp: int, interleave: int, checkpoints: dict[str, Path], tmp_path: Path
+    tp: int, dcp: int, interleave: int, checkpoints: dict[str, Path], reference: ReferenceLogits, tmp_path: Path,
+    spawn_pool: SpawnPool,
 ) -> None:
     """Real processes over gloo, one spawn per layout for all its models; every rank's tokens and logits are the
     same, bit for bit, and rank 0's are checked against transformers."""
@@ -131,11 +167,10 @@ def test_multi_rank_long_context_matches_transformers(
     for name in names:
         ParallelConfig(tp, dcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
     jobs = [Job(name, str(checkpoints[name]), (scenario(checkpoints[name]),)) for name in names]
-    mp.spawn(run_rank, args=(tp, dcp, interleave, free_port(), jobs, str(tmp_path), BLOCK_SIZE), nprocs=tp,
-             join=True)
+    spawn_pool.spawn(run_rank, (tp, dcp, interleave, free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp)]
-        check_long_against_hf(job, per_rank[0])
+        check_long_against_hf(job, per_rank[0], reference)
         for rank, other in enumerate(per_rank[1:], start=1):
             assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
             for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
@@ -144,7 +179,8 @@ def test_multi_rank_long_context_matches_transformers(
 
 @pytest.mark.parametrize("tp,dcp,pcp", list(PCP_LAYOUTS))
 def test_prefill_context_parallel_long_context_matches_transformers(
-    tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path], tmp_path: Path
+    tp: int, dcp: int, pcp: int, checkpoints: dict[str, Path], reference: ReferenceLogits, tmp_path: Path,
+    spawn_pool: SpawnPool,
 ) -> None:
     """PCP at 32k: each chunk's parts are spread over the PCP groups, whose segments attend to up to 32k tokens of
     context. Rank 0's tokens and logits against transformers'; every rank bit-identical to rank 0."""
@@ -152,11 +188,10 @@ def test_prefill_context_parallel_long_context_matches_transformers(
     for name in names:
         ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
     jobs = [Job(name, str(checkpoints[name]), (scenario(checkpoints[name]),)) for name in names]
-    mp.spawn(run_rank, args=(tp, dcp, 1, free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), nprocs=tp * pcp,
-             join=True)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
-        check_long_against_hf(job, per_rank[0])
+        check_long_against_hf(job, per_rank[0], reference)
         for rank, other in enumerate(per_rank[1:], start=1):
             assert other["tokens"] == per_rank[0]["tokens"], f"{job.name}: rank {rank} sampled other tokens"
             for a, b in zip(other["logits"], per_rank[0]["logits"], strict=True):
