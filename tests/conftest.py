@@ -57,10 +57,23 @@ from tests.spawn_pool import SpawnPool  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+# The modules of the tier's longest tests (10-60 s each on 2 cores; the rest take a second or less), run first: xdist's
+# worksteal hands the short tests left at the end to whichever worker is free, instead of one worker running a long
+# test alone while the other idles.
+LONGEST_FIRST = ("tests/engine/models/test_long_context.py", "tests/engine/models/test_mla_vs_hf.py",
+                 "tests/engine/models/test_model_vs_hf.py")
+
+
+def _longest_first_rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::")[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks each test by the cluster it uses (module docstring), runs the `faults` tests after every other test
-    that uses the head, and skips `vllm` tests where vLLM is not installed (`make test-vllm` runs them)."""
+    that uses the head and the LONGEST_FIRST modules before the rest, and skips `vllm` tests where vLLM is not
+    installed (`make test-vllm` runs them)."""
     import importlib.util
 
     for item in items:
@@ -70,7 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "ray_head" in fixtures or "ray_cluster" in fixtures:
             item.add_marker(pytest.mark.xdist_group("ray"))  # one xdist worker holds the head
             item.add_marker(pytest.mark.ray if "ray_cluster" in fixtures else pytest.mark.e2e)
-    items.sort(key=lambda item: item.get_closest_marker("faults") is not None)  # stable: otherwise in order
+    # Stable: otherwise in collection order, but the `faults` tests last and the LONGEST_FIRST modules first.
+    items.sort(key=lambda item: (item.get_closest_marker("faults") is not None, _longest_first_rank(item)))
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm")
