@@ -249,7 +249,7 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
         load.stop(WAIT_S)
         client.close()
     assert load.outcomes and all(o.status == 200 and o.error is None for o in load.outcomes), load.summary()
-    assert granted.get("num_granted", 0) > 0, f"the new replica was granted nothing: {granted}"
+    assert granted.num_granted > 0, f"the new replica was granted nothing: {granted}"
     nodes = alive_nodes()
     assert second["node_id"] not in (first["node_id"], head_node_id()), "the second replica needed a new node"
     assert nodes[second["node_id"]]["Resources"].get("GPU") == WORKER_GPUS
