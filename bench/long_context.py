@@ -31,11 +31,10 @@ from bench.harness.long_context import (
     MLA,
     LongCase,
     check_long_against_hf,
-    free_port,
     scenario,
     write_checkpoints,
 )
-from bench.harness.model_harness import Job, run_job, run_rank
+from bench.harness.model_harness import Job, free_port, run_job, run_rank
 from dcpserve.engine.config import ModelConfig, ParallelConfig
 from dcpserve.engine.worker.parallel import ParallelState
 

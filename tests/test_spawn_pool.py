@@ -65,7 +65,7 @@ def test_a_rank_that_dies_fails_the_case(pool: SpawnPool) -> None:
 
 
 def test_a_rank_that_leaves_its_process_group_fails_the_case(pool: SpawnPool) -> None:
-    from tests.kernels.test_exchange import _free_port
+    from bench.harness.model_harness import free_port
 
     with pytest.raises(RuntimeError, match="_leave_a_group left its default process group initialized"):
-        pool.spawn(_leave_a_group, (_free_port(),), 1)
+        pool.spawn(_leave_a_group, (free_port(),), 1)

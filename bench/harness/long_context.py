@@ -11,7 +11,6 @@ takes them (`_sdpa_values_padded`). The test module's docstring says what was me
 from __future__ import annotations
 
 import functools
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,10 +172,3 @@ def check_long_against_hf(job: Job, results: dict[str, list], reference: Referen
             f"transformers' top-2 logit gap there is {float(top2.values[0] - top2.values[1]):.2e})"
         )
     return float(error.max())
-
-
-def free_port() -> int:
-    """A free TCP port on loopback for a gloo group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

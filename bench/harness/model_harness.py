@@ -12,6 +12,7 @@ Imports no transformers, so spawned ranks start fast; `run_rank` is the body of 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,6 +192,13 @@ def pages_needed(scenario: Scenario, block_size: int, dcp: int) -> int:
     tokens_per_block = block_size * dcp
     blocks = sum(-(-(len(p) + scenario.max_new_tokens) // tokens_per_block) for p in scenario.prompts)
     return max(blocks + SPARE_PAGES, MIN_PAGES)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a gloo group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_rank(

@@ -8,13 +8,13 @@ shards and against float64 dense attention."""
 from __future__ import annotations
 
 import math
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bench.harness.model_harness import free_port
 from dcpserve.kernels import (
     DcpAttentionExchange,
     combine_lse_ref,
@@ -30,12 +30,6 @@ from tests.spawn_pool import SpawnPool
 HEADS_PER_RANK = 2
 HEAD_DIM = 32
 BLOCK_SIZE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_decode(exchange: DcpAttentionExchange, dcp_size: int, dcp_rank: int, seed: int) -> None:
@@ -123,7 +117,7 @@ def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: Exchan
 ])
 def test_exchange_matches_single_process_merge(world_size: int, dcp_size: int, method: ExchangeMethod,
                                               spawn_pool: SpawnPool) -> None:
-    spawn_pool.spawn(_worker, (world_size, dcp_size, _free_port(), method), world_size)
+    spawn_pool.spawn(_worker, (world_size, dcp_size, free_port(), method), world_size)
 
 
 def test_exchange_needs_an_initialized_process_group() -> None:

@@ -67,12 +67,11 @@ from bench.harness.long_context import (
     MLA,
     ReferenceLogits,
     check_long_against_hf,
-    free_port,
     hf_logits,
     scenario,
     write_checkpoints,
 )
-from bench.harness.model_harness import Job, run_job, run_rank
+from bench.harness.model_harness import Job, free_port, run_job, run_rank
 from dcpserve.engine.config import ModelConfig, ParallelConfig
 from dcpserve.engine.worker.parallel import ParallelState
 from tests.engine.models.test_model_vs_hf import one_torch_thread  # noqa: F401 - its autouse fixture, here too

@@ -12,7 +12,6 @@ in chunks that cut blocks, then decodes 24 tokens.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.harness.model_harness import Job, Scenario, run_job, run_rank
+from bench.harness.model_harness import Job, Scenario, free_port, run_job, run_rank
 from bench.harness.random_models import VOCAB, randomize_norms_and_biases
 from dcpserve.cluster.tiny_model import TinyMlaSpec, write_tiny_mla_model
 from dcpserve.engine.config import ModelConfig, ParallelConfig
@@ -111,12 +110,6 @@ def scenarios(dcp: int) -> tuple[Scenario, ...]:
     return (Scenario(prompts, prefill_chunk=block + 1, max_new_tokens=MAX_NEW_TOKENS),)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_configs_read_as_the_models_were_built(checkpoints: dict[str, Path]) -> None:
     v2 = ModelConfig.from_pretrained(checkpoints["v2_no_q_lora_yarn_greedy"])
     assert v2.mla is not None and v2.mla.q_lora_rank is None and v2.moe is not None
@@ -164,7 +157,7 @@ def test_multi_rank_matches_transformers(tp: int, dcp: int, checkpoints: dict[st
         # The MLA DCP path's Triton call sites, under the interpreter (gloo carries CPU tensors only).
         name = "v2_no_q_lora_yarn_greedy"
         jobs.append(Job(name, str(checkpoints[name]), (Scenario((prompt(9), prompt(2)), 5, 4),), kernels="triton"))
-    spawn_pool.spawn(run_rank, (tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp)]
         check_against_hf(job, per_rank[0])
@@ -184,7 +177,7 @@ def test_prefill_context_parallel_matches_transformers(tp: int, dcp: int, pcp: i
     for name in names:
         ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoints[name]))
     jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
-    spawn_pool.spawn(run_rank, (tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
         for rank, result in enumerate(per_rank):

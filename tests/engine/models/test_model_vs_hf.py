@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import socket
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.harness.model_harness import Job, Scenario, run_job, run_rank
+from bench.harness.model_harness import Job, Scenario, free_port, run_job, run_rank
 from bench.harness.random_models import COMMON, LOGITS_ATOL, VOCAB, randomize_norms_and_biases
 from dcpserve.engine.config import ModelConfig, ParallelConfig, RopeScaling
 from dcpserve.engine.layers.embedding import VocabParallelEmbedding
@@ -165,12 +164,6 @@ def check_against_hf(job: Job, results: dict[str, list], atol: float = LOGITS_AT
     assert index == len(results["tokens"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _validate(name: str, checkpoint: Path, tp: int, dcp: int, pcp: int = 1) -> None:
     ParallelConfig(tp, dcp, pcp).validate(ModelConfig.from_pretrained(checkpoint))
 
@@ -255,7 +248,7 @@ def test_multi_rank_matches_transformers(
     if (tp, dcp) == (2, 2) and not torch.cuda.is_available():
         # The DCP path's Triton call sites, under the interpreter (gloo carries CPU tensors only).
         jobs.append(Job("llama_mqa", str(checkpoints["llama_mqa"]), (triton_scenario(),), kernels="triton"))
-    spawn_pool.spawn(run_rank, (tp, dcp, interleave, _free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
+    spawn_pool.spawn(run_rank, (tp, dcp, interleave, free_port(), jobs, str(tmp_path), BLOCK_SIZE), tp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp)]
         check_against_hf(job, per_rank[0])
@@ -280,7 +273,7 @@ def test_prefill_context_parallel_matches_transformers(
     names = [name for name in MODELS if _valid(checkpoints[name], tp, dcp, pcp)]
     assert names, f"no model takes (tp, dcp, pcp) = {(tp, dcp, pcp)}"
     jobs = [Job(name, str(checkpoints[name]), scenarios(dcp)) for name in names]
-    spawn_pool.spawn(run_rank, (tp, dcp, 1, _free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
+    spawn_pool.spawn(run_rank, (tp, dcp, 1, free_port(), jobs, str(tmp_path), BLOCK_SIZE, pcp), tp * pcp)
     for job in jobs:
         per_rank = [torch.load(tmp_path / job.result_file(r)) for r in range(tp * pcp)]
         check_against_hf(job, per_rank[0])
