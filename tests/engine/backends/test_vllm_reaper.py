@@ -133,10 +133,13 @@ def test_a_killed_vllm_replica_leaves_no_engine_core(tmp_path: Path) -> None:
 
 
 # A replica's engine shut down while vLLM's force-kill path fails as its race does (kill_process_tree raising
-# psutil.NoSuchProcess for a worker that exited after being listed, before it kills the engine core); the grace is
-# forced to 0 so that path runs. A fresh process, so that vLLM's start is what starts multiprocessing's tracker.
+# psutil.NoSuchProcess for a worker that exited after being listed, before it kills the engine core). The grace is
+# forced to 0 and the engine core is stopped (SIGSTOP) first, so that it is still alive when vLLM checks after its
+# SIGTERM, whatever the machine's load: with the grace alone a core that had already begun to exit (vLLM's client
+# shutdown runs first) skipped the path now and then under load. A fresh process, so that vLLM's start is what starts
+# multiprocessing's tracker.
 VLLM_FAILING_SHUTDOWN = """
-import asyncio, os, sys
+import asyncio, os, signal, sys
 import psutil, vllm.v1.utils
 from multiprocessing import resource_tracker
 import dcpserve.engine.backends.vllm.engine as vllm_engine
@@ -155,6 +158,10 @@ async def main():
     print("PIDS", tracker, engine._reaper.watcher_pid, *descendants(os.getpid()), flush=True)
     vllm_engine.process_shutdown_grace_s = lambda: 0.0
     vllm.v1.utils.kill_process_tree = racing_kill_process_tree
+    cores = [pid for pid in descendants(os.getpid())
+             if open(f"/proc/{pid}/comm").read().strip() == "VLLM::EngineCor"]
+    assert len(cores) == 1, cores
+    os.kill(cores[0], signal.SIGSTOP)
     await engine.shutdown()
     print("SHUT DOWN", engine._reaper.watcher_pid, start_time(tracker) is not None, flush=True)
 
