@@ -45,9 +45,18 @@ from bench.harness.cluster import (
     session_processes,
     tiny_app_args,
 )
-from dcpserve.deployments.messages import AdmissionStats, QueueReplicaView
-from dcpserve.local import head_keeper
+from dcpserve.deployments.messages import QueueReplicaView
 from dcpserve.local import serve as local_serve
+from tests.local.probes import (
+    admission_stats,
+    alive_nodes,
+    gcs_down,
+    gcs_pid,
+    head_node_id,
+    kill_node,
+    num_grants,
+    scrape,
+)
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -115,18 +124,6 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S, per
             return last
         time.sleep(period_s)
     raise AssertionError(f"{what}: not within {timeout_s:.0f}s; last seen: {last!r}")
-
-
-def alive_nodes() -> dict[str, dict[str, Any]]:
-    """node id -> ray.nodes() entry of every alive node."""
-    import ray
-
-    return {node["NodeID"]: node for node in ray.nodes() if node.get("Alive")}
-
-
-def head_node_id() -> str:
-    return next(node_id for node_id, node in alive_nodes().items()
-                if "node:__internal_head__" in node.get("Resources", {}))
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +232,7 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
         reply = client.completions.create(model=MODEL, prompt=f"def probe_{next(probes)}():", max_tokens=4,
                                           temperature=0)
         assert reply.choices and reply.choices[0].finish_reason in ("length", "stop"), reply
-        granted = admission_stats(local_nodes).replicas.get(second["replica_id"])
+        granted = admission_stats().replicas.get(second["replica_id"])
         return granted if granted is not None and granted.num_granted > 0 else None
 
     # 3 sequences at a target of 1 per replica: Serve wants a second replica (max_replicas 2) for as long as it runs.
@@ -276,25 +273,8 @@ def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: 
     wait_for("the emptied worker node removed", lambda: emptied not in alive_nodes() and len(alive_nodes()) == 2)
     local_nodes.timings["idle to node removed"] = time.monotonic() - start
     assert kept["node_id"] in alive_nodes()
-    stats = admission_stats(local_nodes)
+    stats = admission_stats()
     assert all(r.num_grants == 0 for r in stats.replicas.values()), stats  # no KV held after the drain
-
-
-def kill_node(node_id: str) -> list[int]:
-    """SIGKILLs a worker node: its raylet and every process under it (the node's workers and agents), as a machine
-    that loses power. Returns their pids."""
-    import psutil
-
-    socket = alive_nodes()[node_id]["RayletSocketName"]
-    (raylet,) = [p for p in psutil.process_iter(["cmdline"])
-                 if f"--raylet_socket_name={socket}" in (p.info["cmdline"] or [])]
-    victims = [raylet, *raylet.children(recursive=True)]
-    for process in victims:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return [process.pid for process in victims]
 
 
 def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local_nodes: LocalNodes) -> None:
@@ -313,13 +293,13 @@ def test_a_worker_node_killed_under_load_costs_only_its_in_flight_requests(local
 
         replicas = wait_for("two engine replicas on two nodes", two_running)
         granted = wait_for("a replica holding grants", lambda: [
-            r for r in replicas if num_grants(local_nodes, r["replica_id"])])
+            r for r in replicas if num_grants(r["replica_id"])])
         victim = granted[0]
         in_flight = [o for o in list(load.outcomes) if o.ended is None]
         killed_at = time.monotonic()
         killed = kill_node(victim["node_id"])
         forgotten = wait_for("the admission queue forgot the dead replica", lambda: victim["replica_id"] not in
-                             admission_stats(local_nodes).replicas, period_s=0.2)
+                             admission_stats().replicas, period_s=0.2)
         local_nodes.timings["node kill to replica forgotten"] = time.monotonic() - killed_at
         assert forgotten
         local_nodes.timings["node kill to a new request served"] = (
@@ -371,16 +351,6 @@ def running_replicas(local_nodes: LocalNodes) -> dict[str, str] | None:
         return {r["replica_id"]: r["node_id"] for r in local_nodes.engine_replicas() if r["state"] == "RUNNING"}
     except OSError:
         return None
-
-
-def gcs_pid(ray_port: int) -> int | None:
-    process = head_keeper.gcs_process(ray_port)
-    return None if process is None else process.pid
-
-
-def gcs_down(ray_port: int) -> bool:
-    """No GCS process (a killed one not yet reaped is a zombie: gone) and nothing listening on its port."""
-    return gcs_pid(ray_port) is None and not local_serve.port_in_use(ray_port)
 
 
 @dataclass
@@ -512,27 +482,3 @@ def deployed_configs(local_nodes: LocalNodes) -> tuple[dict[str, Any], list[dict
     deployed = [{"name": name, "route_prefix": a.get("route_prefix"), **a["deployed_app_config"]}
                 for name, a in (current.get("applications") or {}).items()]
     return config, deployed
-
-
-def scrape(target: str) -> str:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
-            return str(reply.read().decode())
-    except OSError as err:
-        return f"(scrape failed: {err})"
-
-
-def admission_stats(local_nodes: LocalNodes) -> AdmissionStats:
-    from ray import serve
-
-    handle = serve.get_deployment_handle("KvAdmission", app_name="dcpserve")
-    stats: AdmissionStats = handle.stats.remote().result(timeout_s=60)
-    return stats
-
-
-def num_grants(local_nodes: LocalNodes, replica_id: str) -> int:
-    """The grants the admission queue holds on a replica now (0 for one it does not know)."""
-    view = admission_stats(local_nodes).replicas.get(replica_id)
-    return 0 if view is None else view.num_grants
