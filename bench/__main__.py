@@ -35,10 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         print(unknown(name), file=sys.stderr)
         return 2
     from dcpserve.local.serve import bind_ray_to_loopback
+    from dcpserve.local.tls import prepare_driver_tls
 
-    # Before the benchmark imports ray (Ray reads the setting once, at import): every Ray it starts or joins listens
-    # on 127.0.0.1 only.
+    # Before the benchmark imports ray (Ray reads these settings once, at import): every Ray it starts or joins
+    # listens on 127.0.0.1 only, and uses mutual TLS with a CA of that cluster's own (unless DCPSERVE_TLS=0).
     bind_ray_to_loopback()
+    prepare_driver_tls()
     module = importlib.import_module(f"bench.{name}")
     saved = sys.argv
     # argparse names the program after sys.argv[0] in usage lines, and a benchmark that quotes its own command line

@@ -159,7 +159,10 @@ def start_ray() -> str:
     """A local Ray instance of this run's own (real GPUs as Ray GPUs; none on CPU: the ranks run as CPU actors)."""
     import ray
 
+    from dcpserve.local.tls import local_ray_tls
+
     temp_dir = tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp")  # Ray's socket paths must stay short
+    local_ray_tls(Path(temp_dir), print)  # mutual TLS with a CA of this instance's own (python -m bench prepared it)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=gpus, include_dashboard=False,
              _temp_dir=temp_dir, log_to_driver=False)

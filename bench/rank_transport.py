@@ -30,6 +30,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 from dcpserve.engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
+from dcpserve.local.tls import local_ray_tls
 
 # (label, sequences, block-table entries per sequence)
 STEPS = [("decode, batch 8", 8, 4), ("decode, batch 64", 64, 4), ("batch 64, 4096 blocks each", 64, 4096)]
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25, help="steps per transport per round (default 25)")
     args = parser.parse_args(argv)
     ray_dir = tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp")  # Ray's socket paths must stay short
+    local_ray_tls(Path(ray_dir), print)  # mutual TLS with a CA of this instance's own (python -m bench prepared it)
     ray.init(address="local", num_cpus=max(8, args.tp), include_dashboard=False, log_to_driver=False,
              _temp_dir=ray_dir)
     try:

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from dcpserve.cluster.cli import add_commands as add_cluster_commands
+from dcpserve.cluster.tls_cli import add_commands as add_tls_commands
 from dcpserve.simulator.cli import add_commands as add_simulator_commands
 from dcpserve.simulator.plan import extend_plan
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_cluster_commands(commands)
     add_simulator_commands(commands)
+    add_tls_commands(commands)
     extend_plan(commands.choices["plan"])  # plan --trace: the layouts ranked by simulated goodput
     return parser
 

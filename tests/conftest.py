@@ -28,8 +28,12 @@ if not torch.cuda.is_available():
 os.environ.setdefault("DCPSERVE_VERIFY_PREFIX_HITS", "1")  # engine.core.engine.VERIFY_PREFIX_HITS_ENV; see above
 
 from dcpserve.local.serve import bind_ray_to_loopback
+from dcpserve.local.tls import prepare_driver_tls
 
 bind_ray_to_loopback()  # before anything imports ray: every Ray this session starts or joins listens on 127.0.0.1
+# Also before ray's import, which fixes Ray's TLS setting for the process: this process joins the clusters it starts
+# with mutual TLS, as an identity of each one's CA (dcpserve/local/tls.py; DCPSERVE_TLS=0 turns it off).
+prepare_driver_tls()
 
 # schemathesis' pytest plugin imports its report writers lazily, in its pytest_sessionfinish hook, and pytest parses
 # them then to rewrite their asserts. By then the session's Ray head has stopped and the garbage of the Serve handles

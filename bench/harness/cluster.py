@@ -27,8 +27,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from bench.harness.listeners import Socket, process_sockets, session_processes
 from dcpserve.cluster.tiny_model import write_tiny_model
+from dcpserve.cluster.tls import ClusterTls
 from dcpserve.local import serve as local_serve
+from dcpserve.local.tls import cluster_tls, join_cluster_tls, prepare_driver_tls, tls_setting
 
 if TYPE_CHECKING:
     from dcpserve.deployments.messages import AdmissionStats, ReplicaStats
@@ -78,6 +81,7 @@ class RayHead:
     model_dir: Path  # the tiny Llama, written once for the session
     process: subprocess.Popen[bytes]
     num_gpus: int
+    tls: ClusterTls | None  # this head's CA and identities (None: DCPSERVE_TLS=0)
     deployed: list[str] = field(default_factory=list)  # served model names, in the order they were deployed
 
     @property
@@ -95,67 +99,16 @@ class RayHead:
         """Pids of every process of this head (its own session: `ray start` began one) and of this driver."""
         return [os.getpid(), *session_processes(self.process.pid)]
 
-    def listening_sockets(self) -> list[tuple[int, str, str, int]]:
-        """(pid, process name, address, port) of every TCP socket a process of this head (or this driver) listens
-        on."""
-        return [(s.pid, s.name, s.local_ip, s.port) for s in process_sockets(self.processes()) if s.remote_ip is None]
-
-
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-
-
-def session_processes(session_id: int) -> list[int]:
-    """Pids of every process of a session (`ray start` begins one for its head, and every node the local
-    autoscaler starts is in it too)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == session_id:
-                    pids.append(int(entry.name))
-            except (ProcessLookupError, PermissionError):
-                pass
-    return pids
-
-
-@dataclass(frozen=True)
-class Socket:
-    pid: int
-    name: str  # the process's command line, cut
-    local_ip: str
-    port: int
-    remote_ip: str | None  # None: listening
-
-
-def process_sockets(pids: list[int]) -> list[Socket]:
-    """Every TCP socket of these processes that listens or is connected."""
-    import psutil
-
-    found = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            name = " ".join(process.cmdline())[:100] or process.name()
-            for connection in process.net_connections(kind="inet"):
-                if connection.status == psutil.CONN_LISTEN:
-                    found.append(Socket(pid, name, connection.laddr.ip, connection.laddr.port, None))
-                elif connection.raddr:
-                    found.append(Socket(pid, name, connection.laddr.ip, connection.laddr.port, connection.raddr.ip))
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
-
-
-def non_loopback_listeners(head: RayHead) -> list[tuple[int, str, str, int]]:
-    """The listening sockets of the head's processes that are reachable from another machine."""
-    return [s for s in head.listening_sockets() if s[2] not in LOOPBACK]
+    def listening_sockets(self) -> list[Socket]:
+        """Every TCP socket a process of this head (or this driver) listens on."""
+        return [s for s in process_sockets(self.processes()) if s.remote_ip is None]
 
 
 def serve_inter_deployment_grpc_ports(api: local_serve.ServeApi) -> dict[int, int]:
     """pid -> port of the inter-deployment gRPC server of every running Serve replica on the head. Ray 2.60 starts one
     in each replica, bound to "[::]:0" in its code (ray/serve/_private/replica.py, `_on_initialized`) with no setting
-    to move it (ray-project/ray#64544): the one listener of the cluster that cannot be kept on loopback. Read from
-    each replica actor, so that a test tells that server from anything else."""
+    to move it (ray-project/ray#64544): the one listener of the cluster that cannot be kept on loopback, and so the
+    one that mutual TLS must guard. Read from each replica actor, so that a test knows it probes those servers."""
     import ray
 
     found: dict[int, int] = {}
@@ -199,14 +152,17 @@ def restore_env(saved: dict[str, str | None]) -> None:
 
 @contextlib.contextmanager
 def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = None) -> Iterator[RayHead]:
-    """Starts a head on free ports (state under `state`, Ray's temp dir short under /tmp), joins this process to it
-    as a driver, and stops the head (its own process group only) and leaves it on exit.
+    """Starts a head on free ports (state under `state`, Ray's temp dir short under /tmp), with Ray's mutual TLS
+    and a CA of its own unless DCPSERVE_TLS=0, joins this process to it as a driver, and stops the head (its own
+    process group only) and leaves it on exit.
 
-    Ray reads RAY_AUTH_MODE once, when it is imported: set here if ray is not imported yet (tests/conftest.py sets
-    it at import); the token file is the head's own, set when the head is up."""
+    Ray reads RAY_AUTH_MODE and its TLS setting once, when it is imported: both are set here if ray is not imported
+    yet (tests/conftest.py and `python -m bench` set them before); the token file is the head's own, set when the
+    head is up, and this process's TLS slot gets an identity of the head's CA (dcpserve/local/tls.py)."""
     saved = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}
     os.environ["RAY_AUTH_MODE"] = "token"
     local_serve.bind_ray_to_loopback()  # this driver too listens on loopback only
+    prepare_driver_tls()
     from ray._raylet import (  # type: ignore[attr-defined]  # Ray's stub of the Cython _raylet lacks them
         AuthenticationMode,
         get_authentication_mode,
@@ -220,23 +176,27 @@ def ray_head(state: Path, num_gpus: int = 4, extra_env: dict[str, str] | None = 
     http_port, ray_port, dashboard_port = local_serve.free_ports(3)
     settings = local_serve.LocalSettings(
         http_port=http_port, ray_port=ray_port, dashboard_port=dashboard_port, num_gpus=num_gpus, state_dir=state,
-        config=state / "serve_config.yaml", deploy_timeout_s=240,
+        config=state / "serve_config.yaml", deploy_timeout_s=240, tls=tls_setting(),
     )
-    env = local_serve.ray_env(state)
+    tls = cluster_tls(state, settings.tls, local_serve.say)
+    env = local_serve.ray_env(state, tls)
     env.update(SESSION_ENV)
     env.update(extra_env or {})
     # Ray's socket paths must stay short: a temp dir directly under /tmp, not pytest's deep tmp_path.
     temp_dir = Path(tempfile.mkdtemp(prefix="dcpray-", dir="/tmp"))
     process = local_serve.start_head(settings, env, temp_dir)
-    head = RayHead(settings, env, temp_dir, model_dir, process, num_gpus)
+    head = RayHead(settings, env, temp_dir, model_dir, process, num_gpus, tls)
     try:
         local_serve.wait_for_dashboard(settings, process)
+        join_cluster_tls(tls)
         with driver_of(head.address, Path(env["RAY_AUTH_TOKEN_PATH"])):
             yield head
     finally:
         restore_env(saved)
         local_serve.stop_head(process)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if tls is not None:
+            shutil.rmtree(tls.directory, ignore_errors=True)
 
 
 def serve_config(head: RayHead, app_args: dict[str, Any], runtime_env: dict[str, Any] | None = None,

@@ -38,6 +38,7 @@ import yaml
 from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.engine.config import ModelConfig
 from dcpserve.local import serve as local_serve
+from dcpserve.local.tls import cluster_tls, tls_setting
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "dcpserve-tiny"
@@ -250,14 +251,17 @@ class ServeHead:
 
 
 @contextlib.contextmanager
-def serve_head(state: Path, deploy_timeout_s: float) -> Iterator[ServeHead]:
-    """Starts a Ray head on free ports with its state under `state`, and stops it afterwards."""
+def serve_head(state: Path, deploy_timeout_s: float, tls: bool | None = None) -> Iterator[ServeHead]:
+    """Starts a Ray head on free ports with its state under `state`, and stops it afterwards. tls: Ray's mutual TLS
+    with a CA of its own (None: as DCPSERVE_TLS says). This process never joins it, so one run can start heads with
+    and without TLS (bench/tls.py)."""
     http_port, ray_port, dashboard_port = local_serve.free_ports(3)
     settings = local_serve.LocalSettings(
         http_port=http_port, ray_port=ray_port, dashboard_port=dashboard_port, num_gpus=NUM_GPUS, state_dir=state,
         config=state / "unused.yaml", deploy_timeout_s=deploy_timeout_s,
+        tls=tls_setting() if tls is None else tls,
     )
-    env = local_serve.ray_env(state)
+    env = local_serve.ray_env(state, cluster_tls(state, settings.tls, local_serve.say))
     head = local_serve.start_head(settings, env, state / "ray")
     try:
         local_serve.wait_for_dashboard(settings, head)

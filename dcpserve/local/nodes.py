@@ -15,8 +15,9 @@
 
 `python -m dcpserve.local.nodes` runs 1-4; `python -m dcpserve.local.nodes down` is `make cluster-down`.
 Environment knobs: those of `make serve` (dcpserve/local/serve.py: DCPSERVE_PORT, DCPSERVE_RAY_PORT,
-DCPSERVE_DASHBOARD_PORT, DCPSERVE_STATE_DIR, DCPSERVE_CONFIG, DCPSERVE_API_KEY; not DCPSERVE_NUM_GPUS: the head has
-none), and DCPSERVE_WORKER_GPUS (logical GPUs per GPU worker node; ray_cluster.yaml's by default),
+DCPSERVE_DASHBOARD_PORT, DCPSERVE_STATE_DIR, DCPSERVE_CONFIG, DCPSERVE_API_KEY, DCPSERVE_TLS; not
+DCPSERVE_NUM_GPUS: the head has none), and DCPSERVE_WORKER_GPUS (logical GPUs per GPU worker node; ray_cluster.yaml's
+by default),
 DCPSERVE_IDLE_TIMEOUT_S (seconds before an idle worker node is removed; ray_cluster.local.yaml's by default),
 DCPSERVE_GCS_FT (1: Redis-backed GCS fault tolerance, the default; 0: none, a GCS exit stops the cluster) and
 DCPSERVE_GCS_RESTART_DELAY_S (seconds between a GCS exit and its restart, 2 by default; at most 30, well within the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -46,8 +48,10 @@ from dcpserve.cluster.node_types import (
     local_cluster_config,
     node_types,
 )
+from dcpserve.cluster.tls import ClusterTls
 from dcpserve.deployments.config import parse_args
 from dcpserve.local import serve as local_serve
+from dcpserve.local.tls import cluster_tls
 
 REPO = local_serve.REPO
 PID_FILE = "cluster.pid"
@@ -137,26 +141,26 @@ def alive_nodes(settings: local_serve.LocalSettings, token_path: Path) -> dict[s
     return nodes
 
 
-def print_banner(settings: ClusterSettings, config_path: Path, env: dict[str, str], types: list[NodeType]) -> None:
+def print_banner(settings: ClusterSettings, config_path: Path, env: dict[str, str], types: list[NodeType],
+                 tls: ClusterTls | None) -> None:
     base = settings.base
     workers = ", ".join(f"{t.name} ({t.gpus} logical GPUs, up to {t.max_workers})" for t in types if not t.head)
     serve = local_serve.ray_bin("serve")
     gcs = (f"on (Redis on loopback; a GCS that exits is started again after {settings.gcs_restart_delay_s:g}s, "
            "and the app keeps serving meanwhile)" if settings.gcs_fault_tolerance else
            "off (DCPSERVE_GCS_FT=0: a GCS that exits stops the cluster)")
-    # Ray's CLI turns 127.0.0.1 into this machine's outward address unless told the cluster is loopback-only.
-    loopback = " ".join(f"{key}={value}" for key, value in local_serve.LOOPBACK_ENV.items())
     print(f"""
 the local cluster is up: a head on 127.0.0.1:{base.ray_port} with no GPUs; Ray's autoscaler adds worker nodes of
 {workers} when a replica needs them and removes them idle.
 
   deploy the app (its replicas land on worker nodes the autoscaler starts for them):
-    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']} {loopback}
+    export {local_serve.cli_exports(env, tls)}
     {serve} deploy {config_path} --address http://127.0.0.1:{base.dashboard_port}
   then the OpenAI API is at http://127.0.0.1:{base.http_port}/v1 (`make serve` prints client examples)
   the nodes:  {local_serve.ray_bin('ray')} status --address 127.0.0.1:{base.ray_port}   (with the export above)
   dashboard:  http://127.0.0.1:{base.dashboard_port}
   GCS fault tolerance: {gcs}
+  Ray TLS:    {local_serve.tls_status(tls)}{"; each worker node gets a certificate of its own" if tls else ""}
 
 Ctrl-C here, or `make cluster-down`, stops the head, every worker node and everything on them (and nothing else).
 """, flush=True)
@@ -202,7 +206,8 @@ def up() -> None:
     cluster_config = write_autoscaling_config(settings)
     serve_config = local_serve.write_config(base, model_dir)
     types = check_serve_config(serve_config, cluster_config)
-    env = local_serve.ray_env(base.state_dir)
+    tls = cluster_tls(base.state_dir, base.tls, say)
+    env = local_serve.ray_env(base.state_dir, tls)
     env[CLUSTER_CONFIG_ENV] = str(cluster_config)  # the app builder checks layouts against it (deployments/app.py)
     temp_dir = Path(f"/tmp/dcpserve-{os.getuid()}-{base.ray_port}")
     pid_file.write_text(str(os.getpid()))
@@ -211,13 +216,15 @@ def up() -> None:
                                     keeper=settings.keeper())
     try:
         local_serve.wait_for_dashboard(base, head)
-        print_banner(settings, serve_config, env, types)
+        print_banner(settings, serve_config, env, types, tls)
         watch_nodes(settings, head, Path(env["RAY_AUTH_TOKEN_PATH"]))
     except KeyboardInterrupt:
         print()
     finally:
         local_serve.stop_head(head)
         pid_file.unlink(missing_ok=True)
+        if tls is not None:  # the cluster's keys die with it
+            shutil.rmtree(tls.directory, ignore_errors=True)
 
 
 def down(timeout_s: float = 90) -> None:

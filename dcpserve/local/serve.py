@@ -4,7 +4,8 @@
    (`make serve MODEL=tiny-mla`) the tiny DeepSeek-V2 (MLA + MoE), served from serve_config.local.mla.yaml at
    TP=4 x DCP=4;
 2. starts a Ray head of its own on loopback with logical GPUs (`ray start --head --block`, own ports, own short
-   temp dir, token auth with a token file of its own), in a new session so Ctrl-C reaches only this script;
+   temp dir, token auth with a token file of its own), in a new session so Ctrl-C reaches only this script. Every
+   Ray gRPC port of it requires a certificate of a CA made for it (Ray's mutual TLS, unless DCPSERVE_TLS=0);
 3. `serve deploy`s serve_config.local.yaml (model path and HTTP port filled in) and waits for RUNNING, printing
    progress; then prints the endpoint, a curl and an openai-client example and the dashboard address;
 4. on Ctrl-C (or any failure) stops the Ray processes it started (its own process group) and nothing else.
@@ -13,7 +14,9 @@ Environment knobs (all optional): DCPSERVE_PORT (HTTP, 8000), DCPSERVE_RAY_PORT 
 DCPSERVE_DASHBOARD_PORT (8265), DCPSERVE_NUM_GPUS (logical GPUs, 4), DCPSERVE_STATE_DIR (.dcpserve),
 DCPSERVE_MODEL (tiny, or tiny-mla), DCPSERVE_CONFIG (serve_config.local.yaml; serve_config.local.mla.yaml for
 tiny-mla), DCPSERVE_DEPLOY_TIMEOUT_S (600), DCPSERVE_API_KEY (unset: the API is open; set: clients must send
-`Authorization: Bearer $DCPSERVE_API_KEY`).
+`Authorization: Bearer $DCPSERVE_API_KEY`), DCPSERVE_TLS (1, the default: Ray's mutual TLS with a CA made for this
+cluster at this start, in the state dir's tls/, removed at stop; 0: off, with a warning of what is then exposed;
+dcpserve/local/tls.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from dcpserve.cluster.tls import ClusterTls
+from dcpserve.local.tls import cluster_tls, export_line, node_env, tls_setting, without_tls
 
 REPO = Path(__file__).resolve().parents[2]  # the repository: make serve and make observe run from a checkout
 # DCPSERVE_MODEL -> (directory under the state dir, the serve config it runs with unless DCPSERVE_CONFIG says)
@@ -55,6 +61,7 @@ class LocalSettings:
     deploy_timeout_s: float
     api_key_env: str | None = None  # "DCPSERVE_API_KEY" when it is set: the app then requires that key
     model: str = "tiny"  # a key of TINY_MODELS
+    tls: bool = True  # Ray's mutual TLS, with a CA of this cluster's own (DCPSERVE_TLS)
 
     @classmethod
     def from_env(cls) -> LocalSettings:
@@ -75,6 +82,7 @@ class LocalSettings:
             # secret never enters the generated config file.
             api_key_env="DCPSERVE_API_KEY" if env.get("DCPSERVE_API_KEY") else None,
             model=model,
+            tls=tls_setting(),
         )
 
 
@@ -140,14 +148,16 @@ def bind_ray_to_loopback() -> None:
                            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment")
 
 
-def ray_env(state_dir: Path) -> dict[str, str]:
-    """The environment of this cluster's Ray processes and CLI calls: token auth with this cluster's own token file
-    (never the user's ~/.ray/auth_token), and loopback only (LOOPBACK_ENV)."""
+def ray_env(state_dir: Path, tls: ClusterTls | None) -> dict[str, str]:
+    """The environment of this cluster's head and CLI calls: token auth with this cluster's own token file (never
+    the user's ~/.ray/auth_token), loopback only (LOOPBACK_ENV), and mutual TLS as the identity `head` of tls
+    (dcpserve/local/tls.py; None: RAY_USE_TLS=0), never what this process itself uses."""
     token_path = state_dir / "ray_auth_token"
     if not token_path.is_file():
         token_path.write_text(secrets.token_hex(32))
         token_path.chmod(0o600)
-    env = dict(os.environ)
+    env = without_tls(dict(os.environ))
+    env.update(node_env(tls, "head"))
     env.pop("RAY_AUTH_TOKEN", None)
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_ADDRESS": ""})
     env.update(LOOPBACK_ENV)
@@ -323,7 +333,23 @@ def deploy_and_wait(settings: LocalSettings, env: dict[str, str], config_path: P
                            settings.state_dir / "ray_head.log")
 
 
-def print_banner(settings: LocalSettings, model_name: str) -> None:
+def cli_exports(env: dict[str, str], tls: ClusterTls | None) -> str:
+    """What a user's shell exports for Ray's CLI (`ray status`, `serve deploy`) against this cluster: token auth,
+    loopback, and with TLS the client identity's paths (the files, never their contents)."""
+    loopback = " ".join(f"{key}={value}" for key, value in LOOPBACK_ENV.items())
+    line = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']} {loopback}"
+    return line + (f" {export_line(node_env(tls, 'client'))}" if tls is not None else "")
+
+
+def tls_status(tls: ClusterTls | None) -> str:
+    """The banner's line on mutual TLS."""
+    if tls is None:
+        return "off (DCPSERVE_TLS=0): every Serve replica's gRPC port takes plain connections on every interface"
+    return (f"on: every Ray gRPC port requires a certificate of this cluster's CA ({tls.directory}, made at this "
+            "start)")
+
+
+def print_banner(settings: LocalSettings, model_name: str, env: dict[str, str], tls: ClusterTls | None) -> None:
     base = f"http://127.0.0.1:{settings.http_port}/v1"
     # The key itself is never printed: the examples read it from the environment.
     auth = " -H \"Authorization: Bearer $DCPSERVE_API_KEY\"" if settings.api_key_env else ""
@@ -335,6 +361,8 @@ dcpserve is serving {model_name!r} (tiny random-weight model: the text is gibber
 
   endpoint   {base}   ({access})
   dashboard  http://127.0.0.1:{settings.dashboard_port}
+  Ray TLS    {tls_status(tls)}
+  Ray's CLI  export {cli_exports(env, tls)}
 
   curl {base}/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model_name}", "prompt": "def hello", "max_tokens": 16}}'
@@ -405,7 +433,8 @@ def main() -> None:
     settings = LocalSettings.from_env()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_tiny_model(settings.state_dir, settings.model)
-    env = ray_env(settings.state_dir)
+    tls = cluster_tls(settings.state_dir, settings.tls, say)
+    env = ray_env(settings.state_dir, tls)
     temp_dir = Path(f"/tmp/dcpserve-{os.getuid()}-{settings.ray_port}")
     config_path = write_config(settings, model_dir)
     model_name = yaml.safe_load(config_path.read_text())["applications"][0]["args"].get("served_model_name") or \
@@ -414,7 +443,7 @@ def main() -> None:
     try:
         wait_for_dashboard(settings, head)
         deploy_and_wait(settings, env, config_path, head)
-        print_banner(settings, model_name)
+        print_banner(settings, model_name, env, tls)
         while head.poll() is None:
             time.sleep(1)
         say(f"the Ray head exited ({head.returncode}); see {settings.state_dir / 'ray_head.log'}")
@@ -422,6 +451,8 @@ def main() -> None:
         print()
     finally:
         stop_head(head)
+        if tls is not None:  # the cluster's keys die with it
+            shutil.rmtree(tls.directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

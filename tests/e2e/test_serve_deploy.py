@@ -2,9 +2,10 @@
 
 One small deployment (TP=2 x DCP=2 on logical GPUs, 32 KV blocks of 32 tokens, a queue of 2) serves every test:
 OpenAI completions / chat / streams, greedy output vs engine.LLM, bad input, KV admission (queued requests admitted
-in FIFO order, 429 + Retry-After, never-fits 400, no over-commit), a killed client freeing its KV, and nothing of the
-cluster listening beyond loopback. KV pressure is made by grants the test holds itself (ServeCluster.held_kv), never
-by a long request that should still be running. The head comes from bench/harness/cluster.py.
+in FIFO order, 429 + Retry-After, never-fits 400, no over-commit), a killed client freeing its KV, every listener of
+the cluster on loopback or behind Ray's mutual TLS, and no key of it in a log, a metric or a reply. KV pressure is
+made by grants the test holds itself (ServeCluster.held_kv), never by a long request that should still be running.
+The head comes from bench/harness/cluster.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from bench.harness.cluster import (
     RayHead,
     ServeCluster,
     deploy_app,
-    non_loopback_listeners,
+    present,
     serve_inter_deployment_grpc_ports,
     tiny_app_args,
 )
+from bench.harness.listeners import LOOPBACK, grpc_channel_state, judge_listeners
+from dcpserve.cluster.tls import ClusterTls, Identity
 from dcpserve.deployments.messages import Acquire, Granted
 
 if TYPE_CHECKING:
@@ -255,18 +258,60 @@ def test_burst_queues_in_fifo_order_overflows_with_429_and_never_over_commits(cl
     assert cluster.admission_stats().num_leaked == 0  # every grant was released by its holder
 
 
-def test_nothing_of_the_cluster_listens_beyond_loopback(cluster: ServeCluster) -> None:
+def test_every_listener_is_on_loopback_or_lets_in_only_the_clusters_certificate(
+        cluster: ServeCluster, tmp_path: Path) -> None:
     """With the app running (its ingress, admission queue, a tp=2 replica with its rank actors, their process group
-    and its store), no process of the head, nor this driver, listens on an address another machine could reach, but
-    for the one listener Ray offers no setting for: each Serve replica's inter-deployment gRPC server, which Ray 2.60
-    binds to "[::]:0" (docs/operations.md, "Network")."""
+    and its store), every socket a process of the head or this driver listens on is on loopback, or takes a TLS
+    session with a certificate of the cluster's CA and refuses one without a certificate or with another CA's
+    (probed over loopback only). No exemption: Serve's inter-deployment gRPC server in each replica, which Ray 2.60
+    binds to every interface, is among those probed, and a gRPC channel to it settles READY with the cluster's
+    certificate only (docs/operations.md, "What listens where")."""
+    tls = present(cluster.head.tls, "TLS: the suite runs with it (DCPSERVE_TLS=0 exposes what this test finds)")
+    ours = tls.identity("listener-probe")
+    stranger = ClusterTls.fresh(tmp_path / "another-ca").identity("stranger")
+    stranger_trusting_ours = Identity(stranger.cert, stranger.key, ours.ca_cert)  # its own key, our CA as the server's
     sockets = cluster.head.listening_sockets()
     assert len(sockets) > 10, sockets  # the check sees the cluster's listeners: GCS, raylet, agents, proxy, ranks
-    assert any(port == cluster.settings.http_port for *_, port in sockets), sockets
+    assert any(s.port == cluster.settings.http_port for s in sockets), sockets
+    verdicts = judge_listeners(sockets, ours, stranger)
+    assert [v for v in verdicts if v.problem] == [], verdicts
     grpc = serve_inter_deployment_grpc_ports(cluster.head.api)
     assert len(grpc) == 3, grpc  # the ingress, the admission queue, the engine replica
-    assert sorted((pid, port) for pid, _, _, port in non_loopback_listeners(cluster.head)) == sorted(grpc.items()), \
-        (non_loopback_listeners(cluster.head), grpc)
+    probed = {(v.socket.pid, v.socket.port) for v in verdicts if v.socket.local_ip not in LOOPBACK}
+    assert set(grpc.items()) <= probed, (grpc, verdicts)
+    for port in grpc.values():
+        assert grpc_channel_state(port, None) == "TRANSIENT_FAILURE", port  # plain gRPC
+        assert grpc_channel_state(port, stranger_trusting_ours) == "TRANSIENT_FAILURE", port
+        assert grpc_channel_state(port, ours) == "READY", port
+
+
+def test_no_key_material_in_logs_metrics_or_replies(cluster: ServeCluster) -> None:
+    """Every private key of the head's TLS directory (its CA, the head, the user's client, this driver, the probes)
+    and this driver's own slot: no line of any of them appears in the head's log, any log of Ray's session (every
+    process of the cluster, the app's replicas included), the metrics of every node, or the app's /health,
+    /v1/models and an error reply."""
+    tls = present(cluster.head.tls, "TLS")
+    key_files = sorted(tls.directory.rglob("*.key"))
+    assert len(key_files) >= 3, key_files  # ca, head, the driver (at least)
+    secrets = {line for path in key_files for line in path.read_text().splitlines()
+               if line and not line.startswith("-----")}
+    assert all(len(line) >= 16 for line in secrets), "a key line too short to search for"
+    texts: dict[str, str] = {"ray_head.log": (cluster.settings.state_dir / "ray_head.log").read_text(errors="replace")}
+    logs = cluster.temp_dir / "session_latest" / "logs"
+    for path in logs.rglob("*"):
+        if path.is_file():
+            texts[str(path.relative_to(logs))] = path.read_text(errors="replace")
+    assert len(texts) > 20, sorted(texts)  # the GCS', raylet's, agents' and every worker's logs
+    discovery = json.loads((cluster.temp_dir / "session_latest" / "prom_metrics_service_discovery.json").read_text())
+    targets = [target for group in discovery for target in group["targets"]]
+    assert targets, discovery
+    for target in targets:
+        texts[f"metrics {target}"] = httpx.get(f"http://{target}/metrics", timeout=30).text
+    for route in ("/health", "/v1/models"):
+        texts[route] = httpx.get(f"{cluster.url}{route}", timeout=30).text
+    texts["an error reply"] = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL}, timeout=30).text
+    leaks = sorted((name, line[:12]) for name, text in texts.items() for line in secrets if line in text)
+    assert leaks == [], leaks
 
 
 def test_killed_client_frees_its_kv(cluster: ServeCluster) -> None:

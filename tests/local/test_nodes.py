@@ -38,15 +38,15 @@ import pytest
 import yaml
 
 from bench.harness.cluster import (
-    LOOPBACK,
     driver_of,
-    process_sockets,
     serve_inter_deployment_grpc_ports,
-    session_processes,
     tiny_app_args,
 )
+from bench.harness.listeners import LOOPBACK, grpc_channel_state, judge_listeners, process_sockets, session_processes
+from dcpserve.cluster.tls import ClusterCa, ClusterTls, Identity
 from dcpserve.deployments.messages import QueueReplicaView
 from dcpserve.local import serve as local_serve
+from dcpserve.local.tls import join_cluster_tls
 from tests.local.probes import (
     admission_stats,
     alive_nodes,
@@ -152,6 +152,8 @@ def local_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNodes
         assert process.poll() is None, log.read_text()
         nodes.timings["cluster up"] = time.monotonic() - started
         session = nodes.session_id()
+        # This process joins as an identity of the cluster's CA, which `make cluster` made in its state dir.
+        join_cluster_tls(ClusterTls(ClusterCa.load(state / "tls")))
         with driver_of(f"127.0.0.1:{ports['ray']}", state / "ray_auth_token"):
             yield nodes
     finally:
@@ -200,12 +202,32 @@ def test_deploy_lands_on_worker_nodes_and_answers(local_nodes: LocalNodes) -> No
     ranks = list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
     assert len(ranks) == 2 and {rank.node_id for rank in ranks} == {replica["node_id"]}, ranks  # STRICT_PACK
 
-    # Loopback only: every process of every node of the cluster, listening or connected.
-    allowed = set(serve_inter_deployment_grpc_ports(local_nodes.api).items())
-    outside = [s for s in process_sockets(session_processes(local_nodes.session_id()))
-               if (s.remote_ip is None and s.local_ip not in LOOPBACK and (s.pid, s.port) not in allowed)
-               or (s.remote_ip is not None and s.remote_ip not in LOOPBACK)]
-    assert outside == [], outside
+    # Every process of every node of the cluster: connected to loopback only, listening on loopback or behind the
+    # cluster's mutual TLS (each worker node runs as an identity of its own: the replica's node among them).
+    sockets = process_sockets(session_processes(local_nodes.session_id()))
+    assert [s for s in sockets if s.remote_ip is not None and s.remote_ip not in LOOPBACK] == []
+    tls = ClusterTls(ClusterCa.load(local_nodes.state_dir / "tls"))
+    ours = tls.identity("listener-probe")
+    stranger = ClusterTls.fresh(local_nodes.state_dir / "another-ca").identity("stranger")
+    verdicts = judge_listeners([s for s in sockets if s.remote_ip is None], ours, stranger)
+    assert [v for v in verdicts if v.problem] == [], verdicts
+    grpc = serve_inter_deployment_grpc_ports(local_nodes.api)
+    assert len(grpc) == 3 and set(grpc.items()) <= {(v.socket.pid, v.socket.port) for v in verdicts}, grpc
+    for port in grpc.values():
+        assert grpc_channel_state(port, None) == "TRANSIENT_FAILURE", port
+        assert grpc_channel_state(port, Identity(stranger.cert, stranger.key, ours.ca_cert)) == "TRANSIENT_FAILURE"
+        assert grpc_channel_state(port, ours) == "READY", port
+    identities = {p.name for p in tls.directory.iterdir() if p.is_dir()}
+    assert {"head", "client", "gpu_worker-1"} <= identities, identities  # the worker node's own
+    # No line of any key of the cluster in the banner and log of `make cluster`, nor in any log of any node.
+    secrets = {line for key in tls.directory.rglob("*.key") for line in key.read_text().splitlines()
+               if line and not line.startswith("-----")}
+    logs = [local_nodes.log, *(p for p in Path(f"/tmp/dcpserve-{os.getuid()}-{local_nodes.ray_port}").rglob("*")
+                                 if p.is_file() and "logs" in p.parts)]
+    assert len(logs) > 20, logs
+    texts = {str(path): path.read_text(errors="replace") for path in logs}
+    leaks = [(name, line[:12]) for name, text in texts.items() for line in secrets if line in text]
+    assert leaks == [], leaks
 
 
 def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: LocalNodes) -> None:
