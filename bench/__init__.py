@@ -30,4 +30,5 @@ BENCHMARKS: dict[str, str] = {
     "soak": "minutes of mixed traffic with one SIGKILL of each kind on a cluster of its own",
     "step_fit": "fits dcpserve simulate's linear step model to this engine's measured or recorded steps",
     "structured": "structured outputs' cost: decode tokens/s with a JSON schema vs unconstrained, compile times",
+    "tls": "the price of Ray's mutual TLS: `make serve` with TLS on vs off on one burst, and both clusters' start",
 }

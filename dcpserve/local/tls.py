@@ -110,7 +110,12 @@ def prepare_driver_tls() -> DriverTls | None:
     if _slot is not None:
         return _slot
     inherited_slot = SLOT_ENV in os.environ
-    if (USE_TLS in os.environ and not inherited_slot) or not tls_enabled(os.environ):
+    if USE_TLS in os.environ and not inherited_slot:
+        return None
+    if not tls_enabled(os.environ):
+        if inherited_slot:  # a parent's slot, in a process told to run without TLS: none of it applies
+            for key in (*TLS_VARIABLES, SLOT_ENV):
+                os.environ.pop(key, None)
         return None
     if "ray" in sys.modules or "ray._raylet" in sys.modules:
         raise RuntimeError("ray was imported before prepare_driver_tls(): Ray reads RAY_USE_TLS once, at import; "

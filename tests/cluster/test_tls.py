@@ -168,7 +168,7 @@ def test_dcpserve_tls_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_a_process_imports_ray_after_its_slot_is_ready() -> None:
     """prepare_driver_tls() in a fresh process: the slot's variables set before ray's import, a parent's slot
-    replaced by the child's own, and a refusal once ray is imported first."""
+    replaced by the child's own (or dropped with DCPSERVE_TLS=0), and a refusal once ray is imported first."""
     script = ("import os; os.environ['DCPSERVE_DRIVER_TLS_SLOT'] = '/parent'; os.environ['RAY_USE_TLS'] = '1'; "
               "from dcpserve.local.tls import prepare_driver_tls; slot = prepare_driver_tls(); "
               "assert slot is not None and os.environ['RAY_TLS_CA_CERT'] == str(slot.identity.ca_cert); "
@@ -176,6 +176,11 @@ def test_a_process_imports_ray_after_its_slot_is_ready() -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("RAY_TLS", "DCPSERVE_DRIVER"))}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    off = ("import os; os.environ.update(DCPSERVE_DRIVER_TLS_SLOT='/parent', RAY_USE_TLS='1', DCPSERVE_TLS='0'); "
+           "from dcpserve.local.tls import prepare_driver_tls; assert prepare_driver_tls() is None; "
+           "assert 'RAY_USE_TLS' not in os.environ and 'DCPSERVE_DRIVER_TLS_SLOT' not in os.environ; print('ok')")
+    done = subprocess.run([sys.executable, "-c", off], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr  # a parent's slot, TLS off: dropped
     late = ("import ray, dcpserve.local.tls as t\ntry:\n    t.prepare_driver_tls()\nexcept RuntimeError as e:\n"
             "    print('refused', 'ray was imported before prepare_driver_tls' in str(e))")
     env.pop("RAY_USE_TLS", None)
