@@ -16,7 +16,9 @@ completion (the worker node is started by the autoscaler, with its own certifica
     python -m bench tls --write-docs    # also its section of docs/benchmarks.md
     python -m bench tls --rounds 1 --no-cluster --requests 8   # a quick look
 
-Last, where the time goes: the per-message cost of TLS on Ray's own calls, each configuration in a process of its own
+Where the time goes: over each burst, the CPU seconds of every process of `make serve` (its Ray head's included), by
+role (the ingress, the engine replica, its rank actors, Serve's proxy, the raylet, ...), per output token; and the
+per-message cost of TLS on Ray's own calls, each configuration in a process of its own
 with a local Ray instance (`--calls-child`): the median round trip of a no-op actor call, and of one item of a
 streaming actor call (what a replica sends its ingress once per engine step), over thousands of each.
 
@@ -94,11 +96,48 @@ def local_env(state: Path, tls: bool) -> tuple[dict[str, str], int]:
     return env, http
 
 
+# Where the CPU goes, by what Ray's process titles say a process is (the first match wins).
+ROLES = (("OpenAIIngress", "ingress"), ("KvAdmission", "admission queue"), ("EngineReplica", "engine replica"),
+         ("RankWorker", "rank actors"), ("ProxyActor", "Serve's HTTP proxy"), ("ServeController", "Serve controller"),
+         ("raylet", "raylet"), ("gcs_server", "GCS"))
+
+
+def role(command: str) -> str:
+    return next((name for marker, name in ROLES if marker in command), "the rest (agents, dashboard, monitors)")
+
+
+def cpu_snapshot(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of `root` and every process below it (make serve and its Ray head)."""
+    import psutil
+
+    snapshot = {}
+    try:
+        processes = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            snapshot[process.pid] = (role(" ".join(process.cmdline()) or process.name()), times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return snapshot
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role spent between the snapshots (a process that started between them, from 0)."""
+    spent: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    return spent
+
+
 @dataclass
 class ServeRun:
     tls: bool
     first_completion_s: float
     burst: BurstResult
+    cpu_s: dict[str, float]  # CPU seconds of each role (ROLES) over the burst
 
 
 def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int) -> ServeRun:
@@ -117,11 +156,13 @@ def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int
         prompts = [[rng.randrange(5, 500) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
         result = BurstResult(CONFIGS[tls], capacity_blocks=0, deploy_s=up_s)
         seeds = [args.seed + i for i in range(args.requests)]
+        before = cpu_snapshot(process.pid)
         asyncio.run(run_burst(url, prompts, args.max_tokens, result, seeds=seeds))
+        cpu_s = cpu_by_role(before, cpu_snapshot(process.pid))
         if result.errors:
             raise SystemExit(f"{result.errors} requests failed: "
                              f"{[r.error for r in result.records if r.error][:3]}")
-        return ServeRun(tls, up_s, result)
+        return ServeRun(tls, up_s, result, cpu_s)
     finally:
         stop(process)
 
@@ -231,7 +272,7 @@ def median(values: list[float]) -> float:
 
 def table(serve: list[ServeRun], cluster: list[ClusterRun], calls: list[tuple[bool, dict[str, float]]]) -> list[str]:
     def row(metric: str, off: float, on: float, fmt: str) -> str:
-        return f"| {metric} | {off:{fmt}} | {on:{fmt}} | {on / off:.2f}x |"
+        return f"| {metric} | {off:{fmt}} | {on:{fmt}} | {f'{on / off:.2f}x' if off else '-'} |"
 
     def of(tls: bool, value: str) -> float:
         return median([getattr(run.burst, value) for run in serve if run.tls == tls])
@@ -249,6 +290,14 @@ def table(serve: list[ServeRun], cluster: list[ClusterRun], calls: list[tuple[bo
         on = [getattr(r, value) for r in cluster if r.tls]
         if off and on:
             lines.append(row(label, median(off), median(on), ".1f"))
+    def cpu_ms_per_token(tls: bool, name: str | None) -> float:
+        return median([1e3 * (sum(run.cpu_s.values()) if name is None else run.cpu_s.get(name, 0.0))
+                       / run.burst.output_tokens for run in serve if run.tls == tls])
+
+    for name in (None, *sorted({name for run in serve for name in run.cpu_s},
+                               key=lambda name: -cpu_ms_per_token(False, name))):
+        lines.append(row(f"CPU ms per output token: {name or 'all processes of make serve'}",
+                         cpu_ms_per_token(False, name), cpu_ms_per_token(True, name), ".2f"))
     for label, key in (("Ray actor call round trip, no-op (us)", "call_us"),
                        ("Ray streamed item, one per engine step to the ingress (us)", "item_us")):
         off = [result[key] for tls, result in calls if not tls]
