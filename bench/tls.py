@@ -5,8 +5,9 @@ serve_config.local.yaml's TP=2 x DCP=2, with DCPSERVE_TLS=1 or 0, on free ports,
 written before the first run), times it from its start to the first completion answered, then sends one burst
 through the OpenAI API (the shape of bench/burst.py: N streamed requests at once with long prompts, temperature 1,
 each with its own seed, so that they end on EOS at lengths nobody knows in advance) and records output tokens/s,
-TTFT and ITL; then stops it. The runs alternate on, off, off, on, ... so that drift on this noisy machine falls on
-both alike; the table gives the median of each configuration's runs and the ratio on / off.
+TTFT and ITL, then sends 1-token completions one at a time (a request's own path, no queue around it); then stops
+it. The runs alternate on, off, off, on, ... so that drift on this noisy machine falls on both alike; the table gives
+the median of each configuration's runs and the ratio on / off.
 
 Then `make cluster` (`python -m dcpserve.local.nodes up`: a CPU head, Ray's autoscaler adding a GPU worker node) once
 with TLS and once without: the time from its start to the banner, then the banner's `serve deploy`, then the first
@@ -138,6 +139,27 @@ class ServeRun:
     first_completion_s: float
     burst: BurstResult
     cpu_s: dict[str, float]  # CPU seconds of each role (ROLES) over the burst
+    alone_s: float  # median latency of a 1-token completion sent alone, the app otherwise idle
+
+
+ALONE_REQUESTS = 40
+
+
+def alone_latency(url: str, args: argparse.Namespace) -> float:
+    """The median seconds of ALONE_REQUESTS completions of max_tokens 1, one at a time, each with a prompt of its own
+    (no prefix cache hit): a request's whole path through the proxy, ingress, admission queue and replica and back,
+    with nothing queued ahead of it: what TLS adds per request, without a burst's queueing around it."""
+    rng = random.Random(args.seed + 1)
+    times = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for _ in range(ALONE_REQUESTS):
+            prompt = [rng.randrange(5, 500) for _ in range(args.prompt_tokens)]
+            start = time.perf_counter()
+            reply = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                       "temperature": 0})
+            times.append(time.perf_counter() - start)
+            reply.raise_for_status()
+    return statistics.median(times)
 
 
 def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int) -> ServeRun:
@@ -162,7 +184,7 @@ def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int
         if result.errors:
             raise SystemExit(f"{result.errors} requests failed: "
                              f"{[r.error for r in result.records if r.error][:3]}")
-        return ServeRun(tls, up_s, result, cpu_s)
+        return ServeRun(tls, up_s, result, cpu_s, alone_latency(url, args))
     finally:
         stop(process)
 
@@ -281,6 +303,9 @@ def table(serve: list[ServeRun], cluster: list[ClusterRun], calls: list[tuple[bo
              row("output tokens/s (burst)", of(False, "output_tokens_per_s"), of(True, "output_tokens_per_s"), ".1f"),
              row("TTFT p50 (ms)", 1e3 * of(False, "ttft_median_s"), 1e3 * of(True, "ttft_median_s"), ".0f"),
              row("ITL p50 (ms)", 1e3 * of(False, "itl_median_s"), 1e3 * of(True, "itl_median_s"), ".1f"),
+             row(f"a 1-token completion alone, p50 of {ALONE_REQUESTS} (ms)",
+                 1e3 * median([r.alone_s for r in serve if not r.tls]),
+                 1e3 * median([r.alone_s for r in serve if r.tls]), ".1f"),
              row("`make serve` start to first completion (s)",
                  median([r.first_completion_s for r in serve if not r.tls]),
                  median([r.first_completion_s for r in serve if r.tls]), ".1f")]
