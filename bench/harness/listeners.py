@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcpserve.cluster.tls import Identity
+from dcpserve.cluster.tls import ClusterTls, Identity
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 WILDCARD = {"0.0.0.0", "::", "*"}
@@ -136,3 +136,32 @@ def judge_listeners(sockets: list[Socket], cluster: Identity, stranger: Identity
             problems.append("a TLS session with another CA's certificate")
         verdicts.append(Verdict(listener, "; ".join(problems) or None))
     return verdicts
+
+
+def assert_only_the_clusters_certificate(sockets: list[Socket], tls: ClusterTls, grpc_ports: dict[int, int],
+                                         scratch: Path) -> list[Verdict]:
+    """The listener check both cluster tests make: every listening socket on loopback or letting in the cluster's
+    certificate only (judge_listeners, a stranger from a CA made under scratch), the replicas' gRPC ports among
+    those probed, and a gRPC channel to each settling TRANSIENT_FAILURE plain and with the stranger's certificate,
+    READY with the cluster's. Returns the verdicts."""
+    ours = tls.identity("listener-probe")
+    stranger = ClusterTls.fresh(scratch / "another-ca").identity("stranger")
+    verdicts = judge_listeners([s for s in sockets if s.remote_ip is None], ours, stranger)
+    assert [v for v in verdicts if v.problem] == [], verdicts
+    probed = {(v.socket.pid, v.socket.port) for v in verdicts if v.socket.local_ip not in LOOPBACK}
+    assert set(grpc_ports.items()) <= probed, (grpc_ports, verdicts)
+    stranger_trusting_ours = Identity(stranger.cert, stranger.key, ours.ca_cert)  # its own key, our CA's server
+    for port in grpc_ports.values():
+        assert grpc_channel_state(port, None) == "TRANSIENT_FAILURE", port  # plain gRPC
+        assert grpc_channel_state(port, stranger_trusting_ours) == "TRANSIENT_FAILURE", port
+        assert grpc_channel_state(port, ours) == "READY", port
+    return verdicts
+
+
+def key_leaks(tls_directory: Path, texts: dict[str, str]) -> list[tuple[str, str]]:
+    """(text's name, the line's first characters) of every line of every private key under tls_directory that
+    appears in one of texts (logs, banners, metrics, replies)."""
+    secrets = {line for key in tls_directory.rglob("*.key") for line in key.read_text().splitlines()
+               if line and not line.startswith("-----")}
+    assert secrets and all(len(line) >= 16 for line in secrets), "no key, or a key line too short to search for"
+    return sorted((name, line[:12]) for name, text in texts.items() for line in secrets if line in text)

@@ -1,8 +1,11 @@
 """What tests/local/test_nodes.py asks of its multi-node cluster from the driver: the alive nodes, a node killed as a
-machine losing power, the GCS process, a metrics scrape, the admission queue's stats."""
+machine losing power, the GCS process, a metrics scrape, the admission queue's stats, a stream held open."""
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcpserve.deployments.messages import AdmissionStats
@@ -72,3 +75,43 @@ def num_grants(replica_id: str) -> int:
     """The grants the admission queue holds on a replica now (0 for one it does not know)."""
     view = admission_stats().replicas.get(replica_id)
     return 0 if view is None else view.num_grants
+
+
+@dataclass
+class Stream:
+    """A streaming completion read in a thread of its own until stop is set (then the client disconnects): the
+    time.monotonic() of every chunk, and the error that ended it if one did."""
+
+    client: Any
+    model: str
+    prompt: str
+    chunks: list[float] = field(default_factory=list)
+    error: BaseException | None = None
+    finish_reason: str | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> Stream:
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        try:
+            with self.client.completions.create(model=self.model, prompt=self.prompt, max_tokens=2000, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}) as reply:
+                for chunk in reply:
+                    self.chunks.append(time.monotonic())
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        self.finish_reason = chunk.choices[0].finish_reason
+                    if self.stop.is_set():
+                        return
+        except BaseException as err:  # noqa: BLE001 - recorded: the test asserts there is none
+            self.error = err
+
+    @property
+    def ended(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    def between(self, begin: float, end: float) -> int:
+        return sum(1 for t in list(self.chunks) if begin <= t <= end)

@@ -27,7 +27,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,12 +41,19 @@ from bench.harness.cluster import (
     serve_inter_deployment_grpc_ports,
     tiny_app_args,
 )
-from bench.harness.listeners import LOOPBACK, grpc_channel_state, judge_listeners, process_sockets, session_processes
-from dcpserve.cluster.tls import ClusterCa, ClusterTls, Identity
+from bench.harness.listeners import (
+    LOOPBACK,
+    assert_only_the_clusters_certificate,
+    key_leaks,
+    process_sockets,
+    session_processes,
+)
+from dcpserve.cluster.tls import ClusterCa, ClusterTls
 from dcpserve.deployments.messages import QueueReplicaView
 from dcpserve.local import serve as local_serve
 from dcpserve.local.tls import join_cluster_tls
 from tests.local.probes import (
+    Stream,
     admission_stats,
     alive_nodes,
     gcs_down,
@@ -207,27 +213,16 @@ def test_deploy_lands_on_worker_nodes_and_answers(local_nodes: LocalNodes) -> No
     sockets = process_sockets(session_processes(local_nodes.session_id()))
     assert [s for s in sockets if s.remote_ip is not None and s.remote_ip not in LOOPBACK] == []
     tls = ClusterTls(ClusterCa.load(local_nodes.state_dir / "tls"))
-    ours = tls.identity("listener-probe")
-    stranger = ClusterTls.fresh(local_nodes.state_dir / "another-ca").identity("stranger")
-    verdicts = judge_listeners([s for s in sockets if s.remote_ip is None], ours, stranger)
-    assert [v for v in verdicts if v.problem] == [], verdicts
     grpc = serve_inter_deployment_grpc_ports(local_nodes.api)
-    assert len(grpc) == 3 and set(grpc.items()) <= {(v.socket.pid, v.socket.port) for v in verdicts}, grpc
-    for port in grpc.values():
-        assert grpc_channel_state(port, None) == "TRANSIENT_FAILURE", port
-        assert grpc_channel_state(port, Identity(stranger.cert, stranger.key, ours.ca_cert)) == "TRANSIENT_FAILURE"
-        assert grpc_channel_state(port, ours) == "READY", port
+    assert len(grpc) == 3, grpc
+    assert_only_the_clusters_certificate(sockets, tls, grpc, local_nodes.state_dir)
     identities = {p.name for p in tls.directory.iterdir() if p.is_dir()}
     assert {"head", "client", "gpu_worker-1"} <= identities, identities  # the worker node's own
     # No line of any key of the cluster in the banner and log of `make cluster`, nor in any log of any node.
-    secrets = {line for key in tls.directory.rglob("*.key") for line in key.read_text().splitlines()
-               if line and not line.startswith("-----")}
     logs = [local_nodes.log, *(p for p in Path(f"/tmp/dcpserve-{os.getuid()}-{local_nodes.ray_port}").rglob("*")
                                  if p.is_file() and "logs" in p.parts)]
     assert len(logs) > 20, logs
-    texts = {str(path): path.read_text(errors="replace") for path in logs}
-    leaks = [(name, line[:12]) for name, text in texts.items() for line in secrets if line in text]
-    assert leaks == [], leaks
+    assert key_leaks(tls.directory, {str(path): path.read_text(errors="replace") for path in logs}) == []
 
 
 def test_load_adds_a_node_for_a_second_replica_and_idle_removes_it(local_nodes: LocalNodes) -> None:
@@ -375,45 +370,6 @@ def running_replicas(local_nodes: LocalNodes) -> dict[str, str] | None:
         return None
 
 
-@dataclass
-class Stream:
-    """A streaming completion read in a thread of its own until stop is set (then the client disconnects): the
-    time.monotonic() of every chunk, and the error that ended it if one did."""
-
-    client: Any
-    prompt: str
-    chunks: list[float] = field(default_factory=list)
-    error: BaseException | None = None
-    finish_reason: str | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-    def start(self) -> Stream:
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-        return self
-
-    def _read(self) -> None:
-        try:
-            with self.client.completions.create(model=MODEL, prompt=self.prompt, max_tokens=2000, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True}) as reply:
-                for chunk in reply:
-                    self.chunks.append(time.monotonic())
-                    if chunk.choices and chunk.choices[0].finish_reason:
-                        self.finish_reason = chunk.choices[0].finish_reason
-                    if self.stop.is_set():
-                        return
-        except BaseException as err:  # noqa: BLE001 - recorded: the test asserts there is none
-            self.error = err
-
-    @property
-    def ended(self) -> bool:
-        return self.thread is not None and not self.thread.is_alive()
-
-    def between(self, begin: float, end: float) -> int:
-        return sum(1 for t in list(self.chunks) if begin <= t <= end)
-
-
 def test_the_gcs_killed_the_app_serves_through_and_deploys_after(local_nodes: LocalNodes) -> None:
     """SIGKILL of the GCS with Redis-backed fault tolerance: until the head keeper starts it again
     (GCS_RESTART_DELAY_S later) the app answers every request and open streams keep streaming, since proxies,
@@ -425,7 +381,7 @@ def test_the_gcs_killed_the_app_serves_through_and_deploys_after(local_nodes: Lo
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{local_nodes.http_port}/v1", api_key="none",
                            max_retries=0, timeout=120)
-    streams = [Stream(client, f"def stream_{i}(x):").start() for i in range(2)]
+    streams = [Stream(client, MODEL, f"def stream_{i}(x):").start() for i in range(2)]
     try:
         wait_for("both streams streaming", lambda: all(s.chunks for s in streams) or any(s.error for s in streams))
         assert not [s.error for s in streams if s.error], [s.error for s in streams]
