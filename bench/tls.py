@@ -34,6 +34,7 @@ import asyncio
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -77,8 +78,9 @@ def first_completion(url: str, deadline: float, process: subprocess.Popen[bytes]
     raise SystemExit(f"no completion within {START_TIMEOUT_S:.0f}s; see {log}")
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, as Ctrl-C: `make serve` and `make cluster` stop everything they started."""
+def stop(process: subprocess.Popen[bytes], env: dict[str, str]) -> None:
+    """SIGTERM, as Ctrl-C: `make serve` and `make cluster` stop everything they started; then the Ray temp dir they
+    keep for its logs (/tmp/dcpserve-<uid>-<ray port>), which a benchmark of a dozen runs would leave behind."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     try:
@@ -86,6 +88,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    shutil.rmtree(f"/tmp/dcpserve-{os.getuid()}-{env['DCPSERVE_RAY_PORT']}", ignore_errors=True)
 
 
 def local_env(state: Path, tls: bool) -> tuple[dict[str, str], int]:
@@ -186,7 +189,7 @@ def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int
                              f"{[r.error for r in result.records if r.error][:3]}")
         return ServeRun(tls, up_s, result, cpu_s, alone_latency(url, args))
     finally:
-        stop(process)
+        stop(process, env)
 
 
 @dataclass
@@ -223,7 +226,7 @@ def cluster_run(state: Path, tls: bool) -> ClusterRun:
         say(f"{CONFIGS[tls]}: make cluster's banner after {banner_s:.1f}s, first completion after {total:.1f}s")
         return ClusterRun(tls, banner_s, deploy_s, total)
     finally:
-        stop(process)
+        stop(process, env)
 
 
 CALLS = 2000
