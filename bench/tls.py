@@ -145,23 +145,26 @@ class ServeRun:
     alone_s: float  # median latency of a 1-token completion sent alone, the app otherwise idle
 
 
-ALONE_REQUESTS = 40
+ALONE_REQUESTS = 80
+ALONE_WARMUP = 10
 
 
 def alone_latency(url: str, args: argparse.Namespace) -> float:
     """The median seconds of ALONE_REQUESTS completions of max_tokens 1, one at a time, each with a prompt of its own
-    (no prefix cache hit): a request's whole path through the proxy, ingress, admission queue and replica and back,
-    with nothing queued ahead of it: what TLS adds per request, without a burst's queueing around it."""
+    (no prefix cache hit), after ALONE_WARMUP unmeasured ones and before the burst: a request's whole path through the
+    proxy, ingress, admission queue and replica and back, with nothing queued ahead of it: what TLS adds per request,
+    without a burst's queueing (or what a burst leaves behind) around it."""
     rng = random.Random(args.seed + 1)
     times = []
     with httpx.Client(base_url=url, timeout=60) as http:
-        for _ in range(ALONE_REQUESTS):
+        for index in range(ALONE_WARMUP + ALONE_REQUESTS):
             prompt = [rng.randrange(5, 500) for _ in range(args.prompt_tokens)]
             start = time.perf_counter()
             reply = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
                                                        "temperature": 0})
-            times.append(time.perf_counter() - start)
             reply.raise_for_status()
+            if index >= ALONE_WARMUP:
+                times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -176,7 +179,9 @@ def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int
         url = f"http://127.0.0.1:{http}"
         first_completion(url, started + START_TIMEOUT_S, process, log)
         up_s = time.monotonic() - started
-        say(f"{CONFIGS[tls]}: make serve answered its first completion after {up_s:.1f}s; burst...")
+        alone_s = alone_latency(url, args)
+        say(f"{CONFIGS[tls]}: make serve answered its first completion after {up_s:.1f}s; a request alone takes "
+            f"{1e3 * alone_s:.0f} ms; burst...")
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(5, 500) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
         result = BurstResult(CONFIGS[tls], capacity_blocks=0, deploy_s=up_s)
@@ -187,7 +192,7 @@ def serve_run(state: Path, tls: bool, args: argparse.Namespace, round_index: int
         if result.errors:
             raise SystemExit(f"{result.errors} requests failed: "
                              f"{[r.error for r in result.records if r.error][:3]}")
-        return ServeRun(tls, up_s, result, cpu_s, alone_latency(url, args))
+        return ServeRun(tls, up_s, result, cpu_s, alone_s)
     finally:
         stop(process, env)
 
@@ -368,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.requests} streamed requests x {args.prompt_tokens}-token prompts, max_tokens {args.max_tokens}, "
         f"temperature 1 with seeds {args.seed}..{args.seed + args.requests - 1} (they end on EOS).",
         "Per run: " + "; ".join(
-            f"{CONFIGS[r.tls]} {r.burst.output_tokens_per_s:.0f} tok/s, TTFT {1e3 * r.burst.ttft_median_s:.0f} ms"
+            f"{CONFIGS[r.tls]} {r.burst.output_tokens_per_s:.0f} tok/s, TTFT {1e3 * r.burst.ttft_median_s:.0f} ms, "
+            f"alone {1e3 * r.alone_s:.0f} ms"
             for r in serve) + ".",
         f"CPU run on {cores} cores: the tiny model at TP=2 x DCP=2 (serve_config.local.yaml), its ranks CPU actors.",
         environment_line(),
