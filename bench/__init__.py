@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu_check": "everything that needs a GPU in one run on a CUDA device: kernel and model tests, kernels, engine",
     "grammar_engines": "xgrammar vs llguidance on the test schemas: compile and mask time, invalid JSON let through",
     "kernels": "paged decode attention over context x batch: time, KV GB/s, share of copy bandwidth (GPU)",
+    "moe": "the grouped MoE layer vs the old one-expert-at-a-time loop at batch 1, 8, 32 (tiny MoE shapes, CPU)",
     "long_context": "exactness at 128k tokens: the model code vs transformers at the covered (tp, dcp, pcp) layouts",
     "pcp": "time to first token of 4k-32k-token prompts at pcp=1 vs pcp=2",
     "pools": "layout pools through the deployed app: a pooled app vs two homogeneous ones on one burst",

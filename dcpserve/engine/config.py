@@ -14,29 +14,23 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from dcpserve.engine.deepseek_config import (
-    MLA_ARCHITECTURES,
-    MlaConfig,
-    MoeConfig,
-    YarnScaling,
-    read_deepseek_fields,
-    read_yarn,
-)
+from dcpserve.engine.deepseek_config import MLA_ARCHITECTURES, MlaConfig, MoeConfig, read_deepseek_fields
 from dcpserve.engine.kv_cache import KvCacheSpec
+from dcpserve.engine.model_support import check_fields, context_limit, supported_architecture
+from dcpserve.engine.quantization import QUANTIZED_ALTERNATIVE, Fp8BlockQuantization, read_quantization_config
+from dcpserve.engine.qwen_moe_config import (
+    QK_NORM_ARCHITECTURES,
+    QKV_BIAS_ARCHITECTURES,
+    QWEN_MOE_ARCHITECTURES,
+    read_qwen_moe_fields,
+)
+from dcpserve.engine.rope_config import LinearScaling, RopeScaling, YarnScaling, read_rope
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES + QWEN_MOE_ARCHITECTURES
+# The architectures whose model code loads FP8 block-quantized checkpoints (dcpserve/engine/quantization.py).
+FP8_ARCHITECTURES: tuple[str, ...] = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (rope_type "llama3"); None in ModelConfig means plain RoPE."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 def read_config_json(model: str | Path) -> tuple[dict[str, Any], Path]:
@@ -72,8 +66,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | YarnScaling | None
-    max_position_embeddings: int
+    rope_scaling: RopeScaling | LinearScaling | YarnScaling | None
+    max_position_embeddings: int  # the longest context the engine serves the model to (see context_limit_reason)
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
@@ -81,7 +75,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     mla: MlaConfig | None = None  # DeepSeek-V2 / V3: multi-head latent attention
-    moe: MoeConfig | None = None  # DeepSeek-V2 / V3 with routed experts (None: every layer dense)
+    moe: MoeConfig | None = None  # DeepSeek-V2 / V3, Qwen3 / Qwen2-MoE (QwenMoeConfig): routed experts (None: dense)
+    context_limit_reason: str = ""  # why max_position_embeddings is below the config's ('' when it is not)
+    quantization: Fp8BlockQuantization | None = None  # FP8 block-quantized weights (None: the checkpoint's dtype)
 
     @classmethod
     def from_pretrained(cls, model: str | Path) -> ModelConfig:
@@ -96,56 +92,35 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
                   source: str = "config") -> ModelConfig:
-        architectures = raw.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if architecture is None:
-            raise ValueError(
-                f"{source}: architectures {architectures} are not supported; dcpserve runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        architecture = supported_architecture(raw, SUPPORTED_ARCHITECTURES, source)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]
         if missing:
             raise ValueError(f"{source}: missing required fields {missing}")
-        if raw.get("use_sliding_window"):
-            raise ValueError(
-                f"{source}: use_sliding_window=true is not supported (dcpserve runs full attention); set it to false "
-                f"only if the model was trained without a window"
-            )
-        if raw.get("mlp_bias"):
-            raise ValueError(f"{source}: mlp_bias=true is not supported (Llama-family MLPs without bias only)")
+        check_fields(raw, architecture, source)
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
+        quantization = read_quantization_config(raw, source)
+        if quantization is not None and architecture not in FP8_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: FP8 block-quantized weights are not supported by the native engine for {architecture} "
+                f"(it loads them for {', '.join(FP8_ARCHITECTURES)}); {QUANTIZED_ALTERNATIVE}"
+            )
         mla, moe = None, None
         if architecture in MLA_ARCHITECTURES:
             mla, moe = read_deepseek_fields(raw, architecture, source)
             # One latent KV head of kv_lora_rank + rope values per token (the config's num_key_value_heads and
             # head_dim describe transformers' expanded heads, which are never cached).
             kv_heads, head_dim = 1, mla.cache_head_dim
+        elif architecture in QWEN_MOE_ARCHITECTURES:
+            moe = read_qwen_moe_fields(raw, architecture, source)
         if heads % kv_heads != 0:
             raise ValueError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        rope_params = raw.get("rope_parameters") or {}
-        rope_scaling_raw = raw.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type") not in (None, "default") else None)
-        rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        scaling: RopeScaling | YarnScaling | None = None
-        if rope_scaling_raw:
-            kind = rope_scaling_raw.get("rope_type") or rope_scaling_raw.get("type")
-            if kind == "llama3":
-                scaling = RopeScaling(
-                    factor=float(rope_scaling_raw["factor"]),
-                    low_freq_factor=float(rope_scaling_raw["low_freq_factor"]),
-                    high_freq_factor=float(rope_scaling_raw["high_freq_factor"]),
-                    original_max_position_embeddings=int(rope_scaling_raw["original_max_position_embeddings"]),
-                )
-            elif kind == "yarn" and architecture in MLA_ARCHITECTURES:
-                scaling = read_yarn(rope_scaling_raw, int(raw.get("max_position_embeddings", 2048)), source)
-            elif kind not in (None, "default"):
-                supported = "default, yarn" if architecture in MLA_ARCHITECTURES else "default, llama3"
-                raise ValueError(f"{source}: rope scaling {kind!r} is not supported (supported: {supported})")
+        max_positions, limit_reason = context_limit(raw, source)
+        rope = read_rope(raw, int(raw.get("max_position_embeddings", 2048)), source)
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
@@ -159,17 +134,19 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
+            max_position_embeddings=max_positions,
+            context_limit_reason=limit_reason,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", architecture in QKV_BIAS_ARCHITECTURES))),
+            qk_norm=architecture in QK_NORM_ARCHITECTURES,
             torch_dtype=dtype if dtype in DTYPES else "float32",
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
             mla=mla,
             moe=moe,
+            quantization=quantization,
         )
 
     def kv_cache_spec(self, tp: int) -> KvCacheSpec:
@@ -384,6 +361,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graph capture of decode (dcpserve/engine/worker/cuda_graphs.py)
     step_trace_path: str | None = None  # one JSON line per step appended here (dcpserve.engine.core.step_trace)
+    trust_remote_code: bool = False  # the model directory's own tokenizer code may run (EngineArgs' help)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -16,7 +16,6 @@ V2-Lite ship it false.)
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -30,41 +29,6 @@ DEFAULT_ROUTING: dict[str, tuple[ScoringFunc, TopkMethod]] = {
     "DeepseekV2ForCausalLM": ("softmax", "greedy"),
     "DeepseekV3ForCausalLM": ("sigmoid", "noaux_tc"),
 }
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN RoPE scaling (rope_type "yarn") as transformers computes it (`_compute_yarn_parameters`)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None  # None: derived from factor, mscale and mscale_all_dim
-    truncate: bool = True
-
-    @staticmethod
-    def get_mscale(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-    @property
-    def cos_sin_factor(self) -> float:
-        """The factor on cos and sin (transformers' attention_scaling)."""
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return self.get_mscale(self.factor, self.mscale) / self.get_mscale(self.factor, self.mscale_all_dim)
-        return self.get_mscale(self.factor)
-
-    @property
-    def softmax_scale_factor(self) -> float:
-        """DeepSeek's factor on the attention softmax scale: mscale(factor, mscale_all_dim) squared (1 without it)."""
-        if not self.mscale_all_dim:
-            return 1.0
-        mscale = self.get_mscale(self.factor, self.mscale_all_dim)
-        return mscale * mscale
 
 
 @dataclass(frozen=True)
@@ -127,33 +91,10 @@ def _int(raw: dict[str, Any], name: str, source: str, default: int | None = None
     return value
 
 
-def read_yarn(rope: dict[str, Any], max_position_embeddings: int, source: str) -> YarnScaling:
-    """A yarn rope_scaling / rope_parameters dict."""
-    if rope.get("factor") is None:
-        raise ValueError(f"{source}: rope_scaling of type 'yarn' needs 'factor'")
-    original = rope.get("original_max_position_embeddings") or max_position_embeddings
-    return YarnScaling(
-        factor=float(rope["factor"]),
-        original_max_position_embeddings=int(original),
-        beta_fast=float(rope.get("beta_fast") or 32.0),
-        beta_slow=float(rope.get("beta_slow") or 1.0),
-        mscale=float(rope["mscale"]) if rope.get("mscale") is not None else None,
-        mscale_all_dim=float(rope["mscale_all_dim"]) if rope.get("mscale_all_dim") is not None else None,
-        attention_factor=float(rope["attention_factor"]) if rope.get("attention_factor") is not None else None,
-        truncate=bool(rope.get("truncate", True)),
-    )
-
-
 def read_deepseek_fields(
     raw: dict[str, Any], architecture: str, source: str
 ) -> tuple[MlaConfig, MoeConfig | None]:
     """The attention and MoE fields of a DeepSeek-V2 / V3 config.json, checked; refuses what is not implemented."""
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method")
-        raise ValueError(
-            f"{source}: quantization_config (quant_method={method!r}) is not supported: the native engine loads "
-            f"bf16 / fp16 / fp32 weights; use a dequantized (bf16) checkpoint, or the vLLM backend"
-        )
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (DeepSeek's MLPs use silu)")
     if raw.get("mlp_bias"):

@@ -16,6 +16,7 @@ from dcpserve.kernels.cpu_attention import (
 )
 from dcpserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from dcpserve.kernels.exchange import DcpAttentionExchange, PcpAttentionExchange
+from dcpserve.kernels.fp8_gemm import dequantize_fp8_block, fp8_block_gemm, fp8_block_gemm_ref
 from dcpserve.kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from dcpserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from dcpserve.kernels.store_kv import store_kv, store_kv_ref
@@ -30,6 +31,9 @@ __all__ = [
     "dcp_local_seq_lens",
     "dcp_slot_mapping",
     "dcp_token_owner",
+    "dequantize_fp8_block",
+    "fp8_block_gemm",
+    "fp8_block_gemm_ref",
     "paged_decode_attention",
     "paged_decode_attention_cpu",
     "paged_decode_attention_ref",

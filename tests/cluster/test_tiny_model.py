@@ -18,7 +18,7 @@ from dcpserve.cluster.tiny_model import (
     write_tiny_model,
 )
 from dcpserve.engine.config import ModelConfig, ParallelConfig
-from dcpserve.engine.deepseek_config import YarnScaling
+from dcpserve.engine.rope_config import YarnScaling
 
 WRITTEN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", MARKER_FILE)

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcpserve.engine.args import EngineArgs
 from dcpserve.engine.config import ModelConfig, ParallelConfig
-from dcpserve.engine.deepseek_config import YarnScaling
+from dcpserve.engine.quantization import Fp8BlockQuantization
+from dcpserve.engine.rope_config import LinearScaling, YarnScaling
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -31,15 +33,58 @@ def test_reads_a_llama_config_with_llama3_scaling(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, r"architectures \['GPT2LMHeadModel'\] are not supported"),
+    ({"architectures": ["GPT2LMHeadModel"]}, r"architecture GPT2LMHeadModel is not supported by the native engine; "
+                                             r"it runs LlamaForCausalLM.*serve it with `backend: vllm`"),
+    ({"architectures": ["GptOssForCausalLM"]}, "would need sliding-window layers, attention sinks and MXFP4"),
+    ({"architectures": ["Mistral3ForConditionalGeneration"],
+      "text_config": {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}},
+     r"Mistral3ForConditionalGeneration is a multimodal wrapper whose text model \(MistralForCausalLM, under "
+     r"text_config\)"),
     ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types \['sliding_attention'\] are not"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act='gelu_pytorch_tanh' is not supported"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 \(RoPE on part of each head\)"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor=0.25"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     r"rope_parameters per layer type \(full_attention, sliding_attention\)"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope scaling 'longrope' is not supported"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 \\(logit soft-capping\\)"),
     ({"num_key_value_heads": 3}, "num_attention_heads=8 is not a multiple of num_key_value_heads=3"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+     "quantization method 'awq' is not supported by the native engine.*backend: vllm"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
+     "fp8 without weight_block_size"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}},
+     "activation_scheme='static' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, **change})
+
+
+@pytest.mark.parametrize("rope,expected", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+     YarnScaling(factor=4.0, original_max_position_embeddings=32768)),
+    ({"type": "linear", "factor": 2.0}, LinearScaling(2.0)),
+    ({"rope_type": "dynamic", "factor": 2.0}, None),  # plain RoPE up to max_position_embeddings
+])
+def test_llama_family_rope_scalings(rope: dict, expected: object) -> None:
+    assert ModelConfig.from_dict({**BASE, "rope_scaling": rope}).rope_scaling == expected
+
+
+def test_dual_chunk_attention_is_served_to_its_native_window_only(tmp_path: Path) -> None:
+    raw = {**BASE, "architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 1010000,
+           "dual_chunk_attention_config": {"chunk_size": 262144, "local_size": 8192,
+                                           "original_max_position_embeddings": 262144}}
+    config = ModelConfig.from_dict(raw)
+    assert config.max_position_embeddings == 262144
+    assert "dual chunk attention" in config.context_limit_reason
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"max_model_len=300000 exceeds .*262144.*dual chunk attention"):
+        EngineArgs(model=str(tmp_path), max_model_len=300000).create_engine_config()
 
 
 def test_missing_fields_and_files_are_named(tmp_path: Path) -> None:
@@ -150,12 +195,12 @@ def test_mla_kv_cache_is_one_latent_head_on_every_rank_and_agrees_with_the_plann
     assert len(caches) == 27 and all(k is v and k.shape == (3, 4, 1, 576) for k, v in caches)
 
 
-def test_reads_deepseek_v3_routing_and_refuses_its_fp8_weights() -> None:
+def test_reads_deepseek_v3_routing_and_its_fp8_weights() -> None:
     from dcpserve.cluster.published_models import DEEPSEEK_V3
 
-    with pytest.raises(ValueError, match="quantization_config \\(quant_method='fp8'\\) is not supported"):
-        ModelConfig.from_dict(DEEPSEEK_V3)
+    assert ModelConfig.from_dict(DEEPSEEK_V3).quantization == Fp8BlockQuantization(128, 128)
     bf16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
+    assert ModelConfig.from_dict(bf16).quantization is None
     config = ModelConfig.from_dict(bf16)
     assert config.moe is not None and config.mla is not None and config.mla.q_lora_rank == 1536
     moe = config.moe
@@ -182,8 +227,7 @@ def test_mtp_layers_are_accepted_and_said_to_be_unused(caplog: pytest.LogCapture
     ({"topk_method": "group_limited_greedy", "n_group": 32, "topk_group": 2},
      r"topk_group=2 of n_group=32 groups \(2 experts each\) cannot hold num_experts_per_tok=6"),
     ({"num_experts_per_tok": 65}, r"num_experts_per_tok=65 exceeds n_routed_experts=64"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
-     r"rope scaling 'linear' is not supported \(supported: default, yarn\)"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, r"rope scaling 'longrope' is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
     ({"qk_rope_head_dim": 63}, r"qk_rope_head_dim=63 must be even"),
     ({"kv_lora_rank": None}, r"missing required field 'kv_lora_rank'"),

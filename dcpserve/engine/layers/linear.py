@@ -12,13 +12,16 @@ for QKVParallelLinear, the part index for MergedColumnParallelLinear).
 - MergedColumnParallelLinear: several column-parallel outputs in one matmul (gate_proj + up_proj).
 - QKVParallelLinear: q, k and v in one matmul. Query heads split over TP; KV heads split when
   tp <= num_kv_heads and are replicated when tp > num_kv_heads (rank r holds ParallelState.first_kv_head).
+
+Every layer takes a LinearMethod (dcpserve/engine/layers/linear_method.py): the weight in the model's dtype
+(the default), or FP8 block-quantized with its `weight_scale_inv` loaded by the same shard layout.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from dcpserve.engine.layers.linear_method import UNQUANTIZED, LinearMethod
 from dcpserve.engine.layers.module import EngineModule
 from dcpserve.engine.layers.weights import ShardedLoader, ShardId, ShardSpec, new_parameter
 from dcpserve.engine.worker.parallel import ParallelState
@@ -42,34 +45,44 @@ class ColumnParallelLinear(EngineModule):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.parallel = parallel
+        self.method = method
         self.output_size_per_rank = rows = split_for_tp(output_size, parallel.tp_size, "output_size")
         start = parallel.tp_rank * rows
         weight_rows = ShardSpec((output_size, input_size), 0, start, rows)
         bias_rows = ShardSpec((output_size,), 0, start, rows)
-        self.weight = new_parameter((rows, input_size), dtype, device, ShardedLoader({None: weight_rows}))
+        self.weight, self.weight_scale_inv = method.create_weights(
+            (rows, input_size), {None: weight_rows}, dtype, device,
+            f"ColumnParallelLinear(output_size={output_size}) at tp={parallel.tp_size}",
+        )
         self.bias = new_parameter((rows,), dtype, device, ShardedLoader({None: bias_rows})) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(x, self.weight, self.weight_scale_inv, self.bias)
 
 
 class ReplicatedLinear(EngineModule):
     """y = x @ W^T + b with the whole weight on every rank (identical outputs, no collective)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device: torch.device,
+                 method: LinearMethod = UNQUANTIZED) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = new_parameter((output_size, input_size), dtype, device)
+        self.method = method
+        shape = (output_size, input_size)
+        self.weight, self.weight_scale_inv = method.create_weights(
+            shape, {None: ShardSpec(shape)}, dtype, device, f"ReplicatedLinear(output_size={output_size})"
+        )
         self.bias = new_parameter((output_size,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(x, self.weight, self.weight_scale_inv, self.bias)
 
 
 class RowParallelLinear(EngineModule):
@@ -84,6 +97,7 @@ class RowParallelLinear(EngineModule):
         dtype: torch.dtype,
         device: torch.device,
         reduce_results: bool = True,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         """reduce_results=False: forward returns this rank's partial sum; the caller all-reduces."""
         super().__init__()
@@ -91,16 +105,20 @@ class RowParallelLinear(EngineModule):
         self.input_size = input_size
         self.output_size = output_size
         self.parallel = parallel
+        self.method = method
         self.input_size_per_rank = cols = split_for_tp(input_size, parallel.tp_size, "input_size")
         columns = ShardSpec((output_size, input_size), 1, parallel.tp_rank * cols, cols)
-        self.weight = new_parameter((output_size, cols), dtype, device, ShardedLoader({None: columns}))
+        self.weight, self.weight_scale_inv = method.create_weights(
+            (output_size, cols), {None: columns}, dtype, device,
+            f"RowParallelLinear(input_size={input_size}) at tp={parallel.tp_size}",
+        )
         # The bias is replicated (every rank holds it; only rank 0 adds it).
         self.bias = new_parameter((output_size,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Adding the bias on rank 0 inside the sum keeps tp = 1 identical to a plain nn.Linear.
         bias = self.bias if self.parallel.tp_rank == 0 else None
-        partial = F.linear(x, self.weight, bias)
+        partial = self.method.apply(x, self.weight, self.weight_scale_inv, bias)
         return self.parallel.all_reduce(partial) if self.reduce_results else partial
 
 
@@ -115,11 +133,13 @@ class MergedColumnParallelLinear(EngineModule):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.parallel = parallel
+        self.method = method
         self.output_sizes_per_rank = [split_for_tp(size, parallel.tp_size, "output_size") for size in output_sizes]
         weight_specs: dict[ShardId, ShardSpec] = {}
         bias_specs: dict[ShardId, ShardSpec] = {}
@@ -129,11 +149,14 @@ class MergedColumnParallelLinear(EngineModule):
             weight_specs[index] = ShardSpec((size, input_size), 0, start, rows, offset)
             bias_specs[index] = ShardSpec((size,), 0, start, rows, offset)
             offset += rows
-        self.weight = new_parameter((offset, input_size), dtype, device, ShardedLoader(weight_specs))
+        self.weight, self.weight_scale_inv = method.create_weights(
+            (offset, input_size), weight_specs, dtype, device,
+            f"MergedColumnParallelLinear(output_sizes={self.output_sizes}) at tp={parallel.tp_size}",
+        )
         self.bias = new_parameter((offset,), dtype, device, ShardedLoader(bias_specs)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(x, self.weight, self.weight_scale_inv, self.bias)
 
 
 class QKVParallelLinear(EngineModule):
@@ -149,8 +172,10 @@ class QKVParallelLinear(EngineModule):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         super().__init__()
+        self.method = method
         if num_kv_heads != parallel.num_kv_heads:
             raise ValueError(
                 f"QKVParallelLinear got num_kv_heads={num_kv_heads} but ParallelState was built for "
@@ -188,13 +213,17 @@ class QKVParallelLinear(EngineModule):
         bias_specs: dict[ShardId, ShardSpec] = {
             shard: ShardSpec((full,), 0, start, rows, offset) for shard, (full, start, rows, offset) in parts.items()
         }
-        self.weight = new_parameter((total, hidden_size), dtype, device, ShardedLoader(weight_specs))
+        self.weight, self.weight_scale_inv = method.create_weights(
+            (total, hidden_size), weight_specs, dtype, device,
+            f"QKVParallelLinear(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}) at "
+            f"tp={tp}",
+        )
         self.bias = new_parameter((total,), dtype, device, ShardedLoader(bias_specs)) if bias else None
 
     def forward_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (qk [T, heads_per_rank + kv_heads_per_rank, D]: the query heads, then the keys; v
         [T, kv_heads_per_rank, D]), views of one matmul: what rotates alike (RoPE) rotates in one pass."""
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = self.method.apply(x, self.weight, self.weight_scale_inv, self.bias)
         num_tokens = x.shape[0]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         return (qk.view(num_tokens, self.num_heads_per_rank + self.num_kv_heads_per_rank, self.head_dim),

@@ -6,6 +6,7 @@ import torch
 
 from dcpserve.engine.layers.activation import SiluAndMul
 from dcpserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from dcpserve.engine.layers.linear_method import UNQUANTIZED, LinearMethod
 from dcpserve.engine.layers.module import EngineModule
 from dcpserve.engine.worker.parallel import ParallelState
 
@@ -22,16 +23,18 @@ class SwiGluMLP(EngineModule):
         dtype: torch.dtype,
         device: torch.device,
         reduce_results: bool = True,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
-        """reduce_results=False: forward returns this rank's partial sum (a MoE layer reduces its sum once)."""
+        """reduce_results=False: forward returns this rank's partial sum (a MoE layer reduces its sum once);
+        method: the projections' weight storage (FP8 for a block-quantized checkpoint)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, parallel, bias=False, dtype=dtype, device=device
+            hidden_size, [intermediate_size] * 2, parallel, bias=False, dtype=dtype, device=device, method=method
         )
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, parallel, bias=False, dtype=dtype, device=device,
-            reduce_results=reduce_results,
+            reduce_results=reduce_results, method=method,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

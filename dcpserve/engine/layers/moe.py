@@ -1,4 +1,5 @@
-"""DeepSeek's mixture-of-experts MLP on tensor-parallel experts.
+"""Mixture-of-experts MLPs on tensor-parallel experts: the router, the routed experts as one grouped computation,
+and DeepSeek's layer (Qwen's is dcpserve/engine/models/qwen3_moe.py, on the same router and experts).
 
 Every rank holds 1/tp of every expert, split like a dense MLP: each expert's gate / up projections by output rows
 (column parallel), its down projection by input columns (row parallel). Every rank routes every token the same way
@@ -7,21 +8,41 @@ size, weighs them, adds the shared experts' slice (the same split) and the sum o
 layer: the exact MoE output. Nothing is dropped or capped, and no rank waits on another's experts. (Expert
 parallelism, whole experts per rank with an all-to-all of tokens, is the later step for large expert counts.)
 
-Experts run one at a time, each on the tokens that chose it (those that received none are skipped), in expert
-order as transformers does, so tp = 1 sums in its order.
+Grouped experts (vLLM's fused_moe and SGLang sort the same way): a step's (token, expert) pairs are sorted by expert
+(a stable sort: tokens in order within an expert), the tokens gathered in that order, and every expert touched runs
+in one grouped matrix product per projection over its run of rows, the runs' ends found by a binary search of the
+sorted ids (`group_by_expert`). Each pair's output is put back in its (token, slot) place and a token's k outputs
+are summed in slot order, weighed in fp32 (`combine_pairs`); `grouped_experts` is the whole computation on given
+stacked weights (the unquantized experts' own, or FP8 experts' dequantized ones: dcpserve/engine/layers/
+fp8_experts.py). No tensor is read back to the host and no shape depends on the routing (T tokens always make
+T * k rows): the layer runs on the meta device (tests/engine/layers/test_moe_grouped.py holds it to that, and shows
+the old one-expert-at-a-time loop failing there), so decode may be captured in a CUDA graph (not yet run on a GPU).
+Two ways to run the grouped product, chosen once per module from dtype, device and shape (`choose_experts_method`):
+- "grouped_mm": torch._grouped_mm over the sorted rows with the runs' ends as offsets (CPU; CUDA in bf16 on sm80+);
+  it needs every operand's rows 16-byte aligned.
+- "padded": each expert's rows scattered into a [num_experts, T, hidden] buffer (T is the static bound: a token
+  picks an expert at most once), one batched matmul per projection over it, rows gathered back. num_experts / k
+  times the FLOPs of the rows themselves, and buffers of num_experts * T rows: the fallback for shapes and dtypes
+  grouped_mm refuses (fp32 / fp16 on CUDA, rows not 16-byte aligned).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from dcpserve.engine.deepseek_config import MoeConfig
 from dcpserve.engine.layers.linear import split_for_tp
+from dcpserve.engine.layers.linear_method import UNQUANTIZED, LinearMethod
 from dcpserve.engine.layers.mlp import SwiGluMLP
 from dcpserve.engine.layers.module import EngineModule
 from dcpserve.engine.layers.weights import ShardSpec, StackedLoader, new_parameter
 from dcpserve.engine.worker.parallel import ParallelState
+
+ExpertsMethod = Literal["grouped_mm", "padded"]
 
 
 class TopKRouter(EngineModule):
@@ -60,19 +81,112 @@ class TopKRouter(EngineModule):
         return weights * moe.routed_scaling_factor, experts
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A step's (token, expert) pairs sorted by expert; P = T * k pairs, pair p = token p // k, slot p % k."""
+
+    order: torch.Tensor  # [P] int64: the pair at each sorted position
+    expert_ids: torch.Tensor  # [P] int64: the expert of each sorted position (ascending)
+    rows: torch.Tensor  # [P] int64: the token (row of x) of each sorted position
+    ends: torch.Tensor  # [num_experts] int32: one past the last sorted position of each expert (cumulative counts)
+
+
+def group_by_expert(experts: torch.Tensor, expert_ends: torch.Tensor) -> ExpertGroups:
+    """experts [T, k] int64 ids, expert_ends = arange(1, num_experts + 1) on their device -> the pairs sorted by
+    expert; nothing read back to the host."""
+    expert_ids, order = experts.reshape(-1).sort(stable=True)
+    ends = torch.searchsorted(expert_ids, expert_ends, out_int32=True)
+    return ExpertGroups(order, expert_ids, order // experts.shape[1], ends)
+
+
+def combine_pairs(pairs: torch.Tensor, groups: ExpertGroups, weights: torch.Tensor) -> torch.Tensor:
+    """pairs [P, hidden] in sorted order, weights [T, k] -> [T, hidden] in pairs' dtype: each token's k outputs put
+    back in slot order, weighed and summed in fp32 (deterministic: no atomics, the same order on every device)."""
+    tokens, k = weights.shape
+    unsorted = torch.empty_like(pairs).index_copy_(0, groups.order, pairs)
+    hidden = pairs.shape[1]
+    summed = torch.bmm(weights.to(torch.float32)[:, None, :], unsorted.view(tokens, k, hidden).to(torch.float32))
+    return summed.view(tokens, hidden).to(pairs.dtype)
+
+
+def choose_experts_method(dtype: torch.dtype, device: torch.device, hidden_size: int, rows: int) -> ExpertsMethod:
+    """"grouped_mm" where torch._grouped_mm runs these operands (hidden_size and the per-rank intermediate `rows`
+    whole multiples of 16 bytes; CPU in any float dtype, CUDA / meta in bf16 on sm80+), else "padded"."""
+    aligned = hidden_size * dtype.itemsize % 16 == 0 and rows * dtype.itemsize % 16 == 0
+    if not aligned or not hasattr(torch, "_grouped_mm"):
+        return "padded"
+    if device.type == "cpu":
+        return "grouped_mm"
+    if device.type == "meta":
+        return "grouped_mm" if dtype == torch.bfloat16 else "padded"
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        return "grouped_mm" if torch.cuda.get_device_capability(device) >= (8, 0) else "padded"
+    return "padded"
+
+
+def grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    method: ExpertsMethod, expert_ends: torch.Tensor,
+) -> torch.Tensor:
+    """The grouped SwiGLU experts (module docstring): x [T, hidden], weights [T, k] fp32, experts [T, k] int64,
+    w13 [E, 2 * rows, hidden] (gate rows, then up rows), w2 [E, hidden, rows] in x's dtype, expert_ends =
+    arange(1, E + 1) on x's device -> sum over each token's experts of weight * expert(x) [T, hidden], x's dtype."""
+    groups = group_by_expert(experts, expert_ends)
+    sorted_x = x.index_select(0, groups.rows)
+    if method == "grouped_mm":
+        gate, up = torch._grouped_mm(sorted_x, w13.transpose(1, 2), offs=groups.ends).chunk(2, dim=-1)
+        pairs = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=groups.ends)
+    else:
+        pairs = _padded_products(sorted_x, groups, w13, w2, x.shape[0])
+    return combine_pairs(pairs, groups, weights)
+
+
+def _padded_products(sorted_x: torch.Tensor, groups: ExpertGroups, w13: torch.Tensor, w2: torch.Tensor,
+                     tokens: int) -> torch.Tensor:
+    """The "padded" method: sorted rows [P, hidden] -> expert outputs [P, hidden] through [E, T, .] buffers (a
+    token's pairs are with distinct experts, so T rows per expert always suffice)."""
+    num_experts, hidden = w13.shape[0], sorted_x.shape[1]
+    starts = torch.searchsorted(groups.expert_ids, groups.expert_ids)  # each run's first sorted position
+    place = groups.expert_ids * tokens + (torch.arange(len(starts), device=starts.device) - starts)
+    padded = sorted_x.new_zeros(num_experts * tokens, hidden).index_copy_(0, place, sorted_x)
+    gate, up = torch.bmm(padded.view(num_experts, tokens, hidden), w13.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
+    return out.view(num_experts * tokens, hidden).index_select(0, place)
+
+
+class RoutedExperts(Protocol):
+    """What an MoE layer asks of its routed experts (TensorParallelExperts; another storage, such as FP8 experts,
+    implements the same): built from (num_experts, hidden_size, intermediate_size, parallel, dtype, device) and what
+    its storage needs (FP8: the quantization), holding stacked parameters whose loaders take the checkpoint's shard
+    ids (expert, 0 | 1) for gate_proj / up_proj and (expert, None) for down_proj, and called as below. An
+    implementation that dequantizes can hand its weights to `grouped_experts`."""
+
+    num_experts: int
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights [T, k] fp32, experts [T, k] int64 -> this rank's partial sum [T, hidden] in x's
+        dtype (not reduced over TP ranks), with no host synchronisation."""
+        ...
+
+
 class TensorParallelExperts(EngineModule):
-    """The routed experts, stacked: w13 [experts, 2 * I / tp, hidden] (gate rows, then up rows, of this rank's
-    slice) and w2 [experts, hidden, I / tp]. forward returns this rank's partial sum (not reduced)."""
+    """The routed experts, stacked and run grouped (module docstring): w13 [experts, 2 * I / tp, hidden] (gate rows,
+    then up rows, of this rank's slice) and w2 [experts, hidden, I / tp]; checkpoint shard ids (expert, 0 | 1) for
+    gate_proj / up_proj, (expert, None) for down_proj. forward returns this rank's partial sum (not reduced)."""
+
+    expert_ends: torch.Tensor  # [experts] int64, arange(1, experts + 1): a buffer, so it moves with the module
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, parallel: ParallelState,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, method: ExpertsMethod | None = None,
     ) -> None:
+        """method None: choose_experts_method's choice for this dtype, device and shape."""
         super().__init__()
         rows = split_for_tp(intermediate_size, parallel.tp_size, "moe_intermediate_size")
         start = parallel.tp_rank * rows
         self.num_experts = num_experts
         self.intermediate_per_rank = rows
+        self.method: ExpertsMethod = method or choose_experts_method(dtype, device, hidden_size, rows)
         # Shard ids (expert, part): part 0 / 1 the checkpoint's gate_proj / up_proj rows, None its down_proj columns.
         self.w13 = new_parameter((num_experts, 2 * rows, hidden_size), dtype, device, StackedLoader(num_experts, {
             0: ShardSpec((intermediate_size, hidden_size), 0, start, rows, 0),
@@ -81,34 +195,32 @@ class TensorParallelExperts(EngineModule):
         self.w2 = new_parameter((num_experts, hidden_size, rows), dtype, device, StackedLoader(num_experts, {
             None: ShardSpec((hidden_size, intermediate_size), 1, start, rows),
         }))
+        self.register_buffer("expert_ends", torch.arange(1, num_experts + 1, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], weights / experts [T, k] -> sum over each token's experts of weight * expert(x), this rank's
-        part, in x's dtype."""
-        out = torch.zeros_like(x)
-        for expert in torch.unique(experts).tolist():
-            tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        """x [T, hidden], weights [T, k] fp32, experts [T, k] int64 -> sum over each token's experts of
+        weight * expert(x), this rank's part, in x's dtype."""
+        return grouped_experts(x, weights, experts, self.w13, self.w2, self.method, self.expert_ends)
 
 
 class DeepseekMoE(EngineModule):
     """Router, routed experts and shared experts of one layer; one all-reduce of their summed partials."""
 
     def __init__(
-        self, hidden_size: int, moe: MoeConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device
+        self, hidden_size: int, moe: MoeConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device,
+        experts: RoutedExperts | None = None, shared_method: LinearMethod = UNQUANTIZED,
     ) -> None:
+        """experts: the routed experts, when not TensorParallelExperts in dtype (an FP8 checkpoint's); shared_method:
+        the shared experts' weight storage (dcpserve/engine/layers/linear_method.py)."""
         super().__init__()
         self.parallel = parallel
         self.gate = TopKRouter(hidden_size, moe, device)
-        self.experts = TensorParallelExperts(
+        self.experts: RoutedExperts = experts if experts is not None else TensorParallelExperts(
             moe.n_routed_experts, hidden_size, moe.moe_intermediate_size, parallel, dtype, device
         )
         self.shared_experts = (
             SwiGluMLP(hidden_size, moe.moe_intermediate_size * moe.n_shared_experts, parallel, dtype, device,
-                      reduce_results=False)
+                      reduce_results=False, method=shared_method)
             if moe.n_shared_experts else None
         )
 

@@ -1,9 +1,9 @@
 """Rotary position embedding as Hugging Face Llama applies it (neox style: rotate the two halves of each head), and
 as DeepSeek applies it (interleaved: rotate the pairs (x0, x1), (x2, x3), ...).
 
-inv_freq[i] = 1 / theta^(2i / head_dim), optionally rescaled Llama-3 style (transformers'
-`_compute_llama3_parameters`) or by YaRN (`_compute_yarn_parameters`, which also scales cos and sin by its
-attention factor). cos / sin are computed once per forward from the positions, in fp32, and applied to q and k in
+inv_freq[i] = 1 / theta^(2i / head_dim), optionally rescaled linearly (divided by the factor), Llama-3 style
+(transformers' `_compute_llama3_parameters`) or by YaRN (`_compute_yarn_parameters`, which also scales cos and sin
+by its attention factor). cos / sin are computed once per forward from the positions, in fp32, and applied to q and k in
 their own dtype (Llama) or in fp32 (DeepSeek), as transformers does.
 """
 
@@ -13,9 +13,8 @@ import math
 
 import torch
 
-from dcpserve.engine.config import RopeScaling
-from dcpserve.engine.deepseek_config import YarnScaling
 from dcpserve.engine.layers.module import EngineModule
+from dcpserve.engine.rope_config import LinearScaling, RopeScaling, YarnScaling
 
 
 def default_inv_freq(head_dim: int, rope_theta: float) -> torch.Tensor:
@@ -84,7 +83,7 @@ class RotaryEmbedding(EngineModule):
         self,
         head_dim: int,
         rope_theta: float,
-        rope_scaling: RopeScaling | YarnScaling | None,
+        rope_scaling: RopeScaling | LinearScaling | YarnScaling | None,
         device: torch.device,
         interleaved: bool = False,
     ) -> None:
@@ -96,7 +95,9 @@ class RotaryEmbedding(EngineModule):
             self.cos_sin_factor = rope_scaling.cos_sin_factor
         else:
             inv_freq = default_inv_freq(head_dim, rope_theta)
-            if rope_scaling is not None:
+            if isinstance(rope_scaling, LinearScaling):
+                inv_freq = inv_freq / rope_scaling.factor
+            elif rope_scaling is not None:
                 inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
         self.head_dim = head_dim
         self.interleaved = interleaved

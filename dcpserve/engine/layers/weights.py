@@ -72,10 +72,13 @@ class ShardSpec:
 
 
 class ShardedLoader:
-    """A parameter's weight loader: checks the full checkpoint shape, reads only this rank's slice, copies it."""
+    """A parameter's weight loader: checks the full checkpoint shape, reads only this rank's slice, copies it.
+    source_dtype: the dtype the checkpoint tensor must have (an FP8 weight: a float tensor would be cast to FP8
+    without its scales); None casts whatever it reads to the parameter's dtype."""
 
-    def __init__(self, specs: dict[ShardId, ShardSpec]) -> None:
+    def __init__(self, specs: dict[ShardId, ShardSpec], source_dtype: torch.dtype | None = None) -> None:
         self.specs = specs
+        self.source_dtype = source_dtype
 
     def __call__(self, param: torch.Tensor, source: WeightSource, name: str, shard_id: ShardId = None) -> None:
         spec = self.specs.get(shard_id)
@@ -96,6 +99,12 @@ class ShardedLoader:
             raise ValueError(f"ShardSpec.dim must be None, 0 or 1, got {spec.dim}")
         if loaded is None:  # this rank holds no rows of the tensor (a padded vocabulary shard)
             return
+        if self.source_dtype is not None and loaded.dtype != self.source_dtype:
+            raise ValueError(
+                f"checkpoint tensor {name!r} is {loaded.dtype} but the model holds it as {self.source_dtype} (an "
+                f"FP8 block-quantized weight, as config.json's quantization_config says): the checkpoint does not "
+                f"match its config"
+            )
         if tuple(target.shape) != tuple(loaded.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r}: this rank's slice has shape {tuple(loaded.shape)} but the parameter "
@@ -109,9 +118,10 @@ class StackedLoader:
     """The loader of a parameter that stacks one tensor per index along dim 0 (a MoE layer's experts): shard id
     (index, part) loads the checkpoint tensor into param[index] by `specs[part]`, as ShardedLoader would."""
 
-    def __init__(self, num_indices: int, specs: dict[ShardId, ShardSpec]) -> None:
+    def __init__(self, num_indices: int, specs: dict[ShardId, ShardSpec], source_dtype: torch.dtype | None = None
+                 ) -> None:
         self.num_indices = num_indices
-        self.part_loader = ShardedLoader(specs)
+        self.part_loader = ShardedLoader(specs, source_dtype)
 
     def __call__(
         self, param: torch.nn.Parameter, source: WeightSource, name: str, shard_id: ShardId = None

@@ -18,6 +18,12 @@ MLP: layers before first_k_dense_replace (and off moe_layer_freq) are dense SwiG
 
 Checkpoint names are transformers' (which are DeepSeek's); layers at or past num_hidden_layers are the
 multi-token-prediction module, not loaded.
+
+FP8 (config.quantization: DeepSeek-V3 / R1 / V3.1 and Kimi-K2 as published): every linear layer of the decoder, the
+shared experts and the routed experts hold float8_e4m3fn weights and float32 `weight_scale_inv` block scales
+(dcpserve/engine/layers/linear_method.py, dcpserve/engine/layers/fp8_experts.py), except the modules the config's
+modules_to_not_convert names; the router, norms, embedding and LM head are not FP8 in these checkpoints. kv_b_proj
+is dequantized at load (`dequantize_kv_b_proj`): the absorbed attention uses its weight, not its matmul.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from collections.abc import Iterable
 import torch
 
 from dcpserve.engine.config import ModelConfig
-from dcpserve.engine.deepseek_config import MlaConfig, YarnScaling
+from dcpserve.engine.deepseek_config import MlaConfig, MoeConfig
 from dcpserve.engine.layers.attention import Attention
+from dcpserve.engine.layers.fp8_experts import Fp8TensorParallelExperts
 from dcpserve.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, split_for_tp
+from dcpserve.engine.layers.linear_method import UNQUANTIZED, LinearMethod, dequantize_weight, linear_method
 from dcpserve.engine.layers.mlp import SwiGluMLP
 from dcpserve.engine.layers.module import EngineModule
 from dcpserve.engine.layers.moe import DeepseekMoE
@@ -39,6 +47,7 @@ from dcpserve.engine.layers.rotary import RotaryEmbedding
 from dcpserve.engine.layers.weights import ShardId, WeightSource
 from dcpserve.engine.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from dcpserve.engine.models.checkpoint import load_named_weights
+from dcpserve.engine.rope_config import YarnScaling
 from dcpserve.engine.worker.attention_metadata import AttentionMetadata
 from dcpserve.engine.worker.parallel import ParallelState
 
@@ -50,10 +59,17 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 )
-# model.layers.{layer}.mlp.experts.{expert}.{gate_proj | up_proj | down_proj}.weight
+# model.layers.{layer}.mlp.experts.{expert}.{gate_proj | up_proj | down_proj}.weight (and FP8's .weight_scale_inv)
 EXPERT_NAME = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+    r"(?P<tensor>weight|weight_scale_inv)$"
 )
+# our stacked expert parameter -> the checkpoint tensor of each expert it stacks
+EXPERT_TENSORS: dict[str, tuple[tuple[str, ...], str]] = {
+    "w13": (("gate_proj", "up_proj"), "weight"), "w2": (("down_proj",), "weight"),
+    "w13_scale_inv": (("gate_proj", "up_proj"), "weight_scale_inv"),
+    "w2_scale_inv": (("down_proj",), "weight_scale_inv"),
+}
 # checkpoint projection -> (our stacked parameter, part of its loader)
 EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
     "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
@@ -73,31 +89,42 @@ class DeepseekV2Attention(EngineModule):
     """Multi-head latent attention of one layer: latent projections, RoPE on the rope parts, absorbed paged DCP
     attention over the latent cache, per-head value up-projection, o_proj."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device,
+                 prefix: str = "self_attn") -> None:
+        """prefix: the module's checkpoint name (which modules an FP8 checkpoint leaves unquantized)."""
         super().__init__()
         if config.mla is None:
             raise ValueError(f"{config.architecture}: DeepseekV2Attention needs the config's MLA fields")
         mla = self.mla = config.mla
         heads, hidden, bias = config.num_attention_heads, config.hidden_size, config.attention_bias
         self.num_heads = split_for_tp(heads, parallel.tp_size, "num_attention_heads")
+        self.quantization, self.model_dtype = config.quantization, dtype
+
+        def method(name: str) -> LinearMethod:
+            return linear_method(config.quantization, f"{prefix}.{name}")
+
         self.q_proj: ColumnParallelLinear | None = None
         self.q_a_proj: ReplicatedLinear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, heads * mla.qk_head_dim, parallel, False, dtype, device)
+            self.q_proj = ColumnParallelLinear(hidden, heads * mla.qk_head_dim, parallel, False, dtype, device,
+                                               method("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias, dtype, device)
+            self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias, dtype, device, method("q_a_proj"))
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype, device)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * mla.qk_head_dim, parallel, False, dtype,
-                                                 device)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.cache_head_dim, bias, dtype, device)
+                                                 device, method("q_b_proj"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.cache_head_dim, bias, dtype, device,
+                                                   method("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
         # Rows head-major ([k_nope | v] of head 0, then head 1, ...), so a column split is a split by head.
         self.kv_b_proj = ColumnParallelLinear(
-            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), parallel, False, dtype, device
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), parallel, False, dtype, device,
+            method("kv_b_proj"),
         )
-        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, parallel, bias, dtype, device)
+        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, parallel, bias, dtype, device,
+                                        method=method("o_proj"))
         self.attn = Attention(
             self.num_heads, 1, mla.cache_head_dim, parallel, device, v_head_dim=mla.kv_lora_rank,
             scale=mla_softmax_scale(config, mla),
@@ -133,6 +160,18 @@ class DeepseekV2Attention(EngineModule):
         values = torch.einsum("thc,hvc->thv", out, up[:, nope:])  # W_UV: [T, h, v_head_dim]
         return self.o_proj(values.reshape(num_tokens, self.num_heads * mla.v_head_dim))
 
+    def dequantize_kv_b_proj(self) -> None:
+        """After loading: an FP8 kv_b_proj becomes its dequantized weight in the model's dtype (vLLM does the same
+        for MLA). The absorbed attention never runs kv_b_proj as a matmul of x: it slices its weight per head into
+        W_UK (folded into the query) and W_UV (applied to the attention output), so it needs the dense weight. It is
+        the one FP8 weight held in the model's dtype: per layer heads * (qk_nope + v) * kv_lora_rank / tp values."""
+        proj = self.kv_b_proj
+        if proj.weight_scale_inv is None:
+            return
+        dense = dequantize_weight(proj.weight, proj.weight_scale_inv, self.quantization, self.model_dtype)
+        proj.weight = torch.nn.Parameter(dense, requires_grad=False)
+        proj.weight_scale_inv = None
+        proj.method = UNQUANTIZED
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on x [T, heads, rope] with the fp32 cos / sin: interleaved pairs in fp32 (transformers' DeepseekV2),
@@ -149,11 +188,29 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         self, config: ModelConfig, layer: int, parallel: ParallelState, dtype: torch.dtype, device: torch.device
     ) -> None:
         mlp: DeepseekMoE | SwiGluMLP
+        prefix = f"model.layers.{layer}"
         if config.moe is not None and config.moe.is_moe_layer(layer):
-            mlp = DeepseekMoE(config.hidden_size, config.moe, parallel, dtype, device)
+            mlp = build_moe(config, config.moe, f"{prefix}.mlp", parallel, dtype, device)
         else:
-            mlp = SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device)
-        super().__init__(config, DeepseekV2Attention(config, parallel, dtype, device), mlp, dtype, device)
+            method = linear_method(config.quantization, f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj",
+                                   f"{prefix}.mlp.down_proj")
+            mlp = SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device, method=method)
+        attention = DeepseekV2Attention(config, parallel, dtype, device, prefix=f"{prefix}.self_attn")
+        super().__init__(config, attention, mlp, dtype, device)
+
+
+def build_moe(config: ModelConfig, moe: MoeConfig, prefix: str, parallel: ParallelState, dtype: torch.dtype,
+              device: torch.device) -> DeepseekMoE:
+    """An MoE layer; with an FP8 checkpoint, FP8 routed experts (dcpserve/engine/layers/fp8_experts.py) and FP8
+    shared experts, unless modules_to_not_convert names them."""
+    quantization = config.quantization
+    experts = None
+    if quantization is not None and quantization.is_quantized(f"{prefix}.experts"):
+        experts = Fp8TensorParallelExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size,
+                                           parallel, dtype, device, quantization)
+    shared = linear_method(quantization, *(f"{prefix}.shared_experts.{p}" for p in ("gate_proj", "up_proj",
+                                                                                     "down_proj")))
+    return DeepseekMoE(config.hidden_size, moe, parallel, dtype, device, experts=experts, shared_method=shared)
 
 
 class DeepseekV2Model(DecoderModel):
@@ -191,11 +248,11 @@ class DeepseekV2ForCausalLM(CausalLM):
         tied)."""
         names: set[str] = set()
         for name, _ in self.named_parameters():  # a tied lm_head.weight is listed once, as the embedding
-            if name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
-                prefix, stacked = name.rsplit(".", 1)
-                projections = ("gate_proj", "up_proj") if stacked == "w13" else ("down_proj",)
+            prefix, stacked = name.rsplit(".", 1)
+            if prefix.endswith(".mlp.experts") and stacked in EXPERT_TENSORS:
+                projections, tensor = EXPERT_TENSORS[stacked]
                 experts = self.config.moe.n_routed_experts if self.config.moe is not None else 0
-                names.update(f"{prefix}.{e}.{p}.weight" for e in range(experts) for p in projections)
+                names.update(f"{prefix}.{e}.{p}.{tensor}" for e in range(experts) for p in projections)
                 continue
             unmerged = [name.replace(ours, theirs) for ours, theirs, _ in STACKED_PARAMS if ours in name]
             names.update(unmerged or [name])
@@ -222,6 +279,9 @@ class DeepseekV2ForCausalLM(CausalLM):
             f"{config.mla.q_lora_rank if config.mla else None}, {experts}, attention_bias={config.attention_bias}, "
             f"tie_word_embeddings={config.tie_word_embeddings})",
         )
+        for module in self.modules():
+            if isinstance(module, DeepseekV2Attention):
+                module.dequantize_kv_b_proj()
 
 
 def resolve_name(name: str) -> tuple[str, ShardId]:
@@ -230,7 +290,8 @@ def resolve_name(name: str) -> tuple[str, ShardId]:
     expert = EXPERT_NAME.match(name)
     if expert is not None:
         stacked, part = EXPERT_PARTS[expert.group("proj")]
-        return f"{expert.group('prefix')}.{stacked}", (int(expert.group("expert")), part)
+        suffix = "_scale_inv" if expert.group("tensor") == "weight_scale_inv" else ""
+        return f"{expert.group('prefix')}.{stacked}{suffix}", (int(expert.group("expert")), part)
     for ours, theirs, shard in STACKED_PARAMS:
         if theirs in name:
             return name.replace(theirs, ours), shard

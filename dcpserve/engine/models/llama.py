@@ -16,6 +16,7 @@ import torch
 from dcpserve.engine.config import ModelConfig
 from dcpserve.engine.layers.attention import Attention
 from dcpserve.engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from dcpserve.engine.layers.linear_method import linear_method
 from dcpserve.engine.layers.mlp import SwiGluMLP
 from dcpserve.engine.layers.module import EngineModule
 from dcpserve.engine.layers.norm import RMSNorm
@@ -41,16 +42,19 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaAttention(EngineModule):
     """Self-attention block: merged QKV projection, optional q/k norm, RoPE, paged DCP attention, o_proj."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device,
+                 prefix: str = "self_attn") -> None:
+        """prefix: the module's checkpoint name (which modules an FP8 checkpoint leaves unquantized)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
             parallel, bias=config.attention_bias, dtype=dtype, device=device,
+            method=linear_method(config.quantization, *(f"{prefix}.{p}_proj" for p in "qkv")),
         )
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, parallel, bias=o_bias, dtype=dtype,
-            device=device,
+            device=device, method=linear_method(config.quantization, f"{prefix}.o_proj"),
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
@@ -81,9 +85,14 @@ class LlamaAttention(EngineModule):
 class LlamaDecoderLayer(DecoderLayer):
     """Pre-norm block of Llama attention and a SwiGLU MLP."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(config, LlamaAttention(config, parallel, dtype, device),
-                         SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device),
+    def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device,
+                 layer: int = 0) -> None:
+        prefix = f"model.layers.{layer}"
+        mlp_method = linear_method(config.quantization, *(f"{prefix}.mlp.{p}" for p in ("gate_proj", "up_proj",
+                                                                                         "down_proj")))
+        super().__init__(config, LlamaAttention(config, parallel, dtype, device, prefix=f"{prefix}.self_attn"),
+                         SwiGluMLP(config.hidden_size, config.intermediate_size, parallel, dtype, device,
+                                   method=mlp_method),
                          dtype, device)
 
 
@@ -93,7 +102,7 @@ class LlamaModel(DecoderModel):
     def __init__(self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(
             config, parallel, RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device),
-            [LlamaDecoderLayer(config, parallel, dtype, device) for _ in range(config.num_hidden_layers)],
+            [LlamaDecoderLayer(config, parallel, dtype, device, i) for i in range(config.num_hidden_layers)],
             dtype, device,
         )
 

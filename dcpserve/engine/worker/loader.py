@@ -2,14 +2,22 @@
 
 Single-file (model.safetensors) and sharded (model-0000i-of-0000n.safetensors + model.safetensors.index.json)
 checkpoints are read with safetensors.safe_open; each tensor is handed to the model as a get_slice handle, so
-a rank reads only its own rows or columns of a TP-sharded weight. Tensors are cast to the requested dtype.
+a rank reads only its own rows or columns of a TP-sharded weight. Tensors are cast to the requested dtype, except an
+FP8 block-quantized checkpoint's weights, which stay float8_e4m3fn (dcpserve/engine/layers/linear_method.py).
+
+A damaged file fails with its path and the tensor: a truncated file (safetensors refuses to open it) names the
+tensors its header places past the end; a read that fails names the tensor; and since FP8 has room for the signs of
+corruption, an FP8 weight read with NaN bytes, or a block scale that is not a finite positive number, is refused by
+file and tensor before it reaches the model.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -52,12 +60,69 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+class CheckedSlice:
+    """A checkpoint tensor's slice handle that names its file and tensor when a read fails or reads corrupt FP8."""
+
+    def __init__(self, handle: WeightSource, path: Path, name: str) -> None:
+        self.handle = handle
+        self.path = path
+        self.name = name
+
+    def get_shape(self) -> list[int]:
+        return self.handle.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        try:
+            tensor = self.handle[index]
+        except Exception as err:
+            raise ValueError(f"checkpoint file {self.path}: cannot read tensor {self.name!r}: {err}") from err
+        if tensor.dtype == torch.float8_e4m3fn:
+            nan = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn's only NaN encodings; it has no infinities
+            if bool(nan.any()):
+                raise ValueError(
+                    f"checkpoint file {self.path}: tensor {self.name!r} holds {int(nan.sum())} NaN float8_e4m3fn "
+                    f"values: the file is corrupt; download it again"
+                )
+        elif self.name.endswith("weight_scale_inv") and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+            raise ValueError(
+                f"checkpoint file {self.path}: FP8 block scales {self.name!r} must be finite and positive, found "
+                f"{tensor[~(torch.isfinite(tensor) & (tensor > 0))].flatten()[:4].tolist()}: the file is corrupt; "
+                f"download it again"
+            )
+        return tensor
+
+
+def damaged_file_error(path: Path, err: Exception) -> ValueError:
+    """The error for a file safetensors cannot open: its path, and the tensors a truncated file lacks."""
+    size = path.stat().st_size
+    detail = f"{err}"
+    try:
+        with path.open("rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_size)) if 8 + header_size <= size else None
+    except (OSError, ValueError, struct.error):
+        header = None
+    if isinstance(header, dict):
+        data_size = size - 8 - header_size
+        cut = sorted((info["data_offsets"][1], name) for name, info in header.items()
+                     if name != "__metadata__" and info["data_offsets"][1] > data_size)
+        if cut:
+            more = f" and {len(cut) - 1} more tensors" if len(cut) > 1 else ""
+            detail = (f"the file is truncated: it holds {size} bytes, but its header places tensor {cut[0][1]!r}"
+                      f"{more} past the end ({err})")
+    return ValueError(f"checkpoint file {path} cannot be read: {detail}; download it again")
+
+
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, WeightSource]]:
     """(name, slice handle) for every tensor of every file; a handle stays valid until the next file opens."""
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
+        try:
+            opened = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as err:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
+            raise damaged_file_error(path, err) from err
+        with opened as handle:
             for name in handle.keys():
-                yield name, handle.get_slice(name)
+                yield name, CheckedSlice(handle.get_slice(name), path, name)
 
 
 def load_model(

@@ -35,6 +35,7 @@ def hf_greedy_ignoring_eos(model_dir: Path, prompts: list[list[int]], max_tokens
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
 
 

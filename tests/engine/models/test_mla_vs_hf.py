@@ -28,12 +28,8 @@ from dcpserve.engine.layers.moe import TopKRouter
 from dcpserve.engine.models import DeepseekV2ForCausalLM
 from dcpserve.engine.worker.loader import load_model
 from dcpserve.engine.worker.parallel import ParallelState
-from tests.engine.models.test_model_vs_hf import (
-    BLOCK_SIZE,
-    check_against_hf,
-    one_torch_thread,  # noqa: F401 - its autouse fixture, here too
-    prompt,
-)
+from tests.engine.models.hf_compare import BLOCK_SIZE, check_against_hf, prompt
+from tests.engine.models.test_model_vs_hf import one_torch_thread  # noqa: F401 - its autouse fixture, here too
 from tests.spawn_pool import SpawnPool
 
 MAX_NEW_TOKENS = 24

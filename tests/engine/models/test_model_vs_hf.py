@@ -11,7 +11,6 @@ runs as real processes over gloo, every rank saving its tokens and logits, check
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import weakref
@@ -24,17 +23,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.harness.model_harness import Job, Scenario, free_port, run_job, run_rank
-from bench.harness.random_models import COMMON, LOGITS_ATOL, VOCAB, randomize_norms_and_biases
+from bench.harness.random_models import COMMON, randomize_norms_and_biases
 from dcpserve.engine.config import ModelConfig, ParallelConfig, RopeScaling
 from dcpserve.engine.layers.embedding import VocabParallelEmbedding
 from dcpserve.engine.layers.rotary import RotaryEmbedding
 from dcpserve.engine.layers.weights import TensorSource
 from dcpserve.engine.worker.loader import load_model
 from dcpserve.engine.worker.parallel import ParallelState
+from tests.engine.models.hf_compare import (
+    BF16_LOGITS_ATOL,
+    BLOCK_SIZE,
+    check_against_hf,
+    prompt,
+    scenarios,
+)
 from tests.spawn_pool import SpawnPool
 
-BLOCK_SIZE = 4
-MAX_NEW_TOKENS = 32
 # name -> (transformers class name, config overrides, save_pretrained kwargs, (tp, dcp) layouts checked)
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], list[tuple[int, int]]]] = {
     "llama_mqa": (
@@ -55,6 +59,15 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], list[tuple[int, int
     "qwen3_qk_norm": (
         "Qwen3", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False),
         {}, [(1, 1), (2, 2), (4, 4)],
+    ),
+    # Qwen3's long-context setting (its model card: yarn, factor 4 over 32768), shrunk so every prompt runs past the
+    # original context of 16 tokens.
+    "qwen3_yarn": (
+        "Qwen3",
+        dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16}),
+        {}, [(1, 1), (2, 2)],
     ),
 }
 # (tp, dcp, interleave) run as real processes; (4, 2) uses interleave 2 (pairs of tokens alternate ranks).
@@ -90,78 +103,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {name: make_checkpoint(name, root) for name in MODELS}
     assert (paths["qwen2_bias_tied_sharded"] / "model.safetensors.index.json").is_file(), "expected a sharded save"
     return paths
-
-
-def prompt(length: int) -> tuple[int, ...]:
-    return tuple(torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length)).tolist())
-
-
-def scenarios(dcp: int) -> tuple[Scenario, ...]:
-    """One batch: prompts of 1 token, exactly one logical block, 3 tokens, and two long ones (several logical
-    blocks) prefilled in chunks of block + 1 tokens, which cut blocks; their later chunks run in the same steps as
-    the short prompts' decodes. Then every sequence decodes, all in one batch."""
-    block = BLOCK_SIZE * dcp
-    prompts = (prompt(1), prompt(block), prompt(3), prompt(2 * block + 3), prompt(3 * block + 1))
-    return (Scenario(prompts, prefill_chunk=block + 1, max_new_tokens=MAX_NEW_TOKENS),)
-
-
-@functools.cache
-def hf_model(model_dir: str, dtype: str = "float32") -> Any:  # transformers types from_pretrained(...).eval() as Any
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-
-
-@functools.cache
-def hf_reference(model_dir: str, tokens: tuple[int, ...], max_new_tokens: int,
-                 dtype: str = "float32") -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens, and its full-forward logits (as fp32) at every position that chose one of them,
-    with its weights in `dtype`."""
-    model = hf_model(model_dir, dtype)
-    with torch.no_grad():
-        # eos_token_id=None: the harness decodes exactly max_new_tokens, so the reference must not stop at an EOS.
-        out = model.generate(torch.tensor([tokens]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-        generated = out[0, len(tokens) :].tolist()
-        assert len(generated) == max_new_tokens
-        full = torch.tensor([list(tokens) + generated[:-1]])
-        logits = model(full).logits[0, len(tokens) - 1 :].float()
-    return generated, logits
-
-
-# bf16 logits of these models are about 5 in magnitude, where bf16 values are 1 / 32 apart: ours and transformers'
-# (the same bf16 weights and ops, attention paged here, dense there) measured at most 0.08 apart (2.5 steps).
-BF16_LOGITS_ATOL = 0.125
-
-
-def check_against_hf(job: Job, results: dict[str, list], atol: float = LOGITS_ATOL, near_ties: bool = False) -> None:
-    """Every sequence of every scenario against transformers in the job's dtype: logits within `atol` up to where
-    the greedy tokens first differ (after it the prefixes differ), then the tokens. Exact (fp32): identical tokens.
-    near_ties (low precision, vLLM's check_logprobs_close rule): they may differ only at a near-tie, our token one of
-    transformers' top 2 and its logit within `atol` of the top one."""
-    name = f"{job.name} ({job.dtype}, {', '.join(results['kernels'])} kernels)"
-    index = 0
-    for scenario in job.scenarios:
-        for tokens in scenario.prompts:
-            ref_tokens, ref_logits = hf_reference(job.model_dir, tokens, scenario.max_new_tokens, job.dtype)
-            ours_tokens, ours_logits = results["tokens"][index], results["logits"][index]
-            index += 1
-            where = f"{name}, prompt of {len(tokens)} tokens in a batch of {len(scenario.prompts)}"
-            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens, strict=False)) if a != b),
-                        len(ref_tokens))
-            steps = min(same + 1, len(ref_tokens))
-            error = (ours_logits[:steps] - ref_logits[:steps]).abs().amax(dim=-1)
-            assert float(error.max()) <= atol, f"{where}: logits differ by {error.tolist()} per step"
-            if same == len(ref_tokens):
-                continue
-            ours, top2 = ours_tokens[same], ref_logits[same].topk(2)
-            near_tie = ours in top2.indices.tolist() and float(top2.values[0] - ref_logits[same, ours]) <= atol
-            if not (near_ties and near_tie):
-                raise AssertionError(
-                    f"{where}: greedy tokens diverge at step {same} ({ours} vs transformers' {ref_tokens[same]}; "
-                    f"transformers' top-2 logit gap there is {float(top2.values[0] - top2.values[1]):.2e})"
-                )
-    assert index == len(results["tokens"])
 
 
 def _validate(name: str, checkpoint: Path, tp: int, dcp: int, pcp: int = 1) -> None:
@@ -377,6 +318,30 @@ def test_llama3_inv_freq_is_transformers_exactly() -> None:
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
     ours = RotaryEmbedding(128, 500000.0, RopeScaling(**scaling), torch.device("cpu")).inv_freq
     assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's model card
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 16.0,
+     "beta_slow": 2.0, "attention_factor": 1.2, "truncate": False},
+    {"rope_type": "linear", "factor": 2.0},
+])
+def test_llama_family_scaled_inv_freq_is_transformers_exactly(rope: dict[str, Any]) -> None:
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 128, "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0, "rope_scaling": rope}
+    config = ModelConfig.from_dict(raw)
+    hf_config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "rope_scaling",
+                                                                        "rope_theta")},
+                            rope_parameters={**rope, "rope_theta": 1000000.0})
+    expected, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, torch.device("cpu"))
+    rotary = RotaryEmbedding(128, config.rope_theta, config.rope_scaling, torch.device("cpu"))
+    assert torch.equal(rotary.inv_freq, expected)
+    assert rotary.cos_sin_factor == attention_factor
 
 
 def test_vocab_shards_pad_and_a_trailing_rank_may_hold_no_rows() -> None:
