@@ -6,9 +6,10 @@ the simulator's):
     dcpserve tiny-model DIR [--seed 0] [--force] [--mla]
         write the embedded default model (tiny random Llama, one KV head, byte-level BPE tokenizer); --mla: a tiny
         random DeepSeek-V2 (MLA + MoE) with the same tokenizer
-    dcpserve plan --model DIR --gpus-per-node 8 --gpu-memory 80GiB --context 128k [--dtype bfloat16] ...
-        KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout, for
-        Llama / Qwen (GQA) and DeepSeek-V2 / V3 (MLA) configs
+    dcpserve plan --model DIR --gpus-per-node 8 --gpu-memory 80GiB [--context 128k] [--weight-dtype auto] ...
+        KV capacity and long-context sequences per replica and per node for every valid TP x DCP layout, for any
+        config.json vLLM serves (GQA / MQA, MLA, sliding-window and hybrid layers, MoE); weights as the checkpoint
+        ships them (its quantization_config) unless --weight-dtype names one dtype
         (with --trace, dcpserve/simulator/plan.py also ranks the layouts by simulated goodput on that trace)
     dcpserve generate --model DIR [--tp 2 --dcp 2] --prompt "..." [--max-tokens 32 --temperature 0 ...]
         run the engine on one or more prompts and print the completions (tp > 1 runs a Ray worker group)
@@ -25,7 +26,7 @@ import sys
 
 import torch
 
-from dcpserve.cluster.planner import PLAN_DTYPES, PlanRequest, format_plan, plan_layouts
+from dcpserve.cluster.planner import PLAN_DTYPES, WEIGHT_DTYPES, PlanRequest, format_plan, plan_layouts
 from dcpserve.cluster.published_models import PUBLISHED, model_spec
 from dcpserve.cluster.tiny_model import write_tiny_mla_model, write_tiny_model
 from dcpserve.engine.args import EngineArgs, cli_type, parse_bytes, parse_tokens
@@ -113,11 +114,12 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
     """The PlanRequest of `dcpserve plan`'s arguments (raises ValueError); `plan --trace` (dcpserve/simulator/plan.py)
-    plans with the same one."""
+    plans with the same one. Without --context: the model's max_position_embeddings."""
+    context = args.context or model_spec(args.model).max_position_embeddings
     return PlanRequest(
         gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=args.gpu_memory,
-        context_len=args.context,
+        context_len=context,
         dtype=args.dtype,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -129,7 +131,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
-        model = model_spec(args.model)  # GQA (Llama / Qwen) or MLA (DeepSeek-V2 / V3), by name or config.json
+        model = model_spec(args.model)  # by name or config.json: the engine's, MLA or generic (model_specs.py)
         request = plan_request(args)
     except (OSError, ValueError) as err:
         raise SystemExit(f"dcpserve plan: {err}") from err
@@ -201,12 +203,15 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node (default 8)")
     plan.add_argument("--gpu-memory", type=cli_type(parse_bytes), required=True,
                       help="memory of one GPU: 80GiB, 80GB (10^9), 141G (= GiB) or bytes")
-    plan.add_argument("--context", type=cli_type(parse_tokens), required=True,
-                      help="tokens per sequence: 128k (= 131072), 1M or a number")
+    plan.add_argument("--context", type=cli_type(parse_tokens), default=None,
+                      help="tokens per sequence: 128k (= 131072), 1M or a number (default: the model's "
+                           "max_position_embeddings)")
     plan.add_argument("--dtype", default="bfloat16", choices=sorted(PLAN_DTYPES),
                       help="weights and KV cache dtype (default bfloat16)")
-    plan.add_argument("--weight-dtype", default=None, choices=sorted(PLAN_DTYPES),
-                      help="weights dtype, e.g. float8 for an fp8 checkpoint such as DeepSeek-V3 (default: --dtype)")
+    plan.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                      help="weights: auto (default) as the checkpoint ships them, its quantization_config (fp8, awq, "
+                           "gptq, mxfp4, compressed-tensors, ...) or, unquantized, --dtype; or every parameter in one "
+                           "dtype")
     plan.add_argument("--kv-dtype", default=None, choices=sorted(PLAN_DTYPES),
                       help="KV cache dtype, e.g. float8 for vLLM's --kv-cache-dtype fp8 (default: --dtype)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")

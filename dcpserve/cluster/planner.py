@@ -7,7 +7,9 @@ engine sizes its cache. A replica holds pages_per_rank * block_size * dcp tokens
 Activations, CUDA graphs and communication buffers are not counted (the engine does not measure them either: they
 live in the 1 - gpu_memory_utilization share), so real capacity is somewhat lower.
 What a model caches per token and what it weighs per rank comes from its ModelSpec (dcpserve/cluster/model_specs.py: GQA
-through the engine's ModelConfig, MLA for DeepSeek-V2 / V3); `plan_layouts` is the one place capacity is computed.
+through the engine's ModelConfig, MLA for DeepSeek-V2 / V3, any other config through GenericSpec); `plan_layouts` is
+the one place capacity is computed. Weights are counted in one dtype, or with weight_dtype "auto" as the checkpoint
+ships them (its quantization_config: dcpserve/cluster/weight_formats.py), which the plan names.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from dcpserve.cluster.model_specs import ModelSpec, as_model_spec
+from dcpserve.cluster.weight_formats import WeightFormat
 from dcpserve.engine.config import DTYPES, ModelConfig
 from dcpserve.engine.core.block_manager import num_blocks_for_budget
 
 # The engine's dtypes, and float8 (1 byte): vLLM serves fp8 checkpoints (DeepSeek-V3) and an fp8 KV cache.
 PLAN_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8": torch.float8_e4m3fn}
+# Weights also "auto": as the checkpoint ships them (its quantization_config; unquantized ones in the plan's dtype).
+WEIGHT_DTYPES = ("auto", *PLAN_DTYPES)
 
 _GIB = 1 << 30
 
@@ -51,7 +56,7 @@ class PlanRequest:
     dtype: str = "bfloat16"  # of weights and KV cache, unless one of the two below is set
     block_size: int = 16
     gpu_memory_utilization: float = 0.9  # of a GPU's total memory for weights + activations + KV (the engine's)
-    weight_dtype: str | None = None  # None: dtype
+    weight_dtype: str | None = None  # None: dtype; "auto": as the checkpoint ships them (else in dtype)
     kv_dtype: str | None = None  # None: dtype
     max_pcp: int = 1  # PCP sizes planned: the powers of two up to this (1: no PCP)
 
@@ -66,8 +71,9 @@ class PlanRequest:
             raise ValueError(f"context_len must be >= 1, got {self.context_len}")
         for name in ("dtype", "weight_dtype", "kv_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in PLAN_DTYPES:
-                raise ValueError(f"{name} {value!r} is not supported; choose one of {sorted(PLAN_DTYPES)}")
+            choices = WEIGHT_DTYPES if name == "weight_dtype" else tuple(PLAN_DTYPES)
+            if value is not None and value not in choices:
+                raise ValueError(f"{name} {value!r} is not supported; choose one of {sorted(choices)}")
         # Frozen: resolve the defaults once, so every reader sees the dtypes the plan is for.
         object.__setattr__(self, "weight_dtype", self.weight_dtype or self.dtype)
         object.__setattr__(self, "kv_dtype", self.kv_dtype or self.dtype)
@@ -119,9 +125,19 @@ def count_parameters(model: ModelConfig | ModelSpec) -> int:
     return as_model_spec(model).parameters_per_rank(1)
 
 
-def weight_bytes_per_rank(model: ModelConfig | ModelSpec, tp: int, dtype: str) -> int:
-    """Weight bytes on one TP rank, every parameter in `dtype` (what a rank holds: ModelSpec.parameters_per_rank)."""
-    return as_model_spec(model).parameters_per_rank(tp) * PLAN_DTYPES[dtype].itemsize
+def weight_format(model: ModelConfig | ModelSpec, weight_dtype: str, dtype: str = "bfloat16") -> WeightFormat:
+    """The format a plan counts weights in: "auto" is the checkpoint's quantization (in `dtype` when it has none),
+    any other weight_dtype every parameter in that dtype."""
+    if weight_dtype == "auto":
+        return as_model_spec(model).quantization or WeightFormat.uniform(dtype)
+    return WeightFormat.uniform(weight_dtype)
+
+
+def weight_bytes_per_rank(model: ModelConfig | ModelSpec, tp: int, dtype: str | WeightFormat) -> int:
+    """Weight bytes on one TP rank (what a rank holds: ModelSpec.parameter_parts), every parameter in `dtype`, or by
+    part in a WeightFormat ("auto": the checkpoint's)."""
+    spec = as_model_spec(model)
+    return (dtype if isinstance(dtype, WeightFormat) else weight_format(spec, dtype)).bytes_of(spec.parameter_parts(tp))
 
 
 def invalid_tp_sizes(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[tuple[int, str]]:
@@ -141,6 +157,7 @@ def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[P
     pcp in request.pcp_sizes), in (pcp, tp, dcp) order."""
     spec = as_model_spec(model)
     kv_dtype = PLAN_DTYPES[request.kv_dtype or request.dtype]  # (resolved so by __post_init__)
+    weights_format = weight_format(spec, request.weight_dtype or request.dtype, request.dtype)
     rows = []
     for pcp in request.pcp_sizes:
         for tp in request.tp_sizes:
@@ -152,8 +169,8 @@ def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[P
                     spec.validate_layout(tp, dcp, pcp)
                 except ValueError:
                     continue
-                weights = weight_bytes_per_rank(spec, tp, request.weight_dtype or request.dtype)
-                kv_per_token = spec.kv_bytes_per_token_per_rank(tp, kv_dtype)
+                weights = weight_bytes_per_rank(spec, tp, weights_format)
+                kv_per_token = spec.kv_bytes_per_token_per_rank(tp, kv_dtype, request.context_len)
                 free = request.budget_bytes_per_rank - weights
                 pages_per_rank = num_blocks_for_budget(max(0, free), request.block_size, kv_per_token)
                 kv_tokens = pages_per_rank * request.block_size * dcp
@@ -180,10 +197,11 @@ def plan_layouts(model: ModelConfig | ModelSpec, request: PlanRequest) -> list[P
 def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list[PlanRow], model_name: str) -> str:
     """The plan as text: a header with the model, memory and context, an aligned table, and notes."""
     spec = as_model_spec(model)
-    if request.weight_dtype == request.kv_dtype:
-        dtypes = f"dtype {request.weight_dtype}"
+    weights = weight_format(spec, request.weight_dtype or request.dtype, request.dtype).name
+    if weights == request.kv_dtype:
+        dtypes = f"dtype {weights}"
     else:
-        dtypes = f"weights {request.weight_dtype}, KV cache {request.kv_dtype}"
+        dtypes = f"weights {weights}, KV cache {request.kv_dtype}"
     lines = [
         f"model    {model_name}: {spec.architecture}, {format_count(count_parameters(spec))} parameters, "
         f"{spec.describe_shape()}",
@@ -225,7 +243,7 @@ def format_plan(model: ModelConfig | ModelSpec, request: PlanRequest, rows: list
         smallest = min(rows, key=lambda row: row.weight_bytes_per_rank)
         lines.append(
             f"no layout fits the weights: at best {format_bytes(smallest.weight_bytes_per_rank)} per rank "
-            f"(tp={smallest.tp}, {request.weight_dtype}) against {format_bytes(request.budget_bytes_per_rank)} per "
+            f"(tp={smallest.tp}, {weights}) against {format_bytes(request.budget_bytes_per_rank)} per "
             f"rank; use a smaller --weight-dtype, GPUs with more memory, or more GPUs per node"
         )
     lines += _dcp_gain(rows, request)
@@ -284,15 +302,21 @@ def _pcp_gain(rows: list[PlanRow], kv_heads: int) -> list[str]:
 
 
 def _weight_dtype_notes(spec: ModelSpec, request: PlanRequest) -> list[str]:
+    """What the weight count assumed: the checkpoint's quantization, or the one dtype it was overridden with."""
     notes = []
-    if spec.checkpoint_weight_dtype == "float8" and request.weight_dtype != "float8":
+    quantization = spec.quantization
+    if quantization is not None and request.weight_dtype != "auto":
         notes.append(
-            f"The checkpoint's weights are fp8 (quantization_config); this plan counts them as {request.weight_dtype}. "
-            f"--weight-dtype float8 plans them as shipped."
+            f"The checkpoint's weights are quantized ({quantization.name}, quantization_config); this plan counts them "
+            f"as {request.weight_dtype}. --weight-dtype auto plans them as shipped."
         )
+    if request.weight_dtype == "auto" and quantization is not None:  # unquantized: the header's dtype says it all
+        notes.append(f"Weights as the checkpoint ships them (quantization_config): "
+                     f"{quantization.describe(spec.parameter_parts(1))}.")
     if request.weight_dtype == "float8":
         notes.append(
             "float8 weights: every parameter counted at 1 byte; fp8 checkpoints keep the embedding, LM head, norms "
-            "and router in bf16 and add block scales, so real weights are slightly larger."
+            "and router in bf16 and add block scales, so real weights are slightly larger (--weight-dtype auto "
+            "counts an fp8 checkpoint's as shipped)."
         )
     return notes

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dcpserve.cluster.generic_spec import GenericSpec
 from dcpserve.cluster.model_specs import GqaSpec, MlaSpec
 from dcpserve.cluster.published_models import model_spec
 from dcpserve.deployments.config import POOL_NAME, AutoscalingArgs
@@ -107,7 +108,7 @@ def build(args: argparse.Namespace) -> tuple[Simulation, dict[str, Any]]:
     return Simulation(config, step_model), facts
 
 
-def _replica_shape(args: argparse.Namespace, spec: GqaSpec | MlaSpec, gpu: GpuSpec, tp: int,
+def _replica_shape(args: argparse.Namespace, spec: GqaSpec | MlaSpec | GenericSpec, gpu: GpuSpec, tp: int,
                    dcp: int) -> tuple[ReplicaShape, RooflineModel]:
     """One replica of the layout: its shape (the KV pool the roofline sizes, the scheduler's limits) and the roofline
     model of its steps."""
@@ -185,7 +186,7 @@ def place_replicas(sizes: list[int], nodes: int, gpus_per_node: int) -> bool:
     return True
 
 
-def _build_pools(args: argparse.Namespace, spec: GqaSpec | MlaSpec, gpu: GpuSpec,
+def _build_pools(args: argparse.Namespace, spec: GqaSpec | MlaSpec | GenericSpec, gpu: GpuSpec,
                  serve: ServeSettings) -> tuple[Simulation, dict[str, Any]]:
     """build() for --pool: one SimPool per pool, each with its layout's KV pool and roofline steps (or the fitted
     step model for all), its replicas, and with --autoscale its own autoscaling."""

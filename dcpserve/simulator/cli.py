@@ -92,7 +92,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sim.add_argument("--seed", type=int, default=0, help="the preset's seed; the same seed, the same summary")
     sim.add_argument("--model", required=True,
                      help=f"a published config ({', '.join(PUBLISHED)}) or a model directory or config.json "
-                          "(Llama / Qwen / DeepSeek-V2 / V3 / Kimi K2)")
+                          "(any config.json vLLM serves: GQA, MLA, MoE, sliding-window and hybrid layers)")
     sim.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="simulated GPU (default h200)")
     sim.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     sim.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node (default 8)")
@@ -109,7 +109,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                           "(default: open loop at the trace's timestamps)")
     engine = sim.add_argument_group("engine (each replica; EngineArgs' names)")
     engine.add_argument("--admission", default="usage", choices=("usage", "full"), help="KV admission (default usage)")
-    engine.add_argument("--weight-dtype", default="bfloat16", choices=WEIGHT_DTYPES, help="weights (default bfloat16)")
+    engine.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                        help="weights: auto (default) as the checkpoint ships them (its quantization_config; "
+                             "unquantized: bfloat16), or every parameter in one dtype")
     engine.add_argument("--kv-dtype", default="bfloat16", choices=KV_DTYPES, help="KV cache (default bfloat16)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV page on a rank (default 16)")
     engine.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,

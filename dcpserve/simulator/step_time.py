@@ -25,8 +25,13 @@ Modelling assumptions of `RooflineModel` (each is a place where it can be wrong)
    up-projection of the cached context through kv_b_proj (what vLLM's MLA prefill does). DCP does not change the
    FLOPs per rank: each rank computes dcp times the heads (the group's gathered queries) over 1/dcp of the keys.
 7. Tensor-core rates: linear layers at the rate of the weight dtype (float8: FP8; nvfp4: FP4 where the GPU has it,
-   else dequantized to bf16 (W4A16) at the BF16 rate; float32: TF32, half the BF16 rate on Hopper and Blackwell);
-   attention at the BF16 rate whatever the KV dtype (fp8 KV is dequantized in the kernel).
+   else dequantized to bf16 (W4A16) at the BF16 rate; float32: TF32, half the BF16 rate on Hopper and Blackwell;
+   "auto", the checkpoint's quantization: its format's rate, FP8 for fp8 checkpoints, BF16 for int4 / mxfp4 ones);
+   attention at the BF16 rate whatever the KV dtype (fp8 KV is dequantized in the kernel). Weight bytes per
+   parameter: the format's average over the rank's parameters (a mixed format's embedding and router included).
+   Models read from config.json alone (GenericSpec): every attention layer attends to the whole context (a sliding
+   window's smaller reads and KV pool are not modelled: an upper bound) and linear-attention layers' work is not
+   modelled.
 8. Communication (alpha-beta over NVLink, link bandwidth per direction * link_efficiency, alpha = one ring step's
    latency) does not overlap with compute: each layer waits for its collectives. TP: a ring all-reduce of the bf16
    hidden states twice per layer (after attention, after the MLP / MoE) and once for the vocab-parallel embedding,
@@ -46,11 +51,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Protocol
 
+from dcpserve.cluster.generic_spec import GenericSpec
 from dcpserve.cluster.model_specs import GqaSpec, MlaSpec
-from dcpserve.cluster.planner import PLAN_DTYPES, PlanRequest, format_bytes, weight_bytes_per_rank
+from dcpserve.cluster.planner import PLAN_DTYPES, PlanRequest, format_bytes, weight_bytes_per_rank, weight_format
 from dcpserve.engine.core.block_manager import num_blocks_for_budget
 from dcpserve.simulator.gpus import GpuSpec
 
@@ -59,7 +65,9 @@ from dcpserve.simulator.gpus import GpuSpec
 # DeepSeek-V3 NVFP4) keep the embedding, LM head, norms and router (often attention too) in bf16, so their weights
 # are somewhat larger. The planner's dtypes (dcpserve/cluster/planner.py PLAN_DTYPES) have no 4-bit entry.
 NVFP4_BYTES_PER_PARAMETER = 0.5625
-WEIGHT_DTYPES = (*PLAN_DTYPES, "nvfp4")
+# "auto": as the checkpoint ships them (its quantization_config, dcpserve/cluster/weight_formats.py; else bf16).
+WEIGHT_DTYPES = ("auto", *PLAN_DTYPES, "nvfp4")
+Spec = GqaSpec | MlaSpec | GenericSpec
 KV_DTYPES = tuple(PLAN_DTYPES)
 ACTIVATION_BYTES = 2  # hidden states, queries and logits move between ranks in bf16, whatever the weight dtype
 COMBINE_BYTES = 4  # DCP's partial outputs and lse are exchanged and merged in fp32 (docs/dcp.md)
@@ -146,14 +154,7 @@ def _check_choice(what: str, value: str, choices: Sequence[str]) -> None:
         raise ValueError(f"{what} {value!r} is not supported; choose one of {', '.join(choices)}")
 
 
-def _variant(spec: GqaSpec | MlaSpec, **changes: Any) -> GqaSpec | MlaSpec:
-    """The same spec with some config fields changed (to read a part of parameters_per_rank from its owner)."""
-    if isinstance(spec, GqaSpec):
-        return GqaSpec(replace(spec.config, **changes))
-    return replace(spec, **changes)
-
-
-def _weight_bytes_per_rank(spec: GqaSpec | MlaSpec, tp: int, weight_dtype: str) -> int:
+def _weight_bytes_per_rank(spec: Spec, tp: int, weight_dtype: str) -> int:
     """The planner's weight bytes per rank; nvfp4, which the planner does not have, at NVFP4_BYTES_PER_PARAMETER."""
     if weight_dtype == "nvfp4":
         return math.ceil(spec.parameters_per_rank(tp) * NVFP4_BYTES_PER_PARAMETER)
@@ -163,7 +164,7 @@ def _weight_bytes_per_rank(spec: GqaSpec | MlaSpec, tp: int, weight_dtype: str) 
 class RooflineModel:
     """Roofline step time of one replica of layout (tp, dcp) on one GPU type (assumptions: the module docstring)."""
 
-    def __init__(self, spec: GqaSpec | MlaSpec, gpu: GpuSpec, tp: int, dcp: int = 1, *,
+    def __init__(self, spec: Spec, gpu: GpuSpec, tp: int, dcp: int = 1, *,
                  weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16", mfu: float = 0.5, mbu: float = 0.8,
                  link_efficiency: float = 0.8, step_overhead_s: float = 300e-6) -> None:
         # Defaults. mbu 0.8 and mfu 0.5: below the best single kernels (FlashMLA's README: 3000 GB/s of an H800's
@@ -184,13 +185,19 @@ class RooflineModel:
                              "dcpserve.cluster.model_specs.model_spec_from_dict")
         spec.validate_layout(tp, dcp)
         self.spec, self.gpu, self.tp, self.dcp = spec, gpu, tp, dcp
+        if weight_dtype == "auto" and spec.quantization is None:
+            weight_dtype = "bfloat16"  # an unquantized checkpoint: "auto" is bf16
         self.weight_dtype, self.kv_dtype = weight_dtype, kv_dtype
+        # What the weights are counted as, for messages: the dtype, or the checkpoint's quantization format.
+        quantization = spec.quantization
+        self.weight_format_name = quantization.name if weight_dtype == "auto" and quantization else weight_dtype
         self.mfu, self.mbu, self.link_efficiency, self.step_overhead_s = mfu, mbu, link_efficiency, step_overhead_s
         self.weight_bytes_per_rank = _weight_bytes_per_rank(spec, tp, weight_dtype)
         if self.weight_bytes_per_rank > gpu.memory_bytes:
             raise ValueError(
-                f"weights need {self.weight_bytes_per_rank / _GIB:.2f} GiB per rank at tp={tp} ({weight_dtype}) but "
-                f"an {gpu.name} holds {gpu.memory_bytes / _GIB:.2f} GiB; raise tp or use a smaller weight dtype"
+                f"weights need {self.weight_bytes_per_rank / _GIB:.2f} GiB per rank at tp={tp} "
+                f"({self.weight_format_name}) but an {gpu.name} holds {gpu.memory_bytes / _GIB:.2f} GiB; raise tp "
+                f"or use a smaller weight dtype"
             )
         self.kv_bytes_per_token_per_rank = spec.kv_bytes_per_token_per_rank(tp, PLAN_DTYPES[kv_dtype])
         self._count_parameters()
@@ -198,36 +205,41 @@ class RooflineModel:
 
     def _count_parameters(self) -> None:
         spec, tp = self.spec, self.tp
-        params = spec.parameters_per_rank(tp)
-        # The parts of parameters_per_rank the roofline treats apart, read from their owner by zeroing the field that
-        # sizes them: the embedding matrices (vocab_size), and every routed and shared expert (moe_intermediate_size).
-        embeddings = params - _variant(spec, vocab_size=0).parameters_per_rank(tp)
-        tied = spec.config.tie_word_embeddings if isinstance(spec, GqaSpec) else spec.tie_word_embeddings
-        lm_head = embeddings if tied else embeddings // 2
-        input_embedding = embeddings - lm_head  # 0 when tied: the one matrix is read as the LM head
-        routed, self._num_experts, self._top_k = 0, 0, 0
-        if isinstance(spec, MlaSpec) and spec.n_routed_experts:
-            experts = params - _variant(spec, moe_intermediate_size=0).parameters_per_rank(tp)
-            routed = experts // (spec.n_routed_experts + spec.n_shared_experts) * spec.n_routed_experts
+        # The parts the roofline treats apart, from the spec's own count: the embedding matrices and the routed
+        # experts.
+        parts = spec.parameter_parts(tp)
+        params = parts.total
+        embeddings = parts.embedding + parts.lm_head
+        lm_head = parts.lm_head or parts.embedding  # tied: the one matrix is read as the LM head
+        input_embedding = embeddings - lm_head  # 0 when tied
+        routed, self._num_experts, self._top_k = parts.experts, 0, 0
+        if isinstance(spec, MlaSpec):
             self._num_experts, self._top_k = spec.n_routed_experts, spec.num_experts_per_tok
+        elif isinstance(spec, GqaSpec) and spec.config.moe is not None:  # Qwen MoE
+            self._num_experts, self._top_k = spec.config.moe.n_routed_experts, spec.config.moe.num_experts_per_tok
+        elif isinstance(spec, GenericSpec):
+            self._num_experts, self._top_k = spec.num_experts, spec.num_experts_per_tok
         self._routed_params = routed
         self._lm_head_params = lm_head
         self._streamed_params = params - input_embedding  # read every step, routed experts in full
         self._params_per_token = params - embeddings - routed + routed * self._top_k // max(1, self._num_experts)
-        self._weight_bytes_per_param = (
-            NVFP4_BYTES_PER_PARAMETER if self.weight_dtype == "nvfp4" else PLAN_DTYPES[self.weight_dtype].itemsize)
+        # Bytes per parameter on average: one dtype's, nvfp4's, or the checkpoint format's mix ("auto").
+        self._weight_bytes_per_param = self.weight_bytes_per_rank / params
         gpu = self.gpu
-        if self.weight_dtype == "float8":
+        rate = (weight_format(spec, "auto").tensor_core_dtype if self.weight_dtype == "auto"
+                else self.weight_dtype)
+        if rate == "float8":
             self._linear_flops_per_s = gpu.fp8_flops_per_s
-        elif self.weight_dtype == "nvfp4" and gpu.fp4_flops_per_s is not None:
+        elif rate == "nvfp4" and gpu.fp4_flops_per_s is not None:
             self._linear_flops_per_s = gpu.fp4_flops_per_s
-        elif self.weight_dtype == "float32":
+        elif rate == "float32":
             self._linear_flops_per_s = gpu.bf16_flops_per_s / 2  # TF32
         else:
             self._linear_flops_per_s = gpu.bf16_flops_per_s
 
     def _count_attention(self) -> None:
         spec, tp = self.spec, self.tp
+        attention_layers = None  # layers with a per-token KV cache, when not every layer has one
         if isinstance(spec, GqaSpec):
             config = spec.config
             layers, heads, self._hidden, self._vocab = (
@@ -235,6 +247,16 @@ class RooflineModel:
             self._decode_flops_per_pair = self._prefill_flops_per_pair = 4 * config.head_dim * heads * layers
             self._upprojection_flops_per_token = 0
             decode_widths = prefill_widths = (config.head_dim, config.head_dim)
+        elif isinstance(spec, GenericSpec):
+            # Every attention layer over the whole context (sliding windows not modelled: an upper bound); linear
+            # attention layers' work is not modelled.
+            layers, heads, self._hidden, self._vocab = (
+                spec.num_hidden_layers, spec.num_attention_heads // tp, spec.hidden_size, spec.vocab_size)
+            attention_layers = sum(kind != "linear" for kind in spec.layer_kinds)
+            self._decode_flops_per_pair = self._prefill_flops_per_pair = (
+                2 * (spec.head_dim + spec.v_head_dim) * heads * attention_layers)
+            self._upprojection_flops_per_token = 0
+            decode_widths = prefill_widths = (spec.head_dim, spec.v_head_dim)
         else:
             layers, heads, self._hidden, self._vocab = (
                 spec.num_hidden_layers, spec.num_attention_heads // tp, spec.hidden_size, spec.vocab_size)
@@ -247,6 +269,7 @@ class RooflineModel:
             decode_widths = (latent + rope, latent)  # absorbed: the query and the output live in the latent space
             prefill_widths = (spec.qk_nope_head_dim + rope, spec.v_head_dim)
         self._layers = layers
+        self._attention_layers = layers if attention_layers is None else attention_layers
         # DCP, per context query and layer: each rank receives the other dcp-1 ranks' heads of the query (bf16), and
         # sends each of them the output and lse of its heads (fp32).
         self._dcp_bytes_per_decode_query, self._dcp_bytes_per_prefill_query = (
@@ -260,7 +283,7 @@ class RooflineModel:
     def describe(self) -> str:
         return (
             f"roofline {self.spec.architecture} tp={self.tp} dcp={self.dcp} on {self.gpu.name}: weights "
-            f"{self.weight_dtype}, KV {self.kv_dtype}, mfu {self.mfu:g}, mbu {self.mbu:g}, link efficiency "
+            f"{self.weight_format_name}, KV {self.kv_dtype}, mfu {self.mfu:g}, mbu {self.mbu:g}, link efficiency "
             f"{self.link_efficiency:g}, overhead {self.step_overhead_s * 1e6:.0f} us per step"
         )
 
@@ -303,7 +326,7 @@ class RooflineModel:
         if dcp > 1 and work.num_decode + work.prefill_context_queries > 0:
             exchanged = (work.num_decode * self._dcp_bytes_per_decode_query
                          + work.prefill_context_queries * self._dcp_bytes_per_prefill_query)
-            parts["dcp_comm"] = self._layers * (exchanged / bandwidth + 2 * (dcp - 1) * alpha)
+            parts["dcp_comm"] = self._attention_layers * (exchanged / bandwidth + 2 * (dcp - 1) * alpha)
         parts["overhead"] = self.step_overhead_s
         parts["total"] = (max(parts["weights"] + parts["kv"], parts["compute"]) + parts["tp_comm"]
                           + parts["dcp_comm"] + parts["overhead"])
@@ -326,9 +349,9 @@ class RooflineModel:
             raise ValueError(
                 f"no KV block fits tp={self.tp} dcp={self.dcp} on {self.gpu.name}: {gpu_memory_utilization:g} of "
                 f"{format_bytes(self.gpu.memory_bytes)} is {format_bytes(request.budget_bytes_per_rank)} per rank, "
-                f"weights take {format_bytes(self.weight_bytes_per_rank)} ({self.weight_dtype}) and the activation "
-                f"reserve {format_bytes(activation_reserve_bytes)}, and one page of {block_size} tokens needs "
-                f"{format_bytes(block_size * self.kv_bytes_per_token_per_rank)}; raise tp or "
+                f"weights take {format_bytes(self.weight_bytes_per_rank)} ({self.weight_format_name}) and the "
+                f"activation reserve {format_bytes(activation_reserve_bytes)}, and one page of {block_size} tokens "
+                f"needs {format_bytes(block_size * self.kv_bytes_per_token_per_rank)}; raise tp or "
                 f"gpu_memory_utilization, or use a smaller weight dtype"
             )
         return blocks

@@ -183,11 +183,11 @@ def test_plan_reads_a_deepseek_v2_lite_directory_as_mla(tmp_path: Path) -> None:
 def test_plan_says_when_deepseek_v3_weights_do_not_fit(tmp_path: Path) -> None:
     model = write_config(tmp_path / "DeepSeek-V3", DEEPSEEK_V3)
     common = ("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k", "--block-size", "64")
-    bf16 = cli(*common)
+    bf16 = cli(*common, "--weight-dtype", "bfloat16")
     assert bf16.returncode == 0, bf16.stderr
     assert "671.03B parameters" in bf16.stdout
     assert all(cells[-4:] == ["weights", "do", "not", "fit"] for cells in plan_rows(bf16.stdout).values())
-    assert "no layout fits the weights" in bf16.stdout and "--weight-dtype float8 plans them as shipped" in bf16.stdout
+    assert "no layout fits the weights" in bf16.stdout and "--weight-dtype auto plans them as shipped" in bf16.stdout
     fp8 = cli(*common, "--weight-dtype", "float8")
     assert fp8.returncode == 0, fp8.stderr
     rows = plan_rows(fp8.stdout)
@@ -205,11 +205,12 @@ def test_plan_names_tp_sizes_an_mla_model_cannot_use(tmp_path: Path) -> None:
     assert "tp=32 not shown: tp=32 must divide the model's 16 attention heads" in result.stdout
 
 
-def test_plan_refuses_an_mla_architecture_it_cannot_count(tmp_path: Path) -> None:
-    model = write_config(tmp_path / "minicpm3", {**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"]})
+def test_plan_refuses_an_mla_config_it_cannot_count(tmp_path: Path) -> None:
+    model = write_config(tmp_path / "minicpm3", {**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"],
+                                                 "qk_rope_head_dim": None})
     result = cli("plan", "--model", str(model), "--gpu-memory", "141GB", "--context", "128k")
     assert result.returncode != 0
-    assert "dcpserve plan:" in result.stderr and "have kv_lora_rank" in result.stderr
+    assert "dcpserve plan:" in result.stderr and "missing required fields ['qk_rope_head_dim']" in result.stderr
 
 
 @pytest.mark.parametrize("args,message", [

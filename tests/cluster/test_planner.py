@@ -189,13 +189,18 @@ def test_mla_config_is_read_as_mla_and_llama_as_gqa() -> None:
     gqa = model_spec_from_dict(llama_raw)
     assert isinstance(gqa, GqaSpec) and gqa.attention == "MQA"
     assert V2_LITE.q_lora_rank is None and V3.q_lora_rank == 1536
-    assert V2_LITE.checkpoint_weight_dtype == "bfloat16" and V3.checkpoint_weight_dtype == "float8"
+    assert V2_LITE.quantization is None
+    assert V3.quantization is not None and V3.quantization.tensor_core_dtype == "float8"
+    assert V3.quantization.quantized_bytes == 1 + 4 / (128 * 128)  # a float32 scale per 128 x 128 block
 
 
 def test_unsupported_configs_are_named() -> None:
-    with pytest.raises(ValueError, match=r"architectures \['MiniCPM3ForCausalLM'\] have kv_lora_rank"):
-        model_spec_from_dict({**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"]})
-    with pytest.raises(ValueError, match="the planner reads LlamaForCausalLM.*DeepseekV2ForCausalLM"):
+    # Any architecture with kv_lora_rank is MLA, counted with DeepSeek's projections.
+    other_mla = model_spec_from_dict({**DEEPSEEK_V2_LITE, "architectures": ["MiniCPM3ForCausalLM"]})
+    assert isinstance(other_mla, MlaSpec) and other_mla.architecture == "MiniCPM3ForCausalLM"
+    assert other_mla.parameters_per_rank(1) == V2_LITE.parameters_per_rank(1)
+    with pytest.raises(ValueError, match=r"MistralForCausalLM config lacks \['vocab_size', 'hidden_size', "
+                                         r"'num_hidden_layers', 'num_attention_heads', 'intermediate_size'\]"):
         model_spec_from_dict({"architectures": ["MistralForCausalLM"]})
     without = {k: v for k, v in DEEPSEEK_V3.items() if k != "qk_rope_head_dim"}
     with pytest.raises(ValueError, match=r"missing required fields \['qk_rope_head_dim'\]"):
@@ -298,7 +303,7 @@ def test_v3_does_not_fit_8_h200_in_bf16_and_does_in_fp8() -> None:
     table = [line for line in text.splitlines() if line[:3].strip().isdigit()]
     assert len(table) == len(rows) and all(line.endswith("weights do not fit") for line in table)
     assert "no layout fits the weights: at best 157.92 GiB per rank (tp=8, bfloat16) against 118.18 GiB" in text
-    assert "The checkpoint's weights are fp8 (quantization_config)" in text
+    assert "The checkpoint's weights are quantized (fp8 e4m3, float32 scale per 128x128 block" in text
     assert "Not counted: the 1 multi-token-prediction layer" in text
 
     fp8 = PlanRequest(8, H200, 131072, block_size=64, weight_dtype="float8")
@@ -358,9 +363,9 @@ def test_vllm_serve_config_is_a_valid_mla_layout_for_v2_lite() -> None:
 
 
 @pytest.mark.parametrize("spec,name,weight_dtype", [
-    (V2_LITE, "DeepSeek-V2-Lite-Chat", None), (V3, "DeepSeek-V3", None), (V3, "DeepSeek-V3", "float8"),
+    (V2_LITE, "DeepSeek-V2-Lite-Chat", "auto"), (V3, "DeepSeek-V3", "auto"), (V3, "DeepSeek-V3", "bfloat16"),
 ])
-def test_operations_doc_shows_the_planners_own_output(spec: MlaSpec, name: str, weight_dtype: str | None) -> None:
+def test_operations_doc_shows_the_planners_own_output(spec: MlaSpec, name: str, weight_dtype: str) -> None:
     """docs/operations.md pastes these plans; they must stay what the planner prints."""
     request = PlanRequest(8, H200, 131072, block_size=64, weight_dtype=weight_dtype)
     text = format_plan(spec, request, plan_layouts(spec, request), model_name=name)
