@@ -222,6 +222,11 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
 
     served_model_name: str | None = Field(
         None, description="the `model` name clients send (default: the directory name)")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="vLLM's --reasoning-parser: chat answers carry the model's <think>...</think> reasoning as "
+        "message.reasoning_content (streamed: delta.reasoning_content) and only the rest as content; deepseek_r1 "
+        "(DeepSeek-R1, Kimi-K2-Thinking) or qwen3 (Qwen3: also honours chat_template_kwargs enable_thinking); "
+        "unset: the text is all content")
     # ---- admission ----
     max_queued_requests: int = Field(
         64, ge=0, description="bounded FIFO of requests that fit no replica yet; full -> 429")

@@ -116,6 +116,15 @@ class EngineArgs:
         "run every decode step eagerly: no CUDA graph capture at start (CUDA only; tp > 1 and MoE models run "
         "eagerly anyway for now)"
     )})
+    generation_config: Literal["auto", "vllm"] = field(default="auto", metadata={"help": (
+        "auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, penalties, "
+        "max_new_tokens) replace the OpenAI defaults for the fields an API request omits, as vLLM's "
+        "--generation-config auto; vllm: the neutral OpenAI defaults"
+    )})
+    trust_remote_code: bool = field(default=False, metadata={"help": (
+        "let transformers run the Python code a model directory ships (a tokenizer class of its own, named by "
+        "tokenizer_config.json's auto_map; Kimi-K2's); off, such a model is refused naming this argument"
+    )})
     step_trace_path: str | None = field(default=None, metadata={"help": (
         "append one JSON line per engine step (its rows and seconds) to this file, to fit the simulator's step "
         "model to the served app's own steps (`python -m bench step_fit --from-steps FILE`; native backend only)"
@@ -149,6 +158,11 @@ class EngineArgs:
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (the neutral "
+                             f"OpenAI defaults), got {self.generation_config!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be true or false, got {self.trust_remote_code!r}")
         if self.admission not in ("full", "usage"):
             raise ValueError(f"admission must be 'full' or 'usage', got {self.admission!r}")
         if not _is_number(self.kv_headroom) or not 0 <= self.kv_headroom < 1:
@@ -187,7 +201,8 @@ class EngineArgs:
         if max_model_len > limit:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
-                f"use at most {limit}"
+                f"use at most {limit}" + (f" ({model_config.context_limit_reason})"
+                                          if model_config.context_limit_reason else "")
             )
         tokens_per_block = self.block_size * self.decode_context_parallel_size
         if self.enable_prefix_caching and tokens_per_block >= max_model_len:
@@ -222,6 +237,7 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             step_trace_path=self.step_trace_path,
+            trust_remote_code=self.trust_remote_code,
         )
 
     def step_token_budget(self) -> int:

@@ -8,8 +8,10 @@ Python's json.loads refuse. xgrammar's masks are faster (about 4 against 15 us p
 which is well inside a decode step either way. The vLLM backend is told to use llguidance too, so a constraint
 means the same thing on both backends.
 
-Objects follow OpenAI's strict mode and vLLM's default: a schema object that does not say otherwise gets
-additionalProperties: false (a model that may add properties can add them forever).
+Objects follow vLLM's default: a schema object that does not say otherwise gets additionalProperties: false (a model
+that may add properties can add them forever), except where that could make the schema unsatisfiable (an object
+that requires properties it does not list, or composes others: `no_additional_properties`); with OpenAI's strict:
+true, every object that does not say otherwise gets it. Both backends compile the schema so rewritten.
 
 Where it runs: the scheduler (engine core) keeps one `GrammarState` per constrained request, fills the request's
 bitmask when it schedules the request's sampling row, and advances the state with each accepted token. The bitmask
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dcpserve.engine.protocol import RequestError
+from dcpserve.engine.schema_rewrite import no_additional_properties
 
 # The largest constraint text (a schema's JSON, a regex, a grammar, the choices' JSON) a request may send. A schema
 # this size compiles in well under a second against a 128k vocabulary; the request body limit bounds it too.
@@ -55,6 +58,7 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
+    strict: bool = False  # json: OpenAI's strict: true (every object without additionalProperties gets false)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -65,15 +69,17 @@ class StructuredOutput:
         if size > MAX_SPEC_BYTES:
             raise GrammarError(f"the {self.kind} constraint is {size} bytes; at most {MAX_SPEC_BYTES} are accepted: "
                                f"split the schema or drop descriptions")
+        if self.strict and self.kind != "json":
+            raise ValueError(f"strict applies to json constraints, not {self.kind}")
         if self.kind == "json_object" and self.spec:
             raise ValueError("a json_object constraint takes no spec")
         if self.kind != "json_object" and not self.spec:
             raise GrammarError(f"the {self.kind} constraint is empty")
 
     @classmethod
-    def json(cls, schema: dict[str, Any] | str) -> StructuredOutput:
+    def json(cls, schema: dict[str, Any] | str, strict: bool = False) -> StructuredOutput:
         """A JSON schema (a dict, or its JSON text), stored compactly (key order kept: it is the output's property
-        order)."""
+        order); strict: OpenAI's strict mode for its objects (no_additional_properties)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -81,7 +87,7 @@ class StructuredOutput:
                 raise GrammarError(f"the JSON schema is not valid JSON: {err}") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
-        return cls("json", json.dumps(schema, separators=(",", ":")))
+        return cls("json", json.dumps(schema, separators=(",", ":")), strict=strict)
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
@@ -103,6 +109,13 @@ class StructuredOutput:
 
     def choices(self) -> list[str]:
         return list(json.loads(self.spec)) if self.kind == "choice" else []
+
+    def json_schema(self) -> dict[str, Any]:
+        """A json constraint's schema as both backends compile it: no_additional_properties applied."""
+        if self.kind != "json":
+            raise ValueError(f"a {self.kind} constraint has no JSON schema")
+        schema: dict[str, Any] = no_additional_properties(json.loads(self.spec), strict=self.strict)
+        return schema
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -230,7 +243,7 @@ class Grammars:
         matcher, kind, spec = self._llg.LLMatcher, constraint.kind, constraint.spec
         options: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions (a TypedDict)
         if kind == "json":
-            return str(matcher.grammar_from_json_schema(no_additional_properties(json.loads(spec)), defaults=options))
+            return str(matcher.grammar_from_json_schema(constraint.json_schema(), defaults=options))
         if kind == "json_object":
             return str(matcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if kind == "regex":
@@ -254,30 +267,6 @@ class Grammars:
 
 def _reason(message: str) -> str:
     return " ".join(message.split())[:500]
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = ("items", "additionalItems", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
-                  "contains", "unevaluatedItems", "propertyNames")
-
-
-def no_additional_properties(schema: Any) -> Any:
-    """The schema with additionalProperties: false on every object schema that does not set it (OpenAI's strict
-    mode, vLLM's default with xgrammar), reached through the keywords that hold subschemas."""
-    if isinstance(schema, list):
-        return [no_additional_properties(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: no_additional_properties(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_VALUES:
-        if key in out:
-            out[key] = no_additional_properties(out[key])
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

@@ -17,6 +17,16 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 REPLACEMENT_CHAR = "\ufffd"
+# Arguments of the chat template call that the server sets itself: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class ChatTemplateKwargsError(ValueError):
+    """A request's chat_template_kwargs that the chat template cannot take (the client's error, named by field)."""
 
 
 class Tokenizer:
@@ -31,11 +41,14 @@ class Tokenizer:
         self._eos_token_ids = frozenset(eos)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
-        """Loads with transformers.AutoTokenizer from local files only (no download is ever attempted)."""
+    def from_pretrained(cls, model_dir: str | Path, extra_eos_ids: Iterable[int] = (),
+                        trust_remote_code: bool = False) -> Tokenizer:
+        """Loads with transformers.AutoTokenizer from local files only (no download is ever attempted); the
+        directory's own tokenizer code runs only with trust_remote_code."""
         from transformers import AutoTokenizer
 
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
         return cls(hf_tokenizer, extra_eos_ids, source=str(model_dir))
 
     @property
@@ -82,9 +95,12 @@ class Tokenizer:
         return self.has_chat_template and "tools" in str(self._tokenizer.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the tokenizer's chat template (BOS comes from the template);
-        `tools` (OpenAI's definitions) are passed to a template that renders them."""
+        `tools` (OpenAI's definitions) are passed to a template that renders them, `template_kwargs` (a request's
+        chat_template_kwargs, e.g. {"enable_thinking": false}) as the template's variables. ValueError when the
+        template cannot render: ChatTemplateKwargsError when it is template_kwargs that it cannot take."""
         if not self.has_chat_template:
             raise ValueError(
                 f"{self._source}: the tokenizer has no chat template, so chat messages cannot be turned into a "
@@ -92,16 +108,48 @@ class Tokenizer:
                 f"has a chat_template"
             )
         _check_messages(messages)
-        text = self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"tools": tools} if tools else {}),
-        )
+        extra = dict(template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+        if reserved:
+            raise ChatTemplateKwargsError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
+                f"{'it' if len(reserved) == 1 else 'them'} from the request's own fields; drop "
+                f"{'it' if len(reserved) == 1 else 'them'} from chat_template_kwargs")
+        if tools:
+            extra["tools"] = tools
+        try:
+            text = self._render(messages, add_generation_prompt, extra)
+        except ValueError as err:
+            if not template_kwargs:
+                raise
+            try:  # the same conversation without the request's kwargs: if it renders, they are at fault
+                self._render(messages, add_generation_prompt, {"tools": tools} if tools else {})
+            except ValueError:
+                raise err from None
+            raise ChatTemplateKwargsError(f"chat_template_kwargs {template_kwargs!r}: the chat template cannot "
+                                          f"render with them ({err})") from None
         # The template writes BOS itself, as Hugging Face's own tokenize=True path assumes.
         return self.encode(text, add_special_tokens=False)
 
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+        """The template's text; any failure of the template itself (its raise_exception, an undefined variable, a
+        type it cannot iterate) is a ValueError with the template's reason."""
+        import jinja2
 
-def load_tokenizer(model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer | None:
-    """The tokenizer of a model directory (or of a config.json's directory); None when it ships no tokenizer files."""
+        try:
+            text: str = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+            raise ValueError(f"the chat template cannot render this conversation: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:300]}") from None
+        return text
+
+
+def load_tokenizer(model_dir: str | Path, extra_eos_ids: Iterable[int] = (),
+                   trust_remote_code: bool = False) -> Tokenizer | None:
+    """The tokenizer of a model directory (or of a config.json's directory); None when it ships no tokenizer files.
+    A tokenizer whose class is the directory's own code (tokenizer_config.json's auto_map) loads only with
+    trust_remote_code; without it the error names the argument."""
     path = Path(model_dir)
     directory = path.parent if path.is_file() else path
     if not directory.is_dir():
@@ -109,13 +157,45 @@ def load_tokenizer(model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> 
     present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
     if not present:
         return None
+    custom = _custom_tokenizer_code(directory)
+    if custom is not None and not trust_remote_code:
+        raise ValueError(
+            f"{directory}: the tokenizer is the model's own code ({custom}, tokenizer_config.json's auto_map), which "
+            f"runs only with trust_remote_code: set trust_remote_code: true (--trust-remote-code) if you trust "
+            f"this model directory's Python files"
+        )
     try:
-        return Tokenizer.from_pretrained(directory, extra_eos_ids)
+        return Tokenizer.from_pretrained(directory, extra_eos_ids, trust_remote_code=trust_remote_code)
     except Exception as err:  # transformers raises many types for broken files
+        hint = "repair or re-copy them, or remove them to serve token ids only"
+        tokenizer_class = _tokenizer_config(directory).get("tokenizer_class")
+        if not trust_remote_code and isinstance(tokenizer_class, str) and tokenizer_class in str(err):
+            hint = (f"the tokenizer_class {tokenizer_class!r} is not one of transformers': if the model ships its code "
+                    f"(auto_map), set trust_remote_code: true; else {hint}")
         raise ValueError(
             f"{directory}: tokenizer files {present} are present but could not be loaded "
-            f"({type(err).__name__}: {err}); repair or re-copy them, or remove them to serve token ids only"
+            f"({type(err).__name__}: {err}); {hint}"
         ) from err
+
+
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json as a dict ({} when absent or unreadable: loading reports a broken file itself)."""
+    import json
+
+    try:
+        raw = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _custom_tokenizer_code(directory: Path) -> str | None:
+    """The class a tokenizer_config.json's auto_map names for AutoTokenizer (the directory's own code), or None."""
+    auto_map = _tokenizer_config(directory).get("auto_map")
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if isinstance(entry, list):
+        entry = next((e for e in entry if isinstance(e, str)), None)
+    return entry if isinstance(entry, str) and entry else None
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:

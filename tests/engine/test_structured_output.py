@@ -202,9 +202,9 @@ def test_refused_constraints_are_clear_errors_before_queueing(llm: LLM) -> None:
 def test_compiled_grammars_are_cached_by_constraint(llm: LLM) -> None:
     grammars = engine_of(llm).grammars()
     constraint = StructuredOutput.json({"type": "object", "properties": {"cached": {"type": "boolean"}}})
-    before = grammars.stats.compiles
+    compiles, hits = grammars.stats.compiles, grammars.stats.cache_hits  # earlier tests of the module count too
     llm.generate(["x", "y"], [_params(constraint, None), _params(constraint, 1)])
-    assert grammars.stats.compiles == before + 1 and grammars.stats.cache_hits >= 2
+    assert (grammars.stats.compiles, grammars.stats.cache_hits) == (compiles + 1, hits + 1)
 
 
 def test_objects_get_no_additional_properties_unless_they_say() -> None:

@@ -143,3 +143,30 @@ def test_flush_emits_an_unfinished_character(tokenizer: Tokenizer) -> None:
     assert REPLACEMENT_CHAR in tail
     assert pushed + tail == detok.text == tokenizer.decode(ids[:-1])
     assert detok.flush() == ""
+
+
+def test_a_tokenizer_of_the_models_own_code_needs_trust_remote_code(tiny_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokenizer_config.json's auto_map names a class the directory ships (Kimi-K2's way): refused naming
+    trust_remote_code, loaded (that class) with it."""
+    import json
+
+    import transformers.dynamic_module_utils
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, model / name)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": [None, "tokenization_own.OwnTokenizer"]}, tokenizer_class="OwnTokenizer")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "tokenization_own.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass OwnTokenizer(PreTrainedTokenizerFast):\n"
+        "    ships_its_code = True\n")
+    with pytest.raises(ValueError, match=r"tokenization_own.OwnTokenizer.*set trust_remote_code: true"):
+        load_tokenizer(model)
+    # transformers copies the code to its modules cache: a temporary one here
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    trusted = load_tokenizer(model, trust_remote_code=True)
+    assert trusted is not None and getattr(trusted.hf_tokenizer, "ships_its_code", False)
+    assert trusted.decode(trusted.encode("héllo")) == "héllo"

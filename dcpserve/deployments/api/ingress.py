@@ -18,6 +18,8 @@ request_timeout_s) aborts it on its replica if it did not finish (which frees it
 import asyncio
 import dataclasses
 import json
+import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -30,6 +32,7 @@ from ray import serve
 from dcpserve.deployments.admission.pools import request_need
 from dcpserve.deployments.api import openapi, protocol
 from dcpserve.deployments.api.http_edge import api, authorize, error_response, read_body, validation_message
+from dcpserve.deployments.api.reasoning import reasoning_format
 from dcpserve.deployments.api.responses import ChatShaper, CompletionShaper, ResponseShaper
 from dcpserve.deployments.api.structured import FieldError, check_constraint
 from dcpserve.deployments.api.tool_calls import ToolPlan, builtin_messages
@@ -38,10 +41,13 @@ from dcpserve.deployments.dispatch.sessions import Sessions
 from dcpserve.deployments.messages import AdmissionStats, ApiError, Need, ServiceLevel
 from dcpserve.deployments.metrics import IngressMetrics
 from dcpserve.engine.backends import model_limits
+from dcpserve.engine.generation_defaults import read_generation_defaults
 from dcpserve.engine.protocol import RequestDelta
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import Grammars
-from dcpserve.engine.tokenizer import load_tokenizer
+from dcpserve.engine.tokenizer import ChatTemplateKwargsError, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +72,22 @@ class OpenAIIngress:
         self.args = args
         self.engine = engine
         self.admission = admission
-        limits = model_limits(args.engine_args())  # either backend: the replica stays the authority
+        engine_args = args.engine_args()
+        limits = model_limits(engine_args)  # either backend: the replica stays the authority
         self.model_name = args.name
+        self.model_root = str(args.model)  # /v1/models' root (`vllm bench serve` loads its tokenizer from it)
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
         self.pool_layouts = args.pool_layouts()
         self.admission_policy = limits.admission
-        self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids)
+        self.tokenizer = load_tokenizer(limits.model, limits.eos_token_ids,
+                                        trust_remote_code=engine_args.trust_remote_code)
+        # The model's sampling defaults for the fields a request omits (generation_config: auto), both backends.
+        self.generation_defaults = read_generation_defaults(limits.model, engine_args.generation_config)
+        for name, value in self.generation_defaults.ignored:
+            logger.warning("%s sets %s=%s, which this server does not apply (it has no %s sampler)",
+                           self.generation_defaults.source, name, value, name)
+        self.reasoning = reasoning_format(args.reasoning_parser)
         self._grammars: Grammars | None = None  # made at the first constrained request
         self._api_keys = [(name, key.encode()) for name, key in args.resolved_tenant_keys()]  # never logged
         self.metrics = IngressMetrics()
@@ -111,10 +126,9 @@ class OpenAIIngress:
             authorize(request, self._api_keys)
         except ApiError as err:
             return error_response(err)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dcpserve",
-             "max_model_len": self.max_model_len},
-        ]})
+        return JSONResponse(openapi.ModelList(data=[openapi.ModelCard(
+            id=self.model_name, created=int(time.time()), root=self.model_root,
+            max_model_len=self.max_model_len)]).model_dump())
 
     @api.post("/v1/completions", openapi_extra=openapi.request_body_schema(protocol.CompletionRequest),
               responses={**openapi.ok_response(openapi.CompletionResponse, "the completion, or its SSE stream"),
@@ -149,10 +163,13 @@ class OpenAIIngress:
             try:
                 token_ids = self.tokenizer.apply_chat_template(
                     messages if renders_tools else builtin_messages(messages, plan),
-                    tools=plan.openai_tools() if plan is not None and renders_tools else None)
+                    tools=plan.openai_tools() if plan is not None and renders_tools else None,
+                    template_kwargs=body.chat_template_kwargs)
+            except ChatTemplateKwargsError as err:
+                raise ApiError(400, str(err), param="chat_template_kwargs") from None
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
-            shaper = ChatShaper(body, self.model_name, self.tokenizer, token_ids, plan)
+            shaper = ChatShaper(body, self.model_name, self.tokenizer, token_ids, plan, self.reasoning)
             response = await self._serve(body, tenant, [token_ids], shaper)
         except ApiError as err:
             response = error_response(err)
@@ -268,7 +285,8 @@ class OpenAIIngress:
         for ids in prompts:
             for j in range(per_prompt):
                 try:
-                    params = body.sampling_params(context_left=self.max_model_len - len(ids), choice=j)
+                    params = body.sampling_params(context_left=self.max_model_len - len(ids), choice=j,
+                                                  defaults=self.generation_defaults)
                 except ValueError as err:
                     raise ApiError(400, str(err)) from None
                 planned.append(PlannedChoice(ids, params, self._check(ids, params)))

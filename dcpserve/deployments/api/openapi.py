@@ -105,17 +105,22 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
+    """One served model, with vLLM's fields besides OpenAI's (`vllm bench serve` without --model reads id and root,
+    and loads its tokenizer from root)."""
+
+    id: str  # the name requests send as `model`
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "dcpserve"
+    root: str  # the model directory it was loaded from (vLLM: the --model path)
+    parent: str | None = None  # vLLM's: the base model of a LoRA adapter; none here
+    max_model_len: int  # the engine's context limit: prompt + output tokens
 
 
 class ModelList(BaseModel):
     """GET /v1/models."""
 
-    object: Literal["list"]
+    object: Literal["list"] = "list"
     data: list[ModelCard]
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 from dcpserve.deployments.api.structured import request_constraint
 from dcpserve.deployments.api.tool_calls import ToolPlan, plan_tools
 from dcpserve.deployments.messages import PRIORITY_MAX, PRIORITY_MIN
+from dcpserve.engine.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import StructuredOutput
 
@@ -186,15 +187,23 @@ class _SamplingFields(BaseModel):
             "guided_grammar": self.guided_grammar, "guided_decoding_backend": self.guided_decoding_backend,
         }, plan.constraint() if plan is not None else None)
 
-    def sampling_params(self, context_left: int, choice: int = 0) -> SamplingParams:
+    def sampling_params(self, context_left: int, choice: int = 0,
+                        defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         """Choice `choice`'s sampling parameters; an unset max_tokens becomes context_left (max_model_len minus the
-        prompt). With a seed, choice j gets seed + j: the same tokens as a one-choice request with that seed."""
+        prompt), or the model's max_new_tokens where that is less. With a seed, choice j gets seed + j: the same
+        tokens as a one-choice request with that seed. `defaults`: the model's sampling defaults
+        (dcpserve/engine/generation_defaults.py), which replace the OpenAI defaults of the fields the request
+        omits (vLLM's --generation-config auto); a field the request sends is its own."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         limit = self.output_limit()
+        if limit is None and defaults.max_tokens is not None:
+            context_left = min(context_left, defaults.max_tokens)
+        model_defaults = {name: value for name, value in defaults.sampling().items()
+                          if name not in self.model_fields_set}
         return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=model_defaults.get("temperature", self.temperature),
+            top_p=model_defaults.get("top_p", self.top_p),
+            top_k=model_defaults.get("top_k", self.top_k),
             max_tokens=max(limit, 1) if limit is not None else max(context_left, 1),
             seed=self.seed + choice if self.seed is not None else None,
             stop=tuple(stop) if stop else None,
@@ -202,9 +211,9 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_k(),
             prompt_logprobs=self.prompt_logprobs_k(),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            presence_penalty=model_defaults.get("presence_penalty", self.presence_penalty),
+            frequency_penalty=model_defaults.get("frequency_penalty", self.frequency_penalty),
+            repetition_penalty=model_defaults.get("repetition_penalty", self.repetition_penalty),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -342,6 +351,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # vLLM's: only true (the template always adds the assistant's turn)
     continue_final_message: bool = False
+    # vLLM's: extra variables of the chat template, e.g. {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template, "
+                                                        "e.g. {\"enable_thinking\": false}")
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
@@ -356,6 +368,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def thinking_disabled(self) -> bool:
+        """The request turned the template's thinking off (chat_template_kwargs {"enable_thinking": false}, Qwen3's
+        switch, which vLLM's qwen3 reasoning parser reads)."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True) is False
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages]

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from dcpserve.deployments.api.http_edge import error_body
 from dcpserve.deployments.api.logprobs import LogprobEntry, Tokens, chat_logprobs, completion_logprobs
 from dcpserve.deployments.api.protocol import ChatCompletionRequest, CompletionRequest
+from dcpserve.deployments.api.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from dcpserve.deployments.api.tool_calls import ToolPlan
 from dcpserve.deployments.api.tool_parser import ToolStream, parse_output
 from dcpserve.deployments.messages import ApiError
@@ -240,21 +241,33 @@ class CompletionShaper(ResponseShaper):
         return choice
 
 
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """The reasoning of a message or delta under both its names: reasoning_content (DeepSeek's API, vLLM before
+    0.11) and reasoning (vLLM's name now)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 class ChatShaper(ResponseShaper):
-    """/v1/chat/completions: assistant messages (tool calls read back with a tool plan), the chat logprobs object;
-    streamed as content or tool_calls deltas after a first role chunk per choice."""
+    """/v1/chat/completions: assistant messages (reasoning split out with a reasoning format, tool calls read back
+    with a tool plan), the chat logprobs object; streamed as reasoning, content or tool_calls deltas after a first
+    role chunk per choice."""
 
     id_prefix = "chatcmpl"
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, body: ChatCompletionRequest, model: str, tokenizer: Any, prompt: list[int],
-                 plan: ToolPlan | None) -> None:
+                 plan: ToolPlan | None, reasoning: ReasoningFormat | None = None) -> None:
         super().__init__(body, model, tokenizer, [prompt])
         self._logprobs_k = (body.top_logprobs or 0) if body.logprobs else None
         self._plan = plan
         # With tools, each streamed choice's text goes through its ToolStream (content or tool_calls deltas).
         self._tool_streams = [ToolStream(plan) for _ in self._outputs] if plan is not None else []
+        # With a reasoning format, each choice's text is split first: its reasoning, then the rest as above.
+        self._reasoning = reasoning
+        self._thinking = not body.thinking_disabled()
+        self._reasoning_streams = ([ReasoningStream(reasoning, self._thinking) for _ in self._outputs]
+                                   if reasoning is not None else [])
 
     def _choices(self) -> list[dict[str, Any]]:
         out = []
@@ -265,11 +278,17 @@ class ChatShaper(ResponseShaper):
         return out
 
     def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """A finished choice's message (with a tool plan: its calls read back) and OpenAI's finish_reason."""
+        """A finished choice's message (its reasoning split out, with a tool plan its calls read back) and OpenAI's
+        finish_reason."""
+        reasoning: dict[str, Any] = {}
+        content: str | None = text
+        if self._reasoning is not None:
+            thought, content = split_reasoning(self._reasoning, text, self._thinking)
+            reasoning = reasoning_fields(thought)
         if self._plan is None:
-            return {"role": "assistant", "content": text}, finish_reason(finish)
-        content, calls = parse_output(self._plan, text, finish)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+            return {"role": "assistant", "content": content, **reasoning}, finish_reason(finish)
+        content, calls = parse_output(self._plan, content or "", finish)
+        message: dict[str, Any] = {"role": "assistant", "content": content, **reasoning}
         if calls:
             message["tool_calls"] = calls
         return message, finish_reason(finish, len(calls))
@@ -283,11 +302,20 @@ class ChatShaper(ResponseShaper):
         if not delta.new_text and finish is None and not delta.logprobs:
             return []
         logprobs = self._logprobs(delta.new_token_ids, delta.logprobs or [])
+        thought, text = "", delta.new_text
+        if self._reasoning_streams:
+            thought, text = self._reasoning_streams[k].feed(text)
+            if finish is not None:
+                more_thought, more_text = self._reasoning_streams[k].finish()
+                thought, text = thought + more_thought, text + more_text
+        reasoning = [reasoning_fields(thought)] if thought else []
         if self._plan is None:
-            return [self._chunk(k, {"content": delta.new_text} if delta.new_text else {}, finish_reason(finish),
-                                logprobs)]
+            part = {**(reasoning[0] if reasoning else {}), **({"content": text} if text else {})}
+            if not part and finish is None and logprobs is None:
+                return []  # a tag held back: nothing to send yet
+            return [self._chunk(k, part, finish_reason(finish), logprobs)]
         stream = self._tool_streams[k]
-        parts = stream.feed(delta.new_text) + (stream.finish(finish) if finish is not None else [])
+        parts = reasoning + stream.feed(text) + (stream.finish(finish) if finish is not None else [])
         if not parts and finish is None and logprobs is None:
             return []  # text held back (a call in progress): nothing to send yet
         parts = parts or [{}]

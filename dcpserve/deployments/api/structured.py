@@ -50,7 +50,9 @@ class ResponseFormat(BaseModel):
 
 def response_format_constraint(value: dict[str, Any]) -> StructuredOutput | None:
     """OpenAI's response_format: text (none), json_object, json_schema. strict or not, the grammar enforces the
-    schema: an output always validates against it."""
+    schema: an output always validates against it; strict: true also gives every object that does not say otherwise
+    additionalProperties: false (OpenAI's strict mode; without it, only where that leaves the schema satisfiable:
+    dcpserve.engine.structured_output.no_additional_properties)."""
     try:
         fmt = ResponseFormat.model_validate(value)
     except ValueError as err:
@@ -63,7 +65,8 @@ def response_format_constraint(value: dict[str, Any]) -> StructuredOutput | None
         if fmt.json_schema is None:
             raise FieldError("response_format", "response_format type json_schema needs json_schema: {name, schema}")
         schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {"type": "object"}
-        return _build("response_format", StructuredOutput.json, schema)
+        strict = bool(fmt.json_schema.strict)
+        return _build("response_format", lambda value: StructuredOutput.json(value, strict=strict), schema)
     raise FieldError("response_format", f"response_format type must be text, json_object or json_schema, got "
                      f"{fmt.type!r}")
 

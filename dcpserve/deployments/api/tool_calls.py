@@ -66,7 +66,8 @@ class ToolPlan:
         """The output constraint tool_choice implies: the named tool's parameters, or for "required" an array of
         calls to any of the tools; none for "none" and "auto"."""
         if self.named is not None:  # set exactly when tool_choice names a function
-            return StructuredOutput.json(self.parameters(self.named))
+            named = next(t for t in self.tools if t.function.name == self.named)
+            return StructuredOutput.json(self.parameters(self.named), strict=bool(named.function.strict))
         if self.mode != "required":
             return None
         call = [{"type": "object", "properties": {"name": {"const": t.function.name},

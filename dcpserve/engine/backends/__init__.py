@@ -32,7 +32,7 @@ def model_limits(args: EngineArgs) -> ModelLimits:
         )
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    hf = AutoConfig.from_pretrained(args.model, local_files_only=True, trust_remote_code=args.trust_remote_code)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     limit = int(getattr(text, "max_position_embeddings", 0) or 0)
     max_model_len = args.max_model_len or limit

@@ -39,7 +39,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer: Tokenizer | None = load_tokenizer(config.model, self.model_config.eos_token_ids)
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.model, self.model_config.eos_token_ids,
+                                                          trust_remote_code=config.trust_remote_code)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)

@@ -38,6 +38,8 @@ def completion(**fields: Any) -> protocol.CompletionRequest:
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, StructuredOutput.json_object()),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput.json(SCHEMA, strict=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
      StructuredOutput.json(SCHEMA)),
     ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput.regex("[a-z]+")),
     ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput.choice(["a", "b"])),

@@ -211,12 +211,13 @@ def set_cpu_threads_bind(tp: int) -> None:
 
 
 def structured_outputs_config() -> Any:
-    """vLLM's structured outputs as they are natively (dcpserve/engine/structured_output.py): llguidance, compact JSON,
-    additionalProperties: false where a schema does not set it."""
+    """vLLM's structured outputs as they are natively (dcpserve/engine/structured_output.py): llguidance, compact JSON.
+    additionalProperties is ours to add (to_vllm_structured_outputs sends the schema as the native engine compiles
+    it): vLLM's own rewrite adds it to every object with properties, which can make a schema unsatisfiable."""
     from vllm.config import StructuredOutputsConfig
 
     return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True,
-                                   disable_additional_properties=True)
+                                   disable_additional_properties=False)
 
 
 def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | None = None,
@@ -232,6 +233,10 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
     kwargs: dict[str, Any] = {
         "model": args.model,
         "tokenizer": args.model,
+        "trust_remote_code": args.trust_remote_code,
+        # vLLM's own option of the same name; the sampling defaults reach requests through the ingress
+        # (dcpserve/engine/generation_defaults.py), since our requests carry explicit SamplingParams.
+        "generation_config": args.generation_config,
         "tensor_parallel_size": tp,
         "decode_context_parallel_size": args.decode_context_parallel_size,
         # "auto" means what it means to the native engine: the checkpoint's dtype on CUDA, float32 on CPU (vLLM's own
@@ -290,7 +295,7 @@ def to_vllm_structured_outputs(constraint: StructuredOutput | None) -> Any:
     from vllm.sampling_params import StructuredOutputsParams
 
     if constraint.kind == "json":
-        return StructuredOutputsParams(json=constraint.spec)
+        return StructuredOutputsParams(json=constraint.json_schema())
     if constraint.kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if constraint.kind == "choice":

@@ -123,7 +123,7 @@ class VllmEngine:
         self.max_model_len = int(self.vllm_config.model_config.max_model_len)
         self.vocab_size = int(self.vllm_config.model_config.get_vocab_size())
         self.num_kv_heads = int(self.vllm_config.model_config.get_total_num_kv_heads())
-        self._tokenizer = load_tokenizer(args.model, ())
+        self._tokenizer = load_tokenizer(args.model, (), trust_remote_code=args.trust_remote_code)
         if self._events is not None:
             if not cache.enable_prefix_caching:
                 # validate_vllm_args refuses the configurations known to do this; any other one serves uncached.
