@@ -64,6 +64,23 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     return quantized[:n, :k].to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
+def quantize_state(state: dict[str, torch.Tensor], block: tuple[int, int]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A checkpoint's tensors as DeepSeek ships them quantized (every QUANTIZED_WEIGHT as float8_e4m3fn `X.weight`
+    plus `X.weight_scale_inv`, the rest as they are), and the same after the round trip (fp8 value * block scale, in
+    float32): what an engine that loads FP8 correctly computes with."""
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if QUANTIZED_WEIGHT.match(name):
+            weight, scale = quantize_fp8_block(tensor, block)
+            quantized[name], quantized[name + "_scale_inv"] = weight, scale
+            dequantized[name] = dequantize_fp8_block(weight, scale, block, torch.float32)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    return quantized, dequantized
+
+
 def write_tiny_fp8_model(
     directory: str | Path,
     twin_directory: str | Path,
@@ -106,15 +123,7 @@ def _quantize(out: Path, twin_directory: Path, raw: dict[str, object], state: di
     if twin.exists() and any(twin.iterdir()) and not (twin / "dcpserve_tiny_model.json").is_file():
         raise FileExistsError(f"{twin} is not empty and is not a dcpserve tiny model; pass an empty or new directory")
     shutil.copytree(out, twin, dirs_exist_ok=True)
-    quantized: dict[str, torch.Tensor] = {}
-    dequantized: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if QUANTIZED_WEIGHT.match(name):
-            weight, scale = quantize_fp8_block(tensor, block)
-            quantized[name], quantized[name + "_scale_inv"] = weight, scale
-            dequantized[name] = dequantize_fp8_block(weight, scale, block, torch.float32)
-        else:
-            quantized[name] = dequantized[name] = tensor
+    quantized, dequantized = quantize_state(state, block)
     for path, tensors in ((out, quantized), (twin, dequantized)):
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         (path / "model.safetensors").chmod(0o644)

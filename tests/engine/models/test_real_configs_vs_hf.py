@@ -18,10 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.harness.model_harness import Job, free_port, run_job, run_rank
-from dcpserve.cluster.tiny_fp8 import QUANTIZED_WEIGHT, quantize_fp8_block
+from dcpserve.cluster.tiny_fp8 import quantize_state
 from dcpserve.engine.config import ModelConfig, ParallelConfig
 from dcpserve.engine.worker.parallel import ParallelState
-from dcpserve.kernels import dequantize_fp8_block
 from tests.engine.models.hf_compare import BLOCK_SIZE, check_against_hf, scenarios
 from tests.engine.models.shrink import write_shrunk_checkpoint
 from tests.engine.models.test_model_vs_hf import one_torch_thread  # noqa: F401 - its autouse fixture, here too
@@ -41,14 +40,7 @@ def quantize_checkpoint(directory: Path, fp8_directory: Path, block: tuple[int, 
 
     fp8_directory.mkdir()
     state = load_file(directory / "model.safetensors")
-    quantized, dequantized = {}, {}
-    for name, tensor in state.items():
-        if QUANTIZED_WEIGHT.match(name):
-            weight, scale = quantize_fp8_block(tensor, block)
-            quantized[name], quantized[name + "_scale_inv"] = weight, scale
-            dequantized[name] = dequantize_fp8_block(weight, scale, block, torch.float32)
-        else:
-            quantized[name] = dequantized[name] = tensor
+    quantized, dequantized = quantize_state(state, block)
     assert len(quantized) > len(state), "no weight was quantized"
     save_file(dequantized, directory / "model.safetensors", metadata={"format": "pt"})
     save_file(quantized, fp8_directory / "model.safetensors", metadata={"format": "pt"})
