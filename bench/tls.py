@@ -281,6 +281,7 @@ def calls_child(tls: bool) -> None:
                                     "item_us": 1e6 * statistics.median(items)}), flush=True)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs and this instance's CA
 
 
 def calls_run(tls: bool) -> dict[str, float]:
