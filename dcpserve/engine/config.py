@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from dcpserve.engine.deepseek_config import MLA_ARCHITECTURES, MlaConfig, MoeConfig, read_deepseek_fields
+from dcpserve.engine.deepseek_config import MLA_ARCHITECTURES, MlaConfig, MoeConfig, read_deepseek_fields, read_int
 from dcpserve.engine.kv_cache import KvCacheSpec
 from dcpserve.engine.model_support import check_fields, context_limit, supported_architecture
 from dcpserve.engine.quantization import QUANTIZED_ALTERNATIVE, Fp8BlockQuantization, read_quantization_config
@@ -98,10 +98,10 @@ class ModelConfig:
         if missing:
             raise ValueError(f"{source}: missing required fields {missing}")
         check_fields(raw, architecture, source)
-        heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        hidden = int(raw["hidden_size"])
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        heads = read_int(raw, "num_attention_heads", source)
+        kv_heads = read_int(raw, "num_key_value_heads", source, default=heads)
+        hidden = read_int(raw, "hidden_size", source)
+        head_dim = read_int(raw, "head_dim", source, default=hidden // heads)
         quantization = read_quantization_config(raw, source)
         if quantization is not None and architecture not in FP8_ARCHITECTURES:
             raise ValueError(

@@ -80,7 +80,9 @@ class MoeConfig:
         return self.topk_method == "noaux_tc"
 
 
-def _int(raw: dict[str, Any], name: str, source: str, default: int | None = None, minimum: int = 1) -> int:
+def read_int(raw: dict[str, Any], name: str, source: str, default: int | None = None, minimum: int = 1) -> int:
+    """config.json's integer `name` (default when absent), or a ValueError naming it: missing, not an integer, or
+    below minimum."""
     value = raw.get(name)
     if value is None:
         value = default
@@ -101,11 +103,11 @@ def read_deepseek_fields(
         raise ValueError(f"{source}: mlp_bias=true is not supported (DeepSeek's MLPs have no bias)")
     q_lora_rank = raw.get("q_lora_rank")
     mla = MlaConfig(
-        q_lora_rank=_int(raw, "q_lora_rank", source) if q_lora_rank is not None else None,
-        kv_lora_rank=_int(raw, "kv_lora_rank", source),
-        qk_nope_head_dim=_int(raw, "qk_nope_head_dim", source),
-        qk_rope_head_dim=_int(raw, "qk_rope_head_dim", source),
-        v_head_dim=_int(raw, "v_head_dim", source),
+        q_lora_rank=read_int(raw, "q_lora_rank", source) if q_lora_rank is not None else None,
+        kv_lora_rank=read_int(raw, "kv_lora_rank", source),
+        qk_nope_head_dim=read_int(raw, "qk_nope_head_dim", source),
+        qk_rope_head_dim=read_int(raw, "qk_rope_head_dim", source),
+        v_head_dim=read_int(raw, "v_head_dim", source),
         rope_interleave=bool(raw.get("rope_interleave", True)),
     )
     if mla.qk_rope_head_dim % 2:
@@ -123,7 +125,7 @@ def _read_moe(raw: dict[str, Any], architecture: str, source: str) -> MoeConfig 
     routed = raw.get("n_routed_experts") or 0
     if not routed:
         return None
-    routed = _int(raw, "n_routed_experts", source)
+    routed = read_int(raw, "n_routed_experts", source)
     default_scoring, default_method = DEFAULT_ROUTING[architecture]
     scoring = raw.get("scoring_func") or default_scoring
     if scoring not in get_args(ScoringFunc):
@@ -135,13 +137,13 @@ def _read_moe(raw: dict[str, Any], architecture: str, source: str) -> MoeConfig 
         raise ValueError(
             f"{source}: topk_method={method!r} is not supported; the engine routes with {list(get_args(TopkMethod))}"
         )
-    top_k = _int(raw, "num_experts_per_tok", source)
+    top_k = read_int(raw, "num_experts_per_tok", source)
     if top_k > routed:
         raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds n_routed_experts={routed}")
     n_group, topk_group = 1, 1
     if method != "greedy":
-        n_group = _int(raw, "n_group", source)
-        topk_group = _int(raw, "topk_group", source)
+        n_group = read_int(raw, "n_group", source)
+        topk_group = read_int(raw, "topk_group", source)
         if routed % n_group:
             raise ValueError(f"{source}: n_group={n_group} must divide n_routed_experts={routed} ({method})")
         per_group = routed // n_group
@@ -161,10 +163,10 @@ def _read_moe(raw: dict[str, Any], architecture: str, source: str) -> MoeConfig 
     return MoeConfig(
         n_routed_experts=routed,
         num_experts_per_tok=top_k,
-        n_shared_experts=_int(raw, "n_shared_experts", source, default=0, minimum=0),
-        moe_intermediate_size=_int(raw, "moe_intermediate_size", source),
-        first_k_dense_replace=_int(raw, "first_k_dense_replace", source, default=0, minimum=0),
-        moe_layer_freq=_int(raw, "moe_layer_freq", source, default=1),
+        n_shared_experts=read_int(raw, "n_shared_experts", source, default=0, minimum=0),
+        moe_intermediate_size=read_int(raw, "moe_intermediate_size", source),
+        first_k_dense_replace=read_int(raw, "first_k_dense_replace", source, default=0, minimum=0),
+        moe_layer_freq=read_int(raw, "moe_layer_freq", source, default=1),
         routed_scaling_factor=float(scale),
         scoring_func=scoring,
         topk_method=method,

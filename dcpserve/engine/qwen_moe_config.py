@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dcpserve.engine.deepseek_config import MoeConfig
+from dcpserve.engine.deepseek_config import MoeConfig, read_int
 
 QWEN_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # The attention of the dense and MoE models alike (ModelConfig's qk_norm and attention_bias): Qwen3's per-head q / k
@@ -42,17 +42,6 @@ class QwenMoeConfig(MoeConfig):
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
-def _int(raw: dict[str, Any], name: str, source: str, default: int | None = None, minimum: int = 1) -> int:
-    value = raw.get(name)
-    if value is None:
-        value = default
-    if value is None:
-        raise ValueError(f"{source}: missing required field {name!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{source}: {name}={value!r} must be an integer >= {minimum}")
-    return value
-
-
 def read_qwen_moe_fields(raw: dict[str, Any], architecture: str, source: str) -> QwenMoeConfig | None:
     """The MoE fields of a Qwen3-MoE / Qwen2-MoE config.json, checked; None when num_experts is 0 (every layer
     dense, as transformers builds it). Refuses what is not implemented."""
@@ -64,13 +53,13 @@ def read_qwen_moe_fields(raw: dict[str, Any], architecture: str, source: str) ->
         raise ValueError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (Qwen's experts use silu)")
     # transformers writes Qwen3-MoE's count as num_local_experts (its attribute_map); the checkpoints say num_experts.
     key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
-    experts = _int(raw, key, source, minimum=0)
+    experts = read_int(raw, key, source, minimum=0)
     if experts == 0:
         return None
-    top_k = _int(raw, "num_experts_per_tok", source)
+    top_k = read_int(raw, "num_experts_per_tok", source)
     if top_k > experts:
         raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds {key}={experts}")
-    layers = _int(raw, "num_hidden_layers", source)
+    layers = read_int(raw, "num_hidden_layers", source)
     only = raw.get("mlp_only_layers") or []
     if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
         raise ValueError(f"{source}: mlp_only_layers={only!r} must be a list of layer indices")
@@ -80,7 +69,7 @@ def read_qwen_moe_fields(raw: dict[str, Any], architecture: str, source: str) ->
                          f"(num_hidden_layers); list indices 0 to {layers - 1}")
     shared = 0
     if architecture == "Qwen2MoeForCausalLM":
-        shared = _int(raw, "shared_expert_intermediate_size", source)
+        shared = read_int(raw, "shared_expert_intermediate_size", source)
     elif raw.get("shared_expert_intermediate_size"):
         raise ValueError(
             f"{source}: shared_expert_intermediate_size={raw['shared_expert_intermediate_size']!r} on "
@@ -91,7 +80,7 @@ def read_qwen_moe_fields(raw: dict[str, Any], architecture: str, source: str) ->
         n_routed_experts=experts,
         num_experts_per_tok=top_k,
         n_shared_experts=0,
-        moe_intermediate_size=_int(raw, "moe_intermediate_size", source),
+        moe_intermediate_size=read_int(raw, "moe_intermediate_size", source),
         first_k_dense_replace=0,
         moe_layer_freq=1,
         routed_scaling_factor=1.0,
@@ -100,7 +89,7 @@ def read_qwen_moe_fields(raw: dict[str, Any], architecture: str, source: str) ->
         n_group=1,
         topk_group=1,
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        decoder_sparse_step=_int(raw, "decoder_sparse_step", source, default=1),
+        decoder_sparse_step=read_int(raw, "decoder_sparse_step", source, default=1),
         mlp_only_layers=tuple(sorted(set(only))),
         shared_expert_intermediate_size=shared,
     )

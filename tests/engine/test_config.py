@@ -53,6 +53,7 @@ def test_reads_a_llama_config_with_llama3_scaling(tmp_path: Path) -> None:
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope scaling 'longrope' is not supported"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 \\(logit soft-capping\\)"),
     ({"num_key_value_heads": 3}, "num_attention_heads=8 is not a multiple of num_key_value_heads=3"),
+    ({"num_key_value_heads": [2, 2]}, r"num_key_value_heads=\[2, 2\] must be an integer >= 1"),
     ({"quantization_config": {"quant_method": "awq", "bits": 4}},
      "quantization method 'awq' is not supported by the native engine.*backend: vllm"),
     ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from dcpserve.engine.layers.linear import split_for_tp
 from dcpserve.engine.layers.linear_method import FP8_DTYPE, scale_spec
 from dcpserve.engine.layers.module import EngineModule
-from dcpserve.engine.layers.moe import choose_experts_method, grouped_experts
-from dcpserve.engine.layers.weights import ShardId, ShardSpec, StackedLoader, new_parameter
+from dcpserve.engine.layers.moe import choose_experts_method, expert_shard_specs, grouped_experts
+from dcpserve.engine.layers.weights import StackedLoader, new_parameter
 from dcpserve.engine.quantization import Fp8BlockQuantization
 from dcpserve.engine.worker.parallel import ParallelState
 from dcpserve.kernels import dequantize_fp8_block
@@ -38,19 +37,12 @@ class Fp8TensorParallelExperts(EngineModule):
         dtype: torch.dtype, device: torch.device, quantization: Fp8BlockQuantization,
     ) -> None:
         super().__init__()
-        rows = split_for_tp(intermediate_size, parallel.tp_size, "moe_intermediate_size")
-        start = parallel.tp_rank * rows
+        rows, w13_specs, w2_specs = expert_shard_specs(hidden_size, intermediate_size, parallel)
         self.num_experts = num_experts
         self.intermediate_per_rank = rows
         self.block = block = quantization.weight_block_size
         self.method = choose_experts_method(dtype, device, hidden_size, rows)
         what = f"the routed experts (moe_intermediate_size={intermediate_size}) at tp={parallel.tp_size}"
-        # Shard ids (expert, part): part 0 / 1 the checkpoint's gate_proj / up_proj rows, None its down_proj columns.
-        w13_specs: dict[ShardId, ShardSpec] = {
-            0: ShardSpec((intermediate_size, hidden_size), 0, start, rows, 0),
-            1: ShardSpec((intermediate_size, hidden_size), 0, start, rows, rows),
-        }
-        w2_specs: dict[ShardId, ShardSpec] = {None: ShardSpec((hidden_size, intermediate_size), 1, start, rows)}
         self.w13 = new_parameter((num_experts, 2 * rows, hidden_size), FP8_DTYPE, device,
                                  StackedLoader(num_experts, w13_specs, source_dtype=FP8_DTYPE))
         self.w13_scale_inv = new_parameter(

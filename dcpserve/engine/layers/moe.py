@@ -39,7 +39,7 @@ from dcpserve.engine.layers.linear import split_for_tp
 from dcpserve.engine.layers.linear_method import UNQUANTIZED, LinearMethod
 from dcpserve.engine.layers.mlp import SwiGluMLP
 from dcpserve.engine.layers.module import EngineModule
-from dcpserve.engine.layers.weights import ShardSpec, StackedLoader, new_parameter
+from dcpserve.engine.layers.weights import ShardId, ShardSpec, StackedLoader, new_parameter
 from dcpserve.engine.worker.parallel import ParallelState
 
 ExpertsMethod = Literal["grouped_mm", "padded"]
@@ -169,6 +169,19 @@ class RoutedExperts(Protocol):
         ...
 
 
+def expert_shard_specs(hidden_size: int, intermediate_size: int, parallel: ParallelState
+                       ) -> tuple[int, dict[ShardId, ShardSpec], dict[ShardId, ShardSpec]]:
+    """This rank's slice of every routed expert, as stacked experts (unquantized or FP8) load it: (rows, the w13
+    specs by part: 0 / 1 the checkpoint's gate_proj / up_proj rows, the w2 spec: None, down_proj's columns)."""
+    rows = split_for_tp(intermediate_size, parallel.tp_size, "moe_intermediate_size")
+    start = parallel.tp_rank * rows
+    w13_specs: dict[ShardId, ShardSpec] = {
+        0: ShardSpec((intermediate_size, hidden_size), 0, start, rows, 0),
+        1: ShardSpec((intermediate_size, hidden_size), 0, start, rows, rows),
+    }
+    return rows, w13_specs, {None: ShardSpec((hidden_size, intermediate_size), 1, start, rows)}
+
+
 class TensorParallelExperts(EngineModule):
     """The routed experts, stacked and run grouped (module docstring): w13 [experts, 2 * I / tp, hidden] (gate rows,
     then up rows, of this rank's slice) and w2 [experts, hidden, I / tp]; checkpoint shard ids (expert, 0 | 1) for
@@ -182,19 +195,13 @@ class TensorParallelExperts(EngineModule):
     ) -> None:
         """method None: choose_experts_method's choice for this dtype, device and shape."""
         super().__init__()
-        rows = split_for_tp(intermediate_size, parallel.tp_size, "moe_intermediate_size")
-        start = parallel.tp_rank * rows
+        rows, w13_specs, w2_specs = expert_shard_specs(hidden_size, intermediate_size, parallel)
         self.num_experts = num_experts
         self.intermediate_per_rank = rows
         self.method: ExpertsMethod = method or choose_experts_method(dtype, device, hidden_size, rows)
-        # Shard ids (expert, part): part 0 / 1 the checkpoint's gate_proj / up_proj rows, None its down_proj columns.
-        self.w13 = new_parameter((num_experts, 2 * rows, hidden_size), dtype, device, StackedLoader(num_experts, {
-            0: ShardSpec((intermediate_size, hidden_size), 0, start, rows, 0),
-            1: ShardSpec((intermediate_size, hidden_size), 0, start, rows, rows),
-        }))
-        self.w2 = new_parameter((num_experts, hidden_size, rows), dtype, device, StackedLoader(num_experts, {
-            None: ShardSpec((hidden_size, intermediate_size), 1, start, rows),
-        }))
+        self.w13 = new_parameter((num_experts, 2 * rows, hidden_size), dtype, device,
+                                 StackedLoader(num_experts, w13_specs))
+        self.w2 = new_parameter((num_experts, hidden_size, rows), dtype, device, StackedLoader(num_experts, w2_specs))
         self.register_buffer("expert_ends", torch.arange(1, num_experts + 1, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.moe import ExpertLoop
 from dcpserve.engine.deepseek_config import MoeConfig
 from dcpserve.engine.layers.moe import (
     DeepseekMoE,
@@ -122,17 +123,6 @@ def test_method_choice_follows_alignment_and_device() -> None:
 # ---- no host synchronisation ------------------------------------------------------------------------------------
 
 
-class ExpertLoop(TensorParallelExperts):
-    """The old forward: experts one at a time, each on the tokens that chose it (reads the routing back)."""
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert in torch.unique(experts).tolist():
-            tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
 
 
 MOE = MoeConfig(n_routed_experts=EXPERTS, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=INTERMEDIATE,
