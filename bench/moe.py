@@ -36,7 +36,7 @@ from dcpserve.engine.models.qwen3_moe import QwenSparseMoE
 from dcpserve.engine.qwen_moe_config import read_qwen_moe_fields
 from dcpserve.engine.worker.parallel import ParallelState
 
-SECTION = "moe"
+SECTION = "bench/moe.py"
 VARIANTS = ("loop", "grouped_mm", "padded")
 CPU = torch.device("cpu")
 
