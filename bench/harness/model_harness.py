@@ -150,7 +150,7 @@ class PagedRunner:
             input_ids, positions = input_ids[own_rows], positions[own_rows]
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, metadata)
         if own_rows is not None:  # every PCP group ends up with every row's hidden state, as without PCP
-            hidden = unsplit_rows(hidden, split, parallel.pcp_group)
+            hidden = unsplit_rows(hidden, split, parallel.pcp_comm)
         sample_rows, sampled = [], []
         row = 0
         for seq, n in ordered:

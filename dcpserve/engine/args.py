@@ -67,6 +67,12 @@ class EngineArgs:
         "prefill chunk's tokens split across the groups (one early and one late part each), cutting a long "
         "prompt's time to first token; the groups run decodes together"
     )})
+    rank_transport: Literal["auto", "shm", "gloo"] = field(default="auto", metadata={"help": (
+        "what carries the collectives between a replica's ranks (tp * pcp > 1): auto (NCCL on CUDA; on CPU shared "
+        "memory when the ranks share a node, else gloo, falling back to gloo with a warning if shared memory "
+        "cannot be set up) | shm (shared memory, refused where it cannot run) | gloo (torch.distributed: NCCL on "
+        "CUDA, gloo over TCP on CPU)"
+    )})
     dtype: str = field(default="auto", metadata={"help": (
         "weights and KV cache dtype: auto (the checkpoint's on CUDA, float32 on CPU) | float32 | float16 | bfloat16"
     )})
@@ -174,6 +180,14 @@ class EngineArgs:
             raise ValueError(f"step_trace_path must be a file path or None, got {self.step_trace_path!r}")
         if self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda', 'cpu' or None (cuda where available), got {self.device!r}")
+        if self.rank_transport not in ("auto", "shm", "gloo"):
+            raise ValueError(f"rank_transport must be 'auto', 'shm' or 'gloo', got {self.rank_transport!r}")
+        if self.rank_transport == "shm" and self.device == "cuda":
+            raise ValueError("rank_transport='shm' carries CPU ranks only; CUDA ranks use NCCL: set rank_transport "
+                             "to 'auto'")
+        if self.backend == "vllm" and self.rank_transport != "auto":
+            raise ValueError(f"rank_transport={self.rank_transport!r} is the native engine's; the vllm backend "
+                             f"chooses its own transport: leave rank_transport at 'auto'")
 
     # ---- the native engine's config ----------------------------------------------------------------------------
 
@@ -193,7 +207,7 @@ class EngineArgs:
             )
         model_config = ModelConfig.from_pretrained(model_path)
         parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size,
-                                  self.prefill_context_parallel_size)
+                                  self.prefill_context_parallel_size, self.rank_transport)
         parallel.validate(model_config)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         limit = model_config.max_position_embeddings

@@ -178,6 +178,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
+    rank_transport: str = "auto"  # the ranks' collectives: dcpserve/engine/worker/rank_transport.py
 
     @property
     def tp(self) -> int:

@@ -1,4 +1,4 @@
-"""The cross-rank step of DCP attention on a torch.distributed process group (docs/dcp.md, steps 1-4).
+"""The cross-rank step of DCP attention over a DCP group's collectives (docs/dcp.md, steps 1-4).
 
 Each rank of a DCP group holds num_heads_per_rank query heads and one shard of the group's KV head:
 
@@ -9,7 +9,8 @@ Each rank of a DCP group holds num_heads_per_rank query heads and one shard of t
 combine sends (out, lse) packed in fp32 with one all_to_all (rank j receives every rank's partial for its own
 heads) and merges locally with combine_lse, so the sum is always fp32 (never a bf16 reduce inside a collective).
 Where a backend lacks all_to_all, method="all_gather" gathers every partial and merges the own slice: same
-result, N times the bytes. Works on gloo (CPU) and NCCL.
+result, N times the bytes. The collectives are any transport of dcpserve/kernels/collectives.py (shared memory, gloo,
+NCCL).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from dcpserve.kernels._triton import HAS_TRITON, triton_interpreting
+from dcpserve.kernels.collectives import Collectives
 from dcpserve.kernels.combine import combine_lse, combine_lse_ref
 
 ExchangeMethod = Literal["all_to_all", "all_gather"]
@@ -38,19 +39,16 @@ class DcpAttentionExchange:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = None,
+        collectives: Collectives,
         method: ExchangeMethod = "all_to_all",
         use_triton: bool | None = None,
     ) -> None:
         if method not in ("all_to_all", "all_gather"):
             raise ValueError(f"method must be 'all_to_all' or 'all_gather', got {method!r}")
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call init_process_group before building the exchange")
-        self.group = group
+        self.collectives = collectives
         self.method: ExchangeMethod = method
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size = collectives.size
+        self.rank = collectives.rank
         self.use_triton = use_triton
 
     def _combine_fn(self, t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -63,8 +61,7 @@ class DcpAttentionExchange:
         if self.world_size == 1:
             return q
         num_tokens, heads, head_dim = q.shape
-        gathered = torch.empty((self.world_size, num_tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-        dist.all_gather(list(gathered.unbind(0)), q.contiguous(), group=self.group)
+        gathered = self.collectives.all_gather(q)
         return gathered.permute(1, 0, 2, 3).reshape(num_tokens, self.world_size * heads, head_dim)
 
     def combine(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,12 +83,9 @@ class DcpAttentionExchange:
         packed = torch.cat([out.float(), lse.float()[..., None]], dim=-1)  # [T, N*h, D+1]
         by_owner = packed.reshape(num_tokens, n, heads, head_dim + 1).permute(1, 0, 2, 3).contiguous()
         if self.method == "all_to_all":
-            received = torch.empty_like(by_owner)  # received[j] = rank j's partial for this rank's heads
-            dist.all_to_all_single(received, by_owner, group=self.group)
+            received = self.collectives.all_to_all(by_owner)  # received[j] = rank j's partial for this rank's heads
         else:
-            everything = torch.empty((n, *by_owner.shape), dtype=by_owner.dtype, device=by_owner.device)
-            dist.all_gather(list(everything.unbind(0)), by_owner, group=self.group)
-            received = everything[:, self.rank]
+            received = self.collectives.all_gather(by_owner)[:, self.rank]
         merged, merged_lse = combine_fn(received[..., :head_dim], received[..., head_dim])
         return merged.to(out.dtype), merged_lse
 
@@ -112,13 +106,10 @@ class PcpAttentionExchange:
     combine sends each rank only its rows and heads (one all_to_all of fp32 partials) and merges with combine_lse.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, heads_ranks: int, pcp_size: int, pcp_rank: int,
+    def __init__(self, collectives: Collectives, heads_ranks: int, pcp_size: int, pcp_rank: int,
                  use_triton: bool | None = None) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call init_process_group before building the exchange")
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.collectives = collectives
+        self.world_size = collectives.size
         if self.world_size != heads_ranks * pcp_size:
             raise ValueError(f"the DCP group has {self.world_size} ranks, not heads_ranks={heads_ranks} x "
                              f"pcp_size={pcp_size}")
@@ -131,8 +122,7 @@ class PcpAttentionExchange:
         width = num_decodes + rows_max
         padded = q.new_zeros((width, heads, head_dim))
         padded[:rows] = q
-        gathered = q.new_empty((self.world_size, width, heads, head_dim))
-        dist.all_gather(list(gathered.unbind(0)), padded, group=self.group)
+        gathered = self.collectives.all_gather(padded)
         by_rank = gathered.view(self.b, self.a, width, heads, head_dim)
         decodes = by_rank[self.pcp_rank, :, :num_decodes].permute(1, 0, 2, 3)
         prefills = by_rank[:, :, num_decodes:].permute(0, 2, 1, 3, 4)
@@ -150,8 +140,6 @@ class PcpAttentionExchange:
         decodes = packed[:num_decodes].permute(1, 0, 2, 3)[None].expand(self.b, -1, -1, -1, -1)
         prefills = packed[num_decodes:].view(self.b, rows_max, self.a, heads, value_dim + 1).permute(0, 2, 1, 3, 4)
         send = torch.cat([decodes, prefills], dim=2).reshape(self.world_size, width, heads, value_dim + 1)
-        send = send.contiguous()
-        received = torch.empty_like(send)  # received[j]: rank j's partial for this rank's rows and heads
-        dist.all_to_all_single(received, send, group=self.group)
+        received = self.collectives.all_to_all(send)  # received[j]: rank j's partial for this rank's rows and heads
         merged, merged_lse = combine_fn_for(self.use_triton, out)(received[..., :value_dim], received[..., value_dim])
         return merged.to(out.dtype), merged_lse

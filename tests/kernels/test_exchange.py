@@ -1,5 +1,5 @@
-"""DcpAttentionExchange across real processes (torch.multiprocessing + gloo on loopback; the session's spawn_pool,
-tests/spawn_pool.py).
+"""DcpAttentionExchange across real processes (torch.multiprocessing; the session's spawn_pool, tests/spawn_pool.py),
+over each CPU transport: gloo on loopback and shared memory (dcpserve/engine/worker/rank_transport.py).
 
 Every process builds the same sequences, keeps only its own shard and its own query heads, runs the gather ->
 local attention -> exchange -> combine path, and checks the result against the single-process merge of all
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from bench.harness.model_harness import free_port
+from dcpserve.engine.worker.rank_transport import group_collectives, publish_node
 from dcpserve.kernels import (
     DcpAttentionExchange,
     combine_lse_ref,
@@ -91,37 +92,48 @@ def _check_prefill_context(exchange: DcpAttentionExchange, dcp_size: int, dcp_ra
         row += n
 
 
-def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: ExchangeMethod) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                           timeout=timedelta(seconds=60))
+def _worker(rank: int, world_size: int, dcp_size: int, port: int, method: ExchangeMethod, transport: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size=world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        # DCP groups are runs of dcp_size consecutive ranks; every process creates every group.
-        groups = [dist.new_group(list(range(s, s + dcp_size))) for s in range(0, world_size, dcp_size)]
-        exchange = DcpAttentionExchange(groups[rank // dcp_size], method=method)
+        publish_node(store, rank)
+        # DCP groups are runs of dcp_size consecutive ranks; every process creates every torch group.
+        members = [list(range(s, s + dcp_size)) for s in range(0, world_size, dcp_size)]
+        groups = [dist.new_group(m) for m in members]
+        mine = rank // dcp_size
+        collectives = group_collectives(store, "dcp", members[mine], rank, groups[mine], "cpu", transport, 60.0)
+        assert collectives.transport == transport
+        exchange = DcpAttentionExchange(collectives, method=method)
         assert exchange.world_size == dcp_size and exchange.rank == rank % dcp_size
         seed = 1000 + rank // dcp_size  # the groups hold different data
         _check_decode(exchange, dcp_size, rank % dcp_size, seed)
         _check_prefill_context(exchange, dcp_size, rank % dcp_size, seed)
+        collectives.close()
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size,dcp_size,method", [
-    (2, 2, "all_to_all"),
-    (4, 4, "all_to_all"),
-    (4, 2, "all_to_all"),  # two DCP groups of 2 inside one world of 4
-    (2, 2, "all_gather"),
-    (4, 4, "all_gather"),
+@pytest.mark.parametrize("world_size,dcp_size,method,transport", [
+    (2, 2, "all_to_all", "gloo"),
+    (2, 2, "all_to_all", "shm"),
+    (4, 4, "all_to_all", "shm"),
+    (4, 2, "all_to_all", "gloo"),  # two DCP groups of 2 inside one world of 4
+    (4, 2, "all_to_all", "shm"),
+    (2, 2, "all_gather", "gloo"),
+    (4, 4, "all_gather", "shm"),
 ])
 def test_exchange_matches_single_process_merge(world_size: int, dcp_size: int, method: ExchangeMethod,
-                                              spawn_pool: SpawnPool) -> None:
-    spawn_pool.spawn(_worker, (world_size, dcp_size, free_port(), method), world_size)
+                                              transport: str, spawn_pool: SpawnPool) -> None:
+    spawn_pool.spawn(_worker, (world_size, dcp_size, free_port(), method, transport), world_size)
 
 
-def test_exchange_needs_an_initialized_process_group() -> None:
+def test_torch_collectives_need_an_initialized_process_group() -> None:
+    from dcpserve.kernels.collectives import TorchCollectives
+
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
-        DcpAttentionExchange()
+        TorchCollectives()

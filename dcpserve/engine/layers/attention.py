@@ -119,10 +119,12 @@ class Attention(EngineModule):
         self.combine = combine_lse if use_triton else combine_lse_ref
         parallel = self.parallel
         if parallel.pcp_size > 1 and parallel.dcp_size > 1:
-            self.pcp_exchange = PcpAttentionExchange(parallel.dcp_group, parallel.dcp_heads, parallel.pcp_size,
+            assert parallel.dcp_comm is not None  # set whenever dcp_size > 1
+            self.pcp_exchange = PcpAttentionExchange(parallel.dcp_comm, parallel.dcp_heads, parallel.pcp_size,
                                                      parallel.pcp_rank, use_triton=use_triton)
         elif parallel.dcp_size > 1:
-            self.exchange = DcpAttentionExchange(parallel.dcp_group, use_triton=use_triton)
+            assert parallel.dcp_comm is not None  # set whenever dcp_size > 1
+            self.exchange = DcpAttentionExchange(parallel.dcp_comm, use_triton=use_triton)
 
     def forward(
         self,
@@ -290,8 +292,8 @@ class Attention(EngineModule):
             self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=False)
         else:
             rows_max = pcp.rows_max
-            k_all = gather_prefill_rows(k, num_decodes, rows_max, parallel.pcp_group, parallel.pcp_size)
-            v_all = (gather_prefill_rows(v, num_decodes, rows_max, parallel.pcp_group, parallel.pcp_size)
+            k_all = gather_prefill_rows(k, num_decodes, rows_max, parallel.pcp_comm, parallel.pcp_size)
+            v_all = (gather_prefill_rows(v, num_decodes, rows_max, parallel.pcp_comm, parallel.pcp_size)
                      if v is not None else None)
             self.store(k_all, v_all, k_cache, v_cache, pcp.gathered_slot_mapping, all_owned=False)
         if self.pcp_exchange is None:  # dcp = 1: whole sequences here; each segment's context includes its chunk's

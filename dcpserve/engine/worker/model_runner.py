@@ -277,7 +277,7 @@ class ModelRunner:
         if not owners:
             return {}
         if split is not None:
-            hidden = unsplit_rows(hidden, split, self.parallel.pcp_group)
+            hidden = unsplit_rows(hidden, split, self.parallel.pcp_comm)
         if not self.parallel.samples:
             return {}
         entries: list[TokenLogprob] = []

@@ -6,6 +6,10 @@ init_parallel_state(). The TP group is the rank's own PCP group (the whole world
 dcp = a * pcp ranks (a = dcp at pcp = 1) is, in every PCP group, the run of a consecutive TP ranks holding copies
 of the same KV heads: DCP rank q * a + t % a for TP rank t of PCP group q. The PCP peers of a rank are the ranks
 with its TP rank in every PCP group: they hold the same KV heads and trade a prefill's K/V (docs/dcp.md).
+
+Each group's collectives (`tp_comm`, `dcp_comm`, `pcp_comm`: dcpserve/kernels/collectives.py) run over the transport
+dcpserve/engine/worker/rank_transport.py picks for it: NCCL on CUDA, shared memory between CPU ranks of one node,
+gloo over TCP otherwise. The torch.distributed groups exist in every case (gloo's are the fallback).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcpserve.engine.worker.rank_transport import group_collectives, publish_node
+from dcpserve.kernels.collectives import Collectives
+
 
 @dataclass
 class ParallelState:
@@ -28,11 +35,11 @@ class ParallelState:
     dcp_size: int
     dcp_rank: int
     num_kv_heads: int  # the model's KV heads (for which ones this rank holds)
-    tp_group: dist.ProcessGroup | None = None
-    dcp_group: dist.ProcessGroup | None = None
+    tp_comm: Collectives | None = None
+    dcp_comm: Collectives | None = None
     pcp_size: int = 1
     pcp_rank: int = 0
-    pcp_group: dist.ProcessGroup | None = None  # this TP rank in every PCP group (None at pcp = 1)
+    pcp_comm: Collectives | None = None  # this TP rank in every PCP group (None at pcp = 1)
 
     @classmethod
     def single(cls, num_kv_heads: int) -> ParallelState:
@@ -76,31 +83,30 @@ class ParallelState:
         return self.tp_rank // (self.tp_size // self.num_kv_heads)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP group (row-parallel outputs); identity at tp = 1."""
-        if self.tp_size == 1:
+        """Sum over the TP group (row-parallel outputs), in place; identity at tp = 1."""
+        if self.tp_comm is None:
             return x
-        dist.all_reduce(x, group=self.tp_group)
-        return x
+        return self.tp_comm.all_reduce(x)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """All-gather shards along the last dimension in TP-rank order (vocab-parallel logits)."""
-        if self.tp_size == 1:
+        if self.tp_comm is None:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.tp_comm.all_gather(x).unbind(0), dim=-1)
 
     def gather_last_dim_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Gathers shards along the last dimension in TP-rank order onto the driver (TP rank 0) only; None on the
         other ranks. Sampling needs the full vocabulary on the driver alone, so the others receive nothing."""
-        if self.tp_size == 1:
+        if self.tp_comm is None:
             return x
-        x = x.contiguous()
-        assert self.tp_group is not None  # set whenever tp_size > 1
-        driver = dist.get_global_rank(self.tp_group, 0)
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(x, parts, dst=driver, group=self.tp_group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        parts = self.tp_comm.gather(x)
+        return torch.cat(parts.unbind(0), dim=-1) if parts is not None else None
+
+    @property
+    def transports(self) -> dict[str, str]:
+        """Each group's transport ("shm", "gloo", "nccl") by role; empty at tp = pcp = 1."""
+        comms = {"tp": self.tp_comm, "dcp": self.dcp_comm, "pcp": self.pcp_comm}
+        return {name: comm.transport for name, comm in comms.items() if comm is not None}
 
 
 class Rendezvous:
@@ -172,13 +178,16 @@ def init_parallel_state(
     rendezvous: Rendezvous | None = None,
     local_address: str | None = None,
     pcp_size: int = 1,
+    transport: str = "auto",
 ) -> ParallelState:
     """Joins this worker group's process group (one per group: its own init_method address and port) and builds
-    the TP, DCP and PCP subgroups. `tp_rank` is the rank in the whole group (the world rank: the TP rank at
-    pcp = 1). Every rank must call it with the same arguments except tp_rank, `rendezvous` (rank 0's listening
-    socket for the group's store, whose init_method every rank is given) and `local_address` (this rank's node
-    address: gloo's connections between ranks listen there rather than wherever the host name resolves, unless
-    GLOO_SOCKET_IFNAME is set)."""
+    the TP, DCP and PCP subgroups, each with the transport dcpserve/engine/worker/rank_transport.py picks for it
+    (`transport`: the rank_transport argument; `backend` is torch.distributed's, "nccl" on CUDA ranks, "gloo" on
+    CPU ones). `tp_rank` is the rank in the whole group (the world rank: the TP rank at pcp = 1). Every rank must
+    call it with the same arguments except tp_rank, `rendezvous` (rank 0's listening socket for the group's store,
+    whose init_method every rank is given) and `local_address` (this rank's node address: gloo's connections
+    between ranks listen there rather than wherever the host name resolves, unless GLOO_SOCKET_IFNAME is set).
+    `timeout_s` bounds every collective wait of every transport."""
     if tp_size == 1 and pcp_size == 1:
         return ParallelState.single(num_kv_heads)
     world_size, rank = tp_size * pcp_size, tp_rank
@@ -195,40 +204,55 @@ def init_parallel_state(
     store = dist.TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
                           master_listen_fd=None if rendezvous is None else rendezvous.take_fd())
     dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
+    publish_node(store, rank)
     pcp_rank, local_tp_rank = divmod(rank, tp_size)
     a = dcp_size // pcp_size if pcp_size > 1 and dcp_size > 1 else dcp_size
     # new_group is collective: every rank creates every group, in the same order, and keeps its own.
-    tp_group: dist.ProcessGroup | None = dist.group.WORLD
+    tp_ranks: list[int] = list(range(world_size))
+    tp_group: dist.ProcessGroup | None = None  # the default group
+    pcp_ranks: list[int] = []
     pcp_group = dcp_group = None
+    dcp_ranks: list[int] = []
     if pcp_size > 1:
         for q in range(pcp_size):
-            group = dist.new_group(list(range(q * tp_size, (q + 1) * tp_size)))
+            members = list(range(q * tp_size, (q + 1) * tp_size))
+            group = dist.new_group(members)
             if q == pcp_rank:
-                tp_group = group
+                tp_group, tp_ranks = group, members
         for t in range(tp_size):
-            group = dist.new_group(list(range(t, world_size, tp_size)))
+            members = list(range(t, world_size, tp_size))
+            group = dist.new_group(members)
             if t == local_tp_rank:
-                pcp_group = group
+                pcp_group, pcp_ranks = group, members
     if dcp_size > 1:
         for start in range(0, tp_size, a):
             # Sorted world ranks: group rank q * a + u is TP rank start + u of PCP group q, its DCP rank.
-            group = dist.new_group([q * tp_size + start + u for q in range(dcp_size // a) for u in range(a)])
+            members = [q * tp_size + start + u for q in range(dcp_size // a) for u in range(a)]
+            group = dist.new_group(members)
             if start <= local_tp_rank < start + a:
-                dcp_group = group
+                dcp_group, dcp_ranks = group, members
+    device_type = "cuda" if backend == "nccl" else "cpu"
+
+    def collectives(name: str, members: list[int], group: dist.ProcessGroup | None) -> Collectives:
+        return group_collectives(store, name, members, rank, group, device_type, transport, timeout_s)
+
     return ParallelState(
         tp_size=tp_size,
         tp_rank=local_tp_rank,
         dcp_size=dcp_size,
         dcp_rank=(pcp_rank * a + local_tp_rank % a) if dcp_size > 1 else 0,
         num_kv_heads=num_kv_heads,
-        tp_group=tp_group if tp_size > 1 else None,
-        dcp_group=dcp_group,
+        tp_comm=collectives("tp", tp_ranks, tp_group) if tp_size > 1 else None,
+        dcp_comm=collectives("dcp", dcp_ranks, dcp_group) if dcp_size > 1 else None,
         pcp_size=pcp_size,
         pcp_rank=pcp_rank,
-        pcp_group=pcp_group,
+        pcp_comm=collectives("pcp", pcp_ranks, pcp_group) if pcp_size > 1 else None,
     )
 
 
 def destroy_parallel_state(state: ParallelState) -> None:
+    for comm in (state.tp_comm, state.dcp_comm, state.pcp_comm):
+        if comm is not None:
+            comm.close()
     if state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from dcpserve.kernels import dcp_local_seq_lens
+from dcpserve.kernels.collectives import Collectives
 
 
 @dataclass(frozen=True)
@@ -154,23 +154,22 @@ def split_metadata(full_slot_mapping: torch.Tensor, prefill_block_table: torch.T
     return own_slots, own_table, own_start_loc, own_context, max((s.length for s in own), default=0), metadata
 
 
-def gather_prefill_rows(x: torch.Tensor, num_decodes: int, rows_max: int, group: dist.ProcessGroup | None,
+def gather_prefill_rows(x: torch.Tensor, num_decodes: int, rows_max: int, pcp: Collectives | None,
                         pcp_size: int) -> torch.Tensor:
     """x [D + own prefill rows, ...] on every PCP peer -> [D + pcp * rows_max, ...] in the gathered layout (the
     decode rows are this rank's: every peer has the same), padding rows zero."""
-    if pcp_size == 1:
+    if pcp_size == 1 or pcp is None:
         return x
     padded = x.new_zeros((rows_max, *x.shape[1:]))
     padded[: x.shape[0] - num_decodes] = x[num_decodes:]
-    gathered = x.new_empty((pcp_size, rows_max, *x.shape[1:]))
-    dist.all_gather(list(gathered.unbind(0)), padded, group=group)
+    gathered = pcp.all_gather(padded)
     return torch.cat([x[:num_decodes], gathered.reshape(pcp_size * rows_max, *x.shape[1:])])
 
 
-def unsplit_rows(x: torch.Tensor, split: PcpSplit, group: dist.ProcessGroup | None) -> torch.Tensor:
+def unsplit_rows(x: torch.Tensor, split: PcpSplit, pcp: Collectives | None) -> torch.Tensor:
     """x [own rows, ...] on every PCP peer -> [the full step's rows, ...] on every peer (prompt logprobs read the
     hidden states of every prompt row)."""
-    gathered = gather_prefill_rows(x, split.num_decodes, split.rows_max, group, split.pcp_size)
+    gathered = gather_prefill_rows(x, split.num_decodes, split.rows_max, pcp, split.pcp_size)
     rows = torch.tensor(split.gathered_rows(), dtype=torch.int64, device=x.device)
     keep = (rows >= 0).nonzero()[:, 0]
     full = x.new_empty((split.num_decodes + sum(split.chunk_lens), *x.shape[1:]))

@@ -114,6 +114,7 @@ class RankWorker:
             backend="nccl" if use_cuda else "gloo",
             rendezvous=self.rendezvous,
             local_address=ray.util.get_node_ip_address(),
+            transport=parallel.rank_transport,
         )
         self.rendezvous = None
         self.runner = ModelRunner(self.config, self.parallel, device)
