@@ -71,7 +71,7 @@ class EngineArgs:
         "what carries the collectives between a replica's ranks (tp * pcp > 1): auto (NCCL on CUDA; on CPU shared "
         "memory when the ranks share a node, else gloo, falling back to gloo with a warning if shared memory "
         "cannot be set up) | shm (shared memory, refused where it cannot run) | gloo (torch.distributed: NCCL on "
-        "CUDA, gloo over TCP on CPU)"
+        "CUDA, gloo over TCP on CPU). Native backend only (vLLM picks its own)"
     )})
     dtype: str = field(default="auto", metadata={"help": (
         "weights and KV cache dtype: auto (the checkpoint's on CUDA, float32 on CPU) | float32 | float16 | bfloat16"
@@ -185,9 +185,6 @@ class EngineArgs:
         if self.rank_transport == "shm" and self.device == "cuda":
             raise ValueError("rank_transport='shm' carries CPU ranks only; CUDA ranks use NCCL: set rank_transport "
                              "to 'auto'")
-        if self.backend == "vllm" and self.rank_transport != "auto":
-            raise ValueError(f"rank_transport={self.rank_transport!r} is the native engine's; the vllm backend "
-                             f"chooses its own transport: leave rank_transport at 'auto'")
 
     # ---- the native engine's config ----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ NON_DEFAULT: dict[str, Any] = {
     "kv_headroom": 0.2,
     "device": "cpu",
     "enforce_eager": True,
+    "rank_transport": "gloo",
     "generation_config": "vllm",
     "trust_remote_code": True,
     "step_trace_path": "/tmp/steps.jsonl",
