@@ -9,8 +9,11 @@ Three transports, measured in alternating rounds on one local Ray instance so lo
 Each step is a pickled stand-in of a SchedulerOutput (per sequence: an id, one new token, its position, its block
 table and a dict of sampling parameters); rank 0 replies with one sampled token per sequence, the others with None.
 
+Then (first in the output) the collectives between the ranks, shared memory against gloo (bench/rank_collectives.py).
+
     python -m bench rank_transport               # tp=2
     python -m bench rank_transport --tp 4 --rounds 10
+    python -m bench rank_transport --collectives-only
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
+from bench.rank_collectives import measure, table
 from dcpserve.engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
 from dcpserve.local.tls import local_ray_tls
 
@@ -143,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2, help="echo ranks (default 2)")
     parser.add_argument("--rounds", type=int, default=20, help="alternating rounds of --steps steps per transport")
     parser.add_argument("--steps", type=int, default=25, help="steps per transport per round (default 25)")
+    parser.add_argument("--collectives-only", action="store_true",
+                        help="only the collectives section (shared memory vs gloo; no Ray)")
     args = parser.parse_args(argv)
+    print("\n".join(table(args.tp, measure(args.tp))))
+    if args.collectives_only:
+        return 0
     ray_dir = tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp")  # Ray's socket paths must stay short
     local_ray_tls(Path(ray_dir), print)  # mutual TLS with a CA of this instance's own (python -m bench prepared it)
     ray.init(address="local", num_cpus=max(8, args.tp), include_dashboard=False, log_to_driver=False,

@@ -268,10 +268,16 @@ class ShmCollectives:
                     np.add(out, slots[r][:length].view(np_dtype), out=out)
             else:  # bfloat16 (no numpy dtype), or half precision summed in fp32
                 parts = [torch.from_numpy(slots[r][:length]).view(x.dtype) for r in range(self.size)]
-                total = parts[0].float() if widen else parts[0].clone()
-                for part in parts[1:]:
-                    total += part
-                torch.from_numpy(data[start:start + length]).view(x.dtype).copy_(total)
+                target = torch.from_numpy(data[start:start + length]).view(x.dtype)
+                if widen:
+                    total = parts[0].float()
+                    for part in parts[1:]:
+                        total += part
+                    target.copy_(total)
+                else:
+                    torch.add(parts[0], parts[1], out=target)
+                    for part in parts[2:]:
+                        target += part
             self._end()
         return x
 

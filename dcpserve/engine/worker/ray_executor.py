@@ -121,7 +121,10 @@ class RankWorker:
         return self.runner.available_blocks()
 
     def allocate(self, num_blocks: int) -> None:
+        """Allocates this rank's KV cache, then captures the decode CUDA graphs over it (CUDA only: every rank of
+        the group captures the same batch sizes, their collectives included, in the same order)."""
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs()
 
     @ray.method(concurrency_group="steps")
     def serve_steps(self, address: tuple[str, int], authkey: bytes, connect_timeout_s: float) -> None:
