@@ -15,6 +15,7 @@ import dataclasses
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -70,6 +71,18 @@ class Job:
         return f"{self.name}{'_' + self.kernels if self.kernels else ''}{dtype}_rank{rank}.pt"
 
 
+class RankObserver(Protocol):
+    """What a test attaches to a rank's run (tests/engine/worker/collectives_recorder.py records every collective):
+    it may replace each job's ParallelState (before the model loads), hears of every step before its forward, and of
+    each job's end."""
+
+    def attach(self, parallel: ParallelState) -> ParallelState: ...
+
+    def step(self, num_decodes: int, num_prefill_tokens: int) -> None: ...
+
+    def job_done(self, job_name: str, world_rank: int) -> None: ...
+
+
 class PagedRunner:
     """Per-rank paged KV caches and the metadata construction of one step."""
 
@@ -81,6 +94,7 @@ class PagedRunner:
         num_blocks: int,
         interleave: int = 1,
         seed: int = 0,
+        observer: RankObserver | None = None,
     ) -> None:
         dtype = model.model.norm.weight.dtype
         device = model.model.norm.weight.device
@@ -91,6 +105,7 @@ class PagedRunner:
         self.num_blocks = num_blocks
         self.interleave = interleave
         self.device = device
+        self.observer = observer
         # Shuffled pages, identical on every rank: block tables are shared by the whole DCP group.
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -135,6 +150,8 @@ class PagedRunner:
         if any(n != 1 for _, n in decodes):
             raise AssertionError("a decode row schedules exactly one token")
         ordered = decodes + prefills
+        if self.observer is not None:
+            self.observer.step(len(decodes), sum(n for _, n in prefills))
         for seq, n in ordered:
             self._allocate(seq, seq.num_computed + n)
         metadata = self.build_metadata(ordered, len(decodes))
@@ -203,10 +220,10 @@ def free_port() -> int:
 
 def run_rank(
     rank: int, tp: int, dcp: int, interleave: int, port: int, jobs: list[Job], out_dir: str, block_size: int,
-    pcp: int = 1,
+    pcp: int = 1, observer: RankObserver | None = None,
 ) -> None:
     """Body of one spawned rank (of tp * pcp): joins the gloo group, runs every job, saves tokens and logits per
-    job."""
+    job; `observer` (a copy per rank) watches every job."""
     torch.set_num_threads(1)
     first = ModelConfig.from_pretrained(jobs[0].model_dir)
     # 300 s: a rank of a 32k-token scenario waits that long for its peers' prefill chunks (long_context.py)
@@ -217,7 +234,7 @@ def run_rank(
             config = ModelConfig.from_pretrained(job.model_dir)
             # The process groups do not depend on the model; only which KV head this rank holds does.
             parallel = dataclasses.replace(base, num_kv_heads=config.num_key_value_heads)
-            run_job(job, config, parallel, interleave, Path(out_dir), block_size)
+            run_job(job, config, parallel, interleave, Path(out_dir), block_size, observer)
         # Nobody tears down its gloo pairs while a peer may still be reading from them (that aborts the peer).
         torch.distributed.barrier()
     finally:
@@ -225,10 +242,13 @@ def run_rank(
 
 
 def run_job(
-    job: Job, config: ModelConfig, parallel: ParallelState, interleave: int, out_dir: Path, block_size: int
+    job: Job, config: ModelConfig, parallel: ParallelState, interleave: int, out_dir: Path, block_size: int,
+    observer: RankObserver | None = None,
 ) -> dict[str, list]:
     """Loads the checkpoint for this rank, generates every scenario, saves and returns tokens, logits and the
-    attention kernels that ran."""
+    attention kernels that ran. `observer` (RankObserver) sees the job's collectives and steps."""
+    if observer is not None:
+        parallel = observer.attach(parallel)
     model = load_model(job.model_dir, config, parallel, getattr(torch, job.dtype), torch.device(job.device))
     attention = [module for module in model.modules() if isinstance(module, Attention)]
     if job.kernels is not None:
@@ -238,9 +258,11 @@ def run_job(
     results: dict[str, list] = {"tokens": [], "logits": [], "kernels": sorted({m.kernels for m in attention})}
     for scenario in job.scenarios:
         pages = pages_needed(scenario, block_size, parallel.dcp_size)
-        runner = PagedRunner(model, parallel, block_size, num_blocks=pages, interleave=interleave)
+        runner = PagedRunner(model, parallel, block_size, num_blocks=pages, interleave=interleave, observer=observer)
         for seq in runner.generate(scenario):
             results["tokens"].append(seq.generated)
             results["logits"].append(torch.stack(seq.logits))
     torch.save(results, out_dir / job.result_file(parallel.world_rank))
+    if observer is not None:
+        observer.job_done(job.name, parallel.world_rank)
     return results

@@ -61,7 +61,8 @@ class DcpAttentionExchange:
         if self.world_size == 1:
             return q
         num_tokens, heads, head_dim = q.shape
-        gathered = self.collectives.all_gather(q)
+        # q is often a strided view of the fused QKV output: copied once here, as NCCL needs a contiguous buffer
+        gathered = self.collectives.all_gather(q.contiguous())
         return gathered.permute(1, 0, 2, 3).reshape(num_tokens, self.world_size * heads, head_dim)
 
     def combine(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
