@@ -119,8 +119,7 @@ class EngineArgs:
         "cuda or cpu (default: cuda where available)"
     )})
     enforce_eager: bool = field(default=False, metadata={"help": (
-        "run every decode step eagerly: no CUDA graph capture at start (CUDA only; tp > 1 and MoE models run "
-        "eagerly anyway for now)"
+        "run every decode step eagerly: no CUDA graph capture at start (CUDA only)"
     )})
     generation_config: Literal["auto", "vllm"] = field(default="auto", metadata={"help": (
         "auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, penalties, "

@@ -19,7 +19,6 @@ from dcpserve.engine.config import EngineConfig
 from dcpserve.engine.core.block_manager import blocks_needed, num_blocks_for_budget
 from dcpserve.engine.core.outputs import ModelRunnerOutput
 from dcpserve.engine.core.step import ScheduledRequest, SchedulerOutput
-from dcpserve.engine.layers.moe import DeepseekMoE
 from dcpserve.engine.protocol import TokenLogprob
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.worker.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
@@ -137,39 +136,61 @@ class ModelRunner:
         self.kv_caches = self.model.kv_cache_spec.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
 
-    def capture_decode_graphs(self, capture: Capture | None = None) -> None:
+    def capture_decode_graphs(self, capture: Capture | None = None, safety_check: bool | None = None) -> None:
         """Captures the decode forward in CUDA graphs (dcpserve/engine/worker/cuda_graphs.py), once the final KV cache
-        is allocated (the graphs hold its addresses). Off with enforce_eager, off CUDA (unless a `capture` is given: the
-        tests emulate one on CPU), at tp > 1 and for models with MoE layers. A capture that fails, or whose replay
-        disagrees with the eager forward, logs the error and leaves decode eager."""
+        is allocated (the graphs hold its addresses). Off with enforce_eager and off CUDA (unless a `capture` is
+        given: the tests emulate one on CPU). At tp * pcp > 1 every rank of the group must call it together, right
+        after allocate_kv_cache (the captures run the forward's collectives, in the same order on every rank: the
+        sizes are the config's, the same on every rank). safety_check (None: on CUDA) runs each size's capture
+        under the capture-safety check (dcpserve/engine/worker/capture_safety.py; on CPU only the Triton kernels pass
+        it, the fused CPU ones read lengths back by design). A capture that fails, or whose replay disagrees with
+        the eager forward, logs the error and leaves decode eager, on every rank of the group (they agree at the
+        end, `_every_rank_captured`)."""
         self.decode_graphs = None
         why_not = None
         if self.config.enforce_eager:
             why_not = "enforce_eager is set"
         elif self.device.type != "cuda" and capture is None:
             why_not = f"the device is {self.device.type}"
-        elif self.parallel.world_size > 1:
-            why_not = "tp * pcp > 1 (the TP / DCP / PCP collectives inside a graph are not validated yet)"
-        elif any(isinstance(module, DeepseekMoE) for module in self.model.modules()):
-            why_not = "the model has MoE layers (their expert loop reads the routing back to the host)"
         if why_not is not None:
             # On CPU eager is the only mode: not worth an INFO line at every start.
             logger.log(logging.DEBUG if self.device.type != "cuda" else logging.INFO, "decode runs eagerly: %s",
                        why_not)
             return
         sizes = [size for size in DECODE_GRAPH_SIZES if size <= self.config.scheduler.max_num_seqs]
+        graphs: DecodeGraphs | None = None
+        failure: Exception | None = None
         try:
             with torch.inference_mode():
-                self.decode_graphs = DecodeGraphs(
+                graphs = DecodeGraphs(
                     self.model, self.kv_caches, self.config.model_config.vocab_size, self.batch.max_blocks_per_seq,
                     self.device, capture if capture is not None else cuda_capture(), sizes or [1],
+                    safety_check=self.device.type == "cuda" if safety_check is None else safety_check,
                 )
         except Exception as err:  # noqa: BLE001 - eager decode is always right; the error is logged
-            logger.error("CUDA graph capture of decode failed, decode runs eagerly (set enforce_eager to skip the "
-                         "capture): %r", err)
-            self.decode_graphs = None
+            failure = err
+        if failure is not None:
+            logger.error("CUDA graph capture of decode failed on rank %d, decode runs eagerly (set enforce_eager to "
+                         "skip the capture): %s", self.parallel.world_rank, failure)
+        if not self._every_rank_captured(failure is None):
+            if failure is None:
+                logger.error("CUDA graph capture of decode failed on another rank of the group: decode runs eagerly "
+                             "on every rank")
             return
-        logger.info("decode CUDA graphs captured for batch sizes %s", self.decode_graphs.sizes)
+        self.decode_graphs = graphs
+        logger.info("decode CUDA graphs captured for batch sizes %s", sizes or [1])
+
+    def _every_rank_captured(self, captured: bool) -> bool:
+        """Whether every rank of the group captured (one sum over the TP group, then over the PCP peers): a graph
+        holding a collective may only be replayed while every rank of that collective replays its own (NCCL's
+        rule), so the group serves from graphs on all ranks or on none. True at tp = pcp = 1 without a collective."""
+        if self.parallel.world_size == 1:
+            return captured
+        failed = torch.tensor([0.0 if captured else 1.0], device=self.device)
+        failed = self.parallel.all_reduce(failed)
+        if self.parallel.pcp_comm is not None:
+            failed = self.parallel.pcp_comm.all_reduce(failed)
+        return float(failed) == 0.0
 
     def _zero_pages(self, pages: list[int]) -> None:
         """Zeroes these pages of every layer's K and V cache (on this rank)."""

@@ -28,7 +28,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llm(tiny: Path, **kwargs: object) -> LLM:
-    return LLM(tiny, block_size=8, max_num_seqs=16, kv_cache_memory_bytes=4 << 20, **kwargs)
+    # On CPU whatever the machine: the engine's default device is CUDA where there is one, and there it captures
+    # real graphs at start (test_cuda_graphs_on_the_device), which these tests of the emulated contract do not expect.
+    return LLM(tiny, block_size=8, max_num_seqs=16, kv_cache_memory_bytes=4 << 20, device="cpu", **kwargs)
 
 
 def _capture(llm: LLM, sizes: tuple[int, ...] = SIZES, capture: Capture = emulated_capture) -> None:
@@ -126,27 +128,36 @@ def test_enforce_eager_skips_the_capture(tiny: Path) -> None:
         assert runner.decode_graphs is None
 
 
+# CUDA: a padded batch runs the real rows through GEMMs of another shape than eager's (8 rows for 7), which cuBLAS
+# may sum in another order: the same token, or a near-tie (top-2 logprobs of eager's step this close) it may flip.
+NEAR_TIE = 1e-3
+
+
 def test_cuda_graphs_on_the_device(tiny: Path) -> None:
-    """On CUDA the engine captures real graphs at start; greedy tokens equal an enforce_eager engine's."""
+    """On CUDA the engine captures real graphs at start; greedy tokens equal an enforce_eager engine's up to the
+    first near-tie (after it the sequences differ, so the rest is not compared), and the step that replays is
+    most steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     prompts, params = _workload()
-    params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
-    with LLM(tiny, device="cuda", enforce_eager=True) as eager:
+    params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, logprobs=2) for p in params]
+    with LLM(tiny, device="cuda", enforce_eager=True, max_num_seqs=16, kv_cache_memory_bytes=64 << 20) as eager:
+        assert runner_of(eager).decode_graphs is None
         expected = eager.generate(prompt_token_ids=prompts, sampling_params=params)
-    with LLM(tiny, device="cuda") as graphed:
+    with LLM(tiny, device="cuda", max_num_seqs=16, kv_cache_memory_bytes=64 << 20) as graphed:
         graphs = runner_of(graphed).decode_graphs
-        assert graphs is not None
+        assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
         got = graphed.generate(prompt_token_ids=prompts, sampling_params=params)
         assert graphs.replays > 0
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-
-
-def test_moe_models_stay_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The MoE layers' expert loop reads the routing back to the host, which a graph cannot replay."""
-    from dcpserve.cluster.tiny_model import write_tiny_mla_model
-
-    with LLM(write_tiny_mla_model(tmp_path / "mla", seed=0), kv_cache_memory_bytes=1 << 20) as llm:
-        with caplog.at_level(logging.DEBUG, logger="dcpserve.engine.worker.model_runner"):
-            runner_of(llm).capture_decode_graphs(emulated_capture)
-        assert runner_of(llm).decode_graphs is None and "MoE layers" in caplog.text
+    compared = 0
+    for want, have in zip(expected, got, strict=True):
+        want_tokens, have_tokens = want.outputs[0].token_ids, have.outputs[0].token_ids
+        assert len(have_tokens) == len(want_tokens)
+        assert want.outputs[0].logprobs is not None
+        for i, (a, b) in enumerate(zip(want_tokens, have_tokens, strict=True)):
+            if a != b:
+                top = want.outputs[0].logprobs[i].top
+                assert b in dict(top) and abs(top[0][1] - dict(top)[b]) <= NEAR_TIE, (i, a, b, top)
+                break
+            compared += 1
+    assert compared >= sum(len(o.outputs[0].token_ids) for o in expected) // 2
