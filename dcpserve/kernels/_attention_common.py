@@ -119,9 +119,21 @@ def head_block_size(group: int, block_dv: int) -> int:
     return max(MIN_TILE, min(int(triton.next_power_of_2(group)), limit))
 
 
-def default_block_n(block_dv: int = 0) -> int:
+# What the launchers pass Triton for every attention kernel: its CUDA defaults, written down so that the launch
+# configurations (dcpserve/kernels/launch_configs.py) compile exactly what runs.
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def use_cuda_tiles(cuda_tiles: bool | None) -> bool:
+    """The tile sizes to pick: CUDA's (True) or the interpreter's smaller ones (False); None: CUDA's unless the
+    interpreter runs. Tests pass True to run the interpreter at the GPU's tile sizes."""
+    return not triton_interpreting() if cuda_tiles is None else cuda_tiles
+
+
+def default_block_n(block_dv: int = 0, cuda_tiles: bool | None = None) -> int:
     """Keys per tile: smaller for wide heads (the [BLOCK_N, 512] tiles of MLA) and under the interpreter."""
-    if triton_interpreting():
+    if not use_cuda_tiles(cuda_tiles):
         return 32
     return 32 if block_dv >= 256 else 64
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dcpserve.kernels._attention_common import output_buffers
+from dcpserve.kernels._attention_common import NUM_STAGES, NUM_WARPS, output_buffers
 from dcpserve.kernels._triton import jit, require_triton_device, tl, triton
 
 
@@ -75,13 +75,17 @@ def _combine_lse_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its
     BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)
-    seq = row // num_heads
+    # Offsets past 2^31 elements (128 heads x dcp 8 x a long chunk, launch_configs.OFFSET_AUDIT): seq is int64, and
+    # the parts are reached by advancing 64-bit pointers, never by an int32 product n * stride.
+    seq = (row // num_heads).to(tl.int64)
     head = row % num_heads
     lse_base = lses_ptr + seq * stride_lses_s + head * stride_lses_h
     # Pass 1: the max over shards, ignoring NaN / +inf (treated as empty).
     max_lse = float("-inf")
-    for n in range(0, num_parts):
-        part = tl.load(lse_base + n * stride_lses_n).to(tl.float32)
+    lse_part = lse_base
+    for _ in range(0, num_parts):
+        part = tl.load(lse_part).to(tl.float32)
+        lse_part += stride_lses_n
         part = tl.where((part != part) | (part == float("inf")), float("-inf"), part)
         max_lse = tl.maximum(max_lse, part)
     safe_max = tl.where(max_lse == float("-inf"), 0.0, max_lse)
@@ -90,15 +94,15 @@ def _combine_lse_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its
     mask = d < head_dim
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     total = 0.0
-    for n in range(0, num_parts):
-        part = tl.load(lse_base + n * stride_lses_n).to(tl.float32)
+    lse_part = lse_base
+    out_part = outs_ptr + seq * stride_outs_s + head * stride_outs_h + d
+    for _ in range(0, num_parts):
+        part = tl.load(lse_part).to(tl.float32)
+        lse_part += stride_lses_n
         part = tl.where((part != part) | (part == float("inf")), float("-inf"), part)
         weight = tl.exp(part - safe_max)
-        o = tl.load(
-            outs_ptr + n * stride_outs_n + seq * stride_outs_s + head * stride_outs_h + d,
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
+        o = tl.load(out_part, mask=mask, other=0.0).to(tl.float32)
+        out_part += stride_outs_n
         # An empty shard's out may be garbage (even NaN): select, never multiply it in.
         acc += tl.where(weight > 0, weight * o, 0.0)
         total += weight
@@ -107,6 +111,11 @@ def _combine_lse_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its
     combined = tl.where(valid, safe_max + tl.log(tl.where(valid, total, 1.0)), float("-inf"))
     tl.store(out_ptr + seq * stride_out_s + head * stride_out_h + d, result.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + seq * stride_lse_s + head * stride_lse_h, combined)
+
+
+def combine_block_d(head_dim: int) -> int:
+    """The combine kernel's one tile of channels: a head's, rounded up to a power of two."""
+    return int(triton.next_power_of_2(head_dim))
 
 
 def combine_lse_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -135,7 +144,9 @@ def combine_lse_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, 
         out.stride(1),
         lse.stride(0),
         lse.stride(1),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=combine_block_d(head_dim),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
 
 

@@ -13,9 +13,14 @@ v_cache None makes the key cache that source. The output is [.., v_head_dim].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dcpserve.kernels._attention_common import (
+    NUM_STAGES,
+    NUM_WARPS,
+    ChannelTiles,
     channel_tiles,
     check_lengths,
     check_paged_cache,
@@ -34,6 +39,27 @@ from dcpserve.kernels._triton import jit, require_triton_device, tl, triton, tri
 from dcpserve.kernels.combine import combine_lse_into
 
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """What the decode launcher picks for one head shape: the channel tiles, the query heads one program packs
+    (block_g, head_blocks such blocks per KV head), the keys per tile, and Triton's num_warps / num_stages."""
+
+    channels: ChannelTiles
+    block_g: int
+    head_blocks: int
+    block_n: int
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+
+def decode_tiles(group: int, head_dim: int, v_head_dim: int, cuda_tiles: bool | None = None) -> DecodeTiles:
+    """The decode kernel's tiles for `group` query heads per KV head of head_dim key / v_head_dim value channels;
+    cuda_tiles as in use_cuda_tiles (None: the device's choice)."""
+    channels = channel_tiles(head_dim, v_head_dim)
+    block_g = head_block_size(group, channels.block_dv)
+    return DecodeTiles(channels, block_g, triton.cdiv(group, block_g), default_block_n(channels.block_dv, cuda_tiles))
 
 
 def _check_decode_args(
@@ -150,7 +176,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: it
     block_size: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)  # int64: its products with the strides are element offsets
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
@@ -176,7 +202,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: it
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt_s
+    table_row = block_table_ptr + seq * stride_bt_s
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
@@ -201,22 +227,33 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: it
         s = tile_scores(q_v, k_v, q_r, k_r, scale, HAS_REST, DOT_PRECISION)
         m_i, l_i, acc = online_softmax_step(s, v, token_mask[None, :], m_i, l_i, acc, DOT_PRECISION)
     out, lse = finish_softmax(m_i, l_i, acc)
+    part = split.to(tl.int64)
     tl.store(
-        part_out_ptr + split * stride_po_p + seq * stride_po_s + q_heads[:, None] * stride_po_h + dv[None, :],
+        part_out_ptr + part * stride_po_p + seq * stride_po_s + q_heads[:, None] * stride_po_h + dv[None, :],
         out,
         mask=g_mask[:, None] & dv_mask[None, :],
     )
-    tl.store(part_lse_ptr + split * stride_pl_p + seq * stride_pl_s + q_heads * stride_pl_h, lse, mask=g_mask)
+    tl.store(part_lse_ptr + part * stride_pl_p + seq * stride_pl_s + q_heads * stride_pl_h, lse, mask=g_mask)
+
+
+def num_splits_for(programs: int, target_programs: int) -> int:
+    """Context splits per sequence so that `programs` (sequences x KV heads) times the splits reach target_programs,
+    at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, -(-target_programs // max(1, programs))))
+
+
+def split_target(multi_processor_count: int) -> int:
+    """Programs that fill a GPU of this many SMs about twice."""
+    return 2 * multi_processor_count
 
 
 def default_num_splits(q: torch.Tensor, num_kv_heads: int) -> int:
     """Enough programs to fill the device about twice (fixed by batch shape, so no host sync on lengths)."""
-    programs = max(1, q.shape[0] * num_kv_heads)
     if q.is_cuda:
-        target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count
+        target = split_target(torch.cuda.get_device_properties(q.device).multi_processor_count)
     else:
         target = 8 if triton_interpreting() else 1
-    return max(1, min(MAX_SPLITS, -(-target // programs)))
+    return num_splits_for(q.shape[0] * num_kv_heads, target)
 
 
 def paged_decode_attention_split(
@@ -231,8 +268,10 @@ def paged_decode_attention_split(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     v_head_dim: int | None = None,
+    cuda_tiles: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_decode_attention with an explicit number of context splits per sequence (tests and tuning)."""
+    """paged_decode_attention with an explicit number of context splits per sequence (tests and tuning).
+    cuda_tiles: True picks the tile sizes CUDA runs even under the interpreter (decode_tiles)."""
     value_dim = _check_decode_args(q, k_cache, v_cache, block_table, local_seq_lens, v_head_dim)
     require_triton_device(q, k_cache, v_cache, block_table, local_seq_lens)
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -248,12 +287,10 @@ def paged_decode_attention_split(
         return out, lse
     part_out = torch.empty((num_splits, num_seqs, num_q_heads, value_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_splits, num_seqs, num_q_heads), dtype=torch.float32, device=q.device)
-    tiles = channel_tiles(head_dim, value_dim)
-    block_g = head_block_size(group, tiles.block_dv)
-    head_blocks = triton.cdiv(group, block_g)
+    tiles = decode_tiles(group, head_dim, value_dim, cuda_tiles)
     shared = shares_values(k_cache, v_cache)
     values = k_cache if v_cache is None else v_cache
-    _paged_decode_kernel[(num_seqs, num_kv_heads * head_blocks, num_splits)](
+    _paged_decode_kernel[(num_seqs, num_kv_heads * tiles.head_blocks, num_splits)](
         q,
         k_cache,
         values,
@@ -281,15 +318,17 @@ def paged_decode_attention_split(
         part_lse.stride(1),
         part_lse.stride(2),
         GROUP=group,
-        HEAD_BLOCKS=head_blocks,
-        BLOCK_G=block_g,
-        BLOCK_N=default_block_n(tiles.block_dv),
-        BLOCK_DV=tiles.block_dv,
-        BLOCK_DR=tiles.block_dr,
-        HAS_REST=tiles.has_rest,
+        HEAD_BLOCKS=tiles.head_blocks,
+        BLOCK_G=tiles.block_g,
+        BLOCK_N=tiles.block_n,
+        BLOCK_DV=tiles.channels.block_dv,
+        BLOCK_DR=tiles.channels.block_dr,
+        HAS_REST=tiles.channels.has_rest,
         SHARED_KV=shared,
         block_size=block_size,
         DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     combine_lse_into(part_out, part_lse, out, lse)
     return out, lse
@@ -307,7 +346,8 @@ def paged_decode_attention(
     lse_out: torch.Tensor | None = None,
     v_head_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton paged decode attention (same contract as paged_decode_attention_ref)."""
+    """Triton paged decode attention (same contract as paged_decode_attention_ref; the tiles CUDA runs at, on the
+    interpreter: paged_decode_attention_split with cuda_tiles=True)."""
     num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 1
     num_splits = default_num_splits(q, num_kv_heads)
     return paged_decode_attention_split(

@@ -11,10 +11,12 @@ reduction). `fp8_block_gemm_ref` is the same contract in plain torch: dequantize
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from dcpserve.kernels._attention_common import MIN_TILE, dot_precision
+from dcpserve.kernels._attention_common import MIN_TILE, NUM_STAGES, NUM_WARPS, dot_precision
 from dcpserve.kernels._triton import jit, require_triton_device, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -137,8 +139,11 @@ def _fp8_block_gemm_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: 
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]: W^T's tile
+    # int64 rows and columns: M * K, M * N and N * K elements can pass 2^31 (launch_configs.OFFSET_AUDIT).
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]: W^T's tile
     scale_ptrs = scale_ptr + (offs_n // QUANT_BLOCK_N) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -151,7 +156,7 @@ def _fp8_block_gemm_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: 
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -166,6 +171,24 @@ def _tile_k(block_k: int) -> int:
             f"use fp8_block_gemm_ref (or dequantize_fp8_block + F.linear) for this block size"
         )
     return tile
+
+
+@dataclass(frozen=True)
+class Fp8GemmTiles:
+    """What fp8_block_gemm's launcher picks: the output tile [block_m, block_n], the reduction step block_k, and
+    Triton's num_warps / num_stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+
+def fp8_gemm_tiles(m: int, quant_block_k: int) -> Fp8GemmTiles:
+    """The tiles for m rows of activations and weight blocks quant_block_k wide (_tile_k)."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return Fp8GemmTiles(block_m, 64, _tile_k(quant_block_k))
 
 
 def fp8_block_gemm(
@@ -193,14 +216,14 @@ def fp8_block_gemm(
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], n)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n, block_k = 64, _tile_k(block[1])
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tiles = fp8_gemm_tiles(m, block[1])
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _fp8_block_gemm_kernel[grid](
         x2, weight, scale_inv, bias if bias is not None else x2, out, m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale_inv.stride(0), scale_inv.stride(1),
         out.stride(0), out.stride(1),
         QUANT_BLOCK_N=block[0], QUANT_BLOCK_K=block[1], HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out.view(*x.shape[:-1], n)

@@ -20,10 +20,14 @@ Tokens of all sequences are packed: query_start_loc [num_seqs + 1] gives each se
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from dcpserve.kernels._attention_common import (
+    NUM_STAGES,
+    NUM_WARPS,
+    ChannelTiles,
     channel_tiles,
     check_lengths,
     check_paged_cache,
@@ -37,8 +41,33 @@ from dcpserve.kernels._attention_common import (
     output_buffers,
     shares_values,
     tile_scores,
+    use_cuda_tiles,
 )
-from dcpserve.kernels._triton import jit, require_triton_device, tl, triton, triton_interpreting
+from dcpserve.kernels._triton import jit, require_triton_device, tl, triton
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """What the prefill launcher picks for one head shape: the channel tiles, the query rows (block_m) and keys
+    (block_n) per tile, and Triton's num_warps / num_stages (8 warps at MLA's widths: with 4, ptxas spills some 450
+    bytes a thread on sm_90 and sm_100, tests/kernels/test_compile_targets.py)."""
+
+    channels: ChannelTiles
+    block_m: int
+    block_n: int
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+
+def prefill_tiles(head_dim: int, v_head_dim: int, cuda_tiles: bool | None = None) -> PrefillTiles:
+    """The prefill kernel's tiles for head_dim key / v_head_dim value channels; cuda_tiles as in use_cuda_tiles
+    (None: the device's choice). Wide heads (MLA's 512-value latent) keep the [BLOCK_M, BLOCK_DV] fp32 accumulator
+    within registers."""
+    channels = channel_tiles(head_dim, v_head_dim)
+    wide = channels.block_dv >= 256
+    block_m = 16 if not use_cuda_tiles(cuda_tiles) or wide else 64
+    return PrefillTiles(channels, block_m, default_block_n(channels.block_dv, cuda_tiles),
+                        num_warps=2 * NUM_WARPS if wide else NUM_WARPS)
 
 
 def _check_prefill_args(
@@ -298,8 +327,10 @@ def paged_prefill_attention(
     lse_out: torch.Tensor | None = None,
     validate: bool = True,
     v_head_dim: int | None = None,
+    cuda_tiles: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton paged prefill attention (same contract as paged_prefill_attention_ref).
+    """Triton paged prefill attention (same contract as paged_prefill_attention_ref; cuda_tiles: True picks the
+    tile sizes CUDA runs even under the interpreter, prefill_tiles).
 
     max_query_len sizes the grid; pass it from the scheduler to avoid a device-to-host sync. validate=False skips
     the checks of query_start_loc's and context_lens' values (shapes and dtypes are always checked): they read the
@@ -318,9 +349,7 @@ def paged_prefill_attention(
         return out, lse
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    tiles = channel_tiles(head_dim, value_dim)
-    # Wide heads (MLA's 512-value latent) keep the [BLOCK_M, BLOCK_DV] fp32 accumulator within registers.
-    block_m = 16 if triton_interpreting() or tiles.block_dv >= 256 else 64
+    tiles = prefill_tiles(head_dim, value_dim, cuda_tiles)
     has_new = key is not None
     # One tile for keys and values only where both the cached and the new values are the keys' own memory.
     shared = shares_values(k_cache, v_cache) and (key is None or shares_values(key, value))
@@ -328,7 +357,7 @@ def paged_prefill_attention(
     # Placeholders keep the launch signature fixed; HAS_NEW=False never reads them, nor SHARED_KV the values.
     key_arg = key if key is not None else q
     value_arg = value if value is not None else key_arg
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_q_heads)
+    grid = (num_seqs, triton.cdiv(max_query_len, tiles.block_m), num_q_heads)
     _paged_prefill_kernel[grid](
         q,
         key_arg,
@@ -362,13 +391,15 @@ def paged_prefill_attention(
         lse.stride(1),
         GROUP=num_q_heads // num_kv_heads,
         HAS_NEW=has_new,
-        BLOCK_M=block_m,
-        BLOCK_N=default_block_n(tiles.block_dv),
-        BLOCK_DV=tiles.block_dv,
-        BLOCK_DR=tiles.block_dr,
-        HAS_REST=tiles.has_rest,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_DV=tiles.channels.block_dv,
+        BLOCK_DR=tiles.channels.block_dr,
+        HAS_REST=tiles.channels.has_rest,
         SHARED_KV=shared,
         block_size=block_size,
         DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out, lse

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from dcpserve.kernels._attention_common import NUM_STAGES, NUM_WARPS
 from dcpserve.kernels._triton import jit, require_triton_device, tl, triton
+
+STORE_BLOCK_T = 16  # tokens per program
+
+
+def store_block_d(head_dim: int) -> int:
+    """The store kernel's one tile of channels: a head's, rounded up to a power of two."""
+    return int(triton.next_power_of_2(head_dim))
 
 
 def _check_store_args(
@@ -141,8 +149,7 @@ def store_kv(
     # Placeholders keep the launch signature fixed; HAS_VALUE=False never reads them.
     value_arg = value if value is not None else key
     v_cache_arg = v_cache if v_cache is not None else k_cache
-    block_t = 16
-    grid = (triton.cdiv(num_tokens, block_t), num_kv_heads)
+    grid = (triton.cdiv(num_tokens, STORE_BLOCK_T), num_kv_heads)
     _store_kv_kernel[grid](
         key,
         value_arg,
@@ -162,7 +169,9 @@ def store_kv(
         v_cache_arg.stride(1),
         v_cache_arg.stride(2),
         block_size=k_cache.shape[1],
-        BLOCK_T=block_t,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_T=STORE_BLOCK_T,
+        BLOCK_D=store_block_d(head_dim),
         HAS_VALUE=has_value,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
