@@ -21,6 +21,7 @@ out); execute() raises WorkerGroupError, and so does every later execute() and c
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import selectors
@@ -44,6 +45,8 @@ from dcpserve.engine.config import EngineConfig
 from dcpserve.engine.core.outputs import ModelRunnerOutput
 from dcpserve.engine.core.step import SchedulerOutput
 from dcpserve.engine.worker.rank_channel import ChannelListener, FrameSocket, connect_rank
+
+logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0  # check_health: a rank that does not answer a ping within this is reported (Serve: 30 s)
 LIVENESS_PERIOD_S = 1.0  # a step without replies for this long checks that every rank's step loop still runs
@@ -117,6 +120,9 @@ class RankWorker:
             transport=parallel.rank_transport,
         )
         self.rendezvous = None
+        if self.rank == 0:
+            logger.info("the ranks' collectives: %s", ", ".join(f"{group} over {transport}" for group, transport
+                                                                in self.parallel.transports.items()))
         self.runner = ModelRunner(self.config, self.parallel, device)
         return self.runner.available_blocks()
 

@@ -1,7 +1,8 @@
 """The Ray worker group's step channel under faults and large steps, on a real local Ray cluster (logical GPUs, CPU
-ranks over gloo): a rank that raises or is SIGKILLed mid-step fails the step at once (never a hang) and the group
-reports itself dead; health answers during a step; AsyncEngine turns the failure into an error on every stream; a
-16k-token prompt with prompt logprobs (replies of ~0.4 MB per step) equals the in-process engine's."""
+ranks trading their collectives over shared memory): a rank that raises or is SIGKILLed mid-step fails the step at
+once (never a hang) and the group reports itself dead; health answers during a step; AsyncEngine turns the failure
+into an error on every stream; a 16k-token prompt with prompt logprobs (replies of ~0.4 MB per step) equals the
+in-process engine's."""
 
 from __future__ import annotations
 
@@ -98,6 +99,15 @@ def _assert_dead(group: RayWorkerGroup, reason: str) -> None:
     with pytest.raises(WorkerGroupError, match=reason):
         group.execute(object())  # type: ignore[arg-type]  # never sent: the group is dead
     assert time.monotonic() - start < 1.0
+
+
+def _transports(worker: Any) -> dict[str, str]:
+    return dict(worker.parallel.transports)
+
+
+def test_the_ranks_of_one_node_trade_their_collectives_over_shared_memory(llm: LLM) -> None:
+    group = worker_group_of(llm)
+    assert [_on_rank(group, rank, _transports) for rank in range(2)] == [{"tp": "shm", "dcp": "shm"}] * 2
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
