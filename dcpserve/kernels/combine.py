@@ -53,6 +53,33 @@ def combine_lse_ref(
     return out, lse_out
 
 
+def combine_lse_cpu(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """combine_lse_ref's result, bit for bit, in half its torch ops (the CPU engine's merge: a decode step of a small
+    model is op overhead, and DCP merges once per layer). Where the reference selects, this one clamps:
+    - an empty shard's lse (NaN or +inf) becomes -inf (nan_to_num);
+    - with every shard empty the max is -inf, clamped to the float range, so the weights exp(lse - max) are all 0;
+    - the weights' sum is >= 1 whenever a shard is not empty (the largest weighs exp(0)), so clamping it to 1 changes
+      nothing then and keeps 0 / 0 from the all-empty rows, whose lse is then max + log(0) = -inf."""
+    _check_combine_args(outs, lses)
+    out, lse_out = output_buffers(outs[0], outs.shape[2], out, lse_out)
+    neg_inf = float("-inf")
+    lse = lses.float().nan_to_num(nan=neg_inf, posinf=neg_inf, neginf=neg_inf)  # (its default makes -inf finite)
+    safe_max = lse.amax(dim=0).clamp_(min=torch.finfo(torch.float32).min)
+    weights = (lse - safe_max).exp_()  # [N, S, H]; exactly 0 for empty shards
+    total = weights.sum(dim=0)
+    lse_out.copy_(total.log().add_(safe_max))
+    scale = (weights / total.clamp(min=1.0))[..., None]
+    # An empty shard's out may be garbage (even NaN): selected away, never multiplied in.
+    out.copy_(torch.where(scale > 0, scale * outs.float(), 0.0).sum(dim=0))
+    return out, lse_out
+
+
 @jit
 def _combine_lse_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     outs_ptr,

@@ -27,7 +27,10 @@ from dcpserve.kernels.combine import combine_lse, combine_lse_ref
 ExchangeMethod = Literal["all_to_all", "all_gather"]
 
 
-def combine_fn_for(use_triton: bool | None, t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+CombineFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # combine_lse's signature (outs, lses) -> (out, lse)
+
+
+def combine_fn_for(use_triton: bool | None, t: torch.Tensor) -> CombineFn:
     """combine_lse (Triton) or combine_lse_ref; None: Triton where it runs for t (CUDA, or the interpreter)."""
     if use_triton is None:
         use_triton = HAS_TRITON and (t.is_cuda or triton_interpreting())
@@ -42,6 +45,7 @@ class DcpAttentionExchange:
         collectives: Collectives,
         method: ExchangeMethod = "all_to_all",
         use_triton: bool | None = None,
+        combine: CombineFn | None = None,
     ) -> None:
         if method not in ("all_to_all", "all_gather"):
             raise ValueError(f"method must be 'all_to_all' or 'all_gather', got {method!r}")
@@ -50,9 +54,10 @@ class DcpAttentionExchange:
         self.world_size = collectives.size
         self.rank = collectives.rank
         self.use_triton = use_triton
+        self.combine_fn = combine  # None: combine_fn_for(use_triton)
 
-    def _combine_fn(self, t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        return combine_fn_for(self.use_triton, t)
+    def _combine_fn(self, t: torch.Tensor) -> CombineFn:
+        return self.combine_fn if self.combine_fn is not None else combine_fn_for(self.use_triton, t)
 
     def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [num_tokens, heads_per_rank, head_dim] -> [num_tokens, dcp_size * heads_per_rank, head_dim]."""
@@ -108,7 +113,7 @@ class PcpAttentionExchange:
     """
 
     def __init__(self, collectives: Collectives, heads_ranks: int, pcp_size: int, pcp_rank: int,
-                 use_triton: bool | None = None) -> None:
+                 use_triton: bool | None = None, combine: CombineFn | None = None) -> None:
         self.collectives = collectives
         self.world_size = collectives.size
         if self.world_size != heads_ranks * pcp_size:
@@ -116,6 +121,7 @@ class PcpAttentionExchange:
                              f"pcp_size={pcp_size}")
         self.a, self.b, self.pcp_rank = heads_ranks, pcp_size, pcp_rank
         self.use_triton = use_triton
+        self.combine_fn = combine  # None: combine_fn_for(use_triton)
 
     def gather_queries(self, q: torch.Tensor, num_decodes: int, rows_max: int) -> torch.Tensor:
         """q [D + own prefill rows, h, Dq] -> [D + pcp * rows_max, a * h, Dq] (padding rows zero)."""
@@ -142,5 +148,6 @@ class PcpAttentionExchange:
         prefills = packed[num_decodes:].view(self.b, rows_max, self.a, heads, value_dim + 1).permute(0, 2, 1, 3, 4)
         send = torch.cat([decodes, prefills], dim=2).reshape(self.world_size, width, heads, value_dim + 1)
         received = self.collectives.all_to_all(send)  # received[j]: rank j's partial for this rank's rows and heads
-        merged, merged_lse = combine_fn_for(self.use_triton, out)(received[..., :value_dim], received[..., value_dim])
+        combine_fn = self.combine_fn if self.combine_fn is not None else combine_fn_for(self.use_triton, out)
+        merged, merged_lse = combine_fn(received[..., :value_dim], received[..., value_dim])
         return merged.to(out.dtype), merged_lse

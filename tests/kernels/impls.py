@@ -1,7 +1,8 @@
 """The implementations of every kernel, by name, so each test runs against all of them.
 
-"cpu" is the engine's CPU path: the fused-SDPA attention kernels with the (vectorized) store and combine
-references; its tests run on CPU tensors whatever the test device (tests/kernels/conftest.py)."""
+"cpu" is the engine's CPU path: the fused-SDPA attention kernels, the (vectorized) store reference and the lean
+combine (combine_lse_cpu, bit for bit the reference's); its tests run on CPU tensors whatever the test device
+(tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ IMPLS: dict[str, dict[str, Callable[..., Any]]] = {
         "store_kv": kernels.store_kv_ref,
         "decode": kernels.paged_decode_attention_cpu,
         "prefill": kernels.paged_prefill_attention_cpu,
-        "combine": kernels.combine_lse_ref,
+        "combine": kernels.combine_lse_cpu,
     },
 }
-# The implementations with attention kernels of their own (store_kv and combine: "ref" and "triton" only).
+# The implementations with attention kernels of their own (store_kv: "ref" and "triton" only).
 ATTENTION_IMPLS = ["ref", "triton", "cpu"]
 
 TEST_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])

@@ -83,3 +83,25 @@ def test_combine_rejects_bad_shapes(impl, device) -> None:
         IMPLS[impl]["combine"](torch.zeros(2, 3, 4, 8, device=device), torch.zeros(2, 3, device=device))
     with pytest.raises(ValueError, match="outs must be"):
         IMPLS[impl]["combine"](torch.zeros(3, 4, 8, device=device), torch.zeros(3, 4, device=device))
+
+
+def test_the_cpu_combine_is_the_reference_bit_for_bit() -> None:
+    """combine_lse_cpu clamps where the reference selects: the same bits on random partials with empty shards (lse
+    -inf, NaN or +inf over garbage outs, whole rows of them), in every dtype, N = 1 included."""
+    from dcpserve.kernels import combine_lse_cpu, combine_lse_ref
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        parts, rows = (int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(1, 6, (1,),
+                                                                                             generator=generator)))
+        outs = torch.randn(parts, rows, 3, 8, generator=generator)
+        lses = torch.randn(parts, rows, 3, generator=generator) * 5
+        draw = torch.rand(parts, rows, 3, generator=generator)
+        lses[draw < 0.2] = float("-inf")
+        lses[(draw >= 0.2) & (draw < 0.25)] = float("nan")
+        lses[(draw >= 0.25) & (draw < 0.3)] = float("inf")
+        outs[..., 0][draw < 0.3] = float("nan")  # an empty shard's out is garbage
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            ref_out, ref_lse = combine_lse_ref(outs.to(dtype), lses)
+            out, lse = combine_lse_cpu(outs.to(dtype), lses)
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)

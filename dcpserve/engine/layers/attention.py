@@ -45,6 +45,7 @@ from dcpserve.kernels import (
     DcpAttentionExchange,
     PcpAttentionExchange,
     combine_lse,
+    combine_lse_cpu,
     combine_lse_ref,
     paged_decode_attention,
     paged_decode_attention_cpu,
@@ -116,15 +117,17 @@ class Attention(EngineModule):
         prefills: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
             "triton": triton_prefill, "cpu": paged_prefill_attention_cpu, "ref": paged_prefill_attention_ref}
         self.prefill = prefills[kernels]
-        self.combine = combine_lse if use_triton else combine_lse_ref
+        combines: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+            "triton": combine_lse, "cpu": combine_lse_cpu, "ref": combine_lse_ref}
+        self.combine = combines[kernels]
         parallel = self.parallel
         if parallel.pcp_size > 1 and parallel.dcp_size > 1:
             assert parallel.dcp_comm is not None  # set whenever dcp_size > 1
             self.pcp_exchange = PcpAttentionExchange(parallel.dcp_comm, parallel.dcp_heads, parallel.pcp_size,
-                                                     parallel.pcp_rank, use_triton=use_triton)
+                                                     parallel.pcp_rank, use_triton=use_triton, combine=self.combine)
         elif parallel.dcp_size > 1:
             assert parallel.dcp_comm is not None  # set whenever dcp_size > 1
-            self.exchange = DcpAttentionExchange(parallel.dcp_comm, use_triton=use_triton)
+            self.exchange = DcpAttentionExchange(parallel.dcp_comm, use_triton=use_triton, combine=self.combine)
 
     def forward(
         self,
