@@ -225,11 +225,11 @@ def header_lines(args: argparse.Namespace, config: EngineConfig, model_label: st
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu}"
     cpu_run = [] if device.type == "cuda" else [
         "CPU RUN: attention runs the fused CPU kernels (paged_*_attention_cpu, on torch's CPU flash attention), and "
-        "the tp=2 ranks are CPU "
-        "actors on the same cores talking over gloo, so the tp=2 rows measure collective and Ray round-trip latency "
-        f"({4 * mc.num_hidden_layers + 2} gloo collectives per decode step: 2 all-reduces, a query all-gather and "
-        "an (out, lse) all-to-all per layer, plus the embedding all-reduce and the logits gather), not a GPU "
-        "deployment's speed"
+        "the tp=2 ranks are CPU actors on the same cores trading their collectives over shared memory "
+        f"(dcpserve/kernels/shm_collectives.py: {4 * mc.num_hidden_layers + 2} per decode step: 2 all-reduces, a "
+        "query all-gather and an (out, lse) all-to-all per layer, plus the embedding all-reduce and the logits "
+        "gather) and taking each step over the step channel, so the tp=2 rows measure that host work and latency on "
+        "a model too small to split, not a GPU deployment's speed"
     ]
     return cpu_run + [
         f"device: {name}; {os.cpu_count()} CPU cores; torch threads {torch.get_num_threads()} in the driver (tp=1, "
