@@ -11,7 +11,6 @@ median per call.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.harness.model_harness import free_port
 from dcpserve.engine.worker.rank_transport import group_collectives, publish_node
 
 TRANSPORTS = ("shm", "gloo")
@@ -49,12 +49,6 @@ MESSAGES = (
     Message("decode hidden, batch 64, hidden 7168 (bf16)", "all_reduce", (64, 7168), torch.bfloat16),
     Message("prefill hidden, 2048 tokens, hidden 4096 (bf16)", "all_reduce", (2048, 4096), torch.bfloat16),
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, size: int, port: int, calls: int, rounds: int, results: Any) -> None:
@@ -93,7 +87,7 @@ def measure(size: int = 2, calls: int = 50, rounds: int = 3) -> dict[tuple[str, 
     """Median seconds per call of each message over each transport, (label, transport) -> seconds."""
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_rank, (size, _free_port(), calls, rounds, shared), nprocs=size)
+        mp.spawn(_rank, (size, free_port(), calls, rounds, shared), nprocs=size)
         medians: dict[tuple[str, str], float] = {}
         for key, times in shared.items():
             label, transport = key.split("|")

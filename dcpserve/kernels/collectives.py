@@ -65,6 +65,7 @@ class TorchCollectives:
         self.transport = str(dist.get_backend(group))
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._first = dist.get_global_rank(group, 0) if group is not None else 0  # gather's destination
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -87,12 +88,11 @@ class TorchCollectives:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()
-        first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         if self.rank != 0:
-            dist.gather(x, None, dst=first, group=self.group)
+            dist.gather(x, None, dst=self._first, group=self.group)
             return None
         gathered = x.new_empty((self.size, *x.shape))
-        dist.gather(x, list(gathered.unbind(0)), dst=first, group=self.group)
+        dist.gather(x, list(gathered.unbind(0)), dst=self._first, group=self.group)
         return gathered
 
     def close(self) -> None:
