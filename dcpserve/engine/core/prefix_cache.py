@@ -8,7 +8,9 @@ with `chain_hashes`. A request only ever hits whole blocks of the tokens before 
 (`max_hit_blocks`): the last prompt token is always computed, for its logits.
 
 Replicas report their cache as `PrefixReport`s: each cached block hash with its state (PINNED: held by a request
-now, so a request that hits it adds no KV; CACHED: unreferenced, evictable, counted as free KV; EVICTED: gone).
+now, so a request that hits it adds no KV; CACHED: unreferenced, evictable, counted as free KV; HOSTED: not on the
+device any more but in the replica's host-memory KV tier, so a hit reloads it instead of recomputing it and needs
+device blocks as a miss does; EVICTED: gone from both).
 Reports are changes since the last report, or the whole state when the reader's (epoch, version) is not the one the
 changes start from (a new reader, a lost report, a restarted engine). `PrefixIndex` is the reader's side.
 """
@@ -27,7 +29,8 @@ from pathlib import Path
 
 PINNED = 1  # cached and referenced by at least one request of the replica
 CACHED = 0  # cached, referenced by none: evictable, counted as free KV
-EVICTED = -1  # no longer cached (a change only; never part of a full state)
+HOSTED = 2  # only in the host-memory KV tier: a hit copies it back to the device instead of recomputing it
+EVICTED = -1  # no longer cached on device or host (a change only; never part of a full state)
 
 _DIGEST_BYTES = 16
 
@@ -98,7 +101,7 @@ class PrefixReport:
     version: int  # the state after these changes
     base_version: int  # the state these changes apply to (ignored when full)
     full: bool
-    changes: dict[int, int]  # block hash -> PINNED | CACHED | EVICTED
+    changes: dict[int, int]  # block hash -> PINNED | CACHED | HOSTED | EVICTED
     tokens_per_block: int
     seed: bytes
 
@@ -112,7 +115,7 @@ class PrefixReporter:
         self.seed = seed
         self.epoch = uuid.uuid4().hex
         self.version = 0
-        self.state: dict[int, int] = {}  # hash -> PINNED | CACHED
+        self.state: dict[int, int] = {}  # hash -> PINNED | CACHED | HOSTED
         self._changes: dict[int, int] = {}
         self._lock = threading.Lock()  # the engine's step thread sets, the replica's event loop reports
 
@@ -139,11 +142,13 @@ class PrefixReporter:
 
 @dataclass
 class PrefixMatch:
-    """What a replica's cache holds of a request's prompt: the longest run of its blocks from the start, and how
-    many of those are pinned (held by a request now: taking them adds no KV)."""
+    """What a replica's cache holds of a request's prompt: the longest run of its blocks from the start (on device
+    or in the host tier), how many of those are pinned (held by a request now: taking them adds no KV), and how many
+    are only in the host tier (a hit copies them back: it saves their prefill but needs their device blocks)."""
 
     hit_blocks: int = 0
     pinned_blocks: int = 0
+    host_blocks: int = 0
 
 
 @dataclass
@@ -182,4 +187,5 @@ class PrefixIndex:
                 break
             result.hit_blocks += 1
             result.pinned_blocks += state == PINNED
+            result.host_blocks += state == HOSTED
         return result
