@@ -7,7 +7,7 @@ Set TRITON_INTERPRET=1 before importing this package to run the Triton kernels o
 from __future__ import annotations
 
 from dcpserve.kernels._triton import HAS_TRITON
-from dcpserve.kernels.combine import combine_lse, combine_lse_cpu, combine_lse_ref
+from dcpserve.kernels.combine import combine_lse, combine_lse_cpu, combine_lse_cpu_finite, combine_lse_ref
 from dcpserve.kernels.cpu_attention import (
     CpuDecodePlan,
     paged_decode_attention_cpu,
@@ -28,6 +28,7 @@ __all__ = [
     "PcpAttentionExchange",
     "combine_lse",
     "combine_lse_cpu",
+    "combine_lse_cpu_finite",
     "combine_lse_ref",
     "dcp_local_seq_lens",
     "dcp_slot_mapping",

@@ -105,3 +105,25 @@ def test_the_cpu_combine_is_the_reference_bit_for_bit() -> None:
             ref_out, ref_lse = combine_lse_ref(outs.to(dtype), lses)
             out, lse = combine_lse_cpu(outs.to(dtype), lses)
             assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_the_finite_cpu_combine_is_the_reference_bit_for_bit_on_clean_partials() -> None:
+    """combine_lse_cpu_finite drops the guards: on partials that keep the CPU kernels' contract (an empty shard is
+    out 0 / lse -inf; whole rows of them) it still gives the reference's bits, in every dtype, N = 1 included."""
+    from dcpserve.kernels import combine_lse_cpu_finite, combine_lse_ref
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        parts = int(torch.randint(1, 5, (1,), generator=generator))
+        rows = int(torch.randint(1, 6, (1,), generator=generator))
+        outs = torch.randn(parts, rows, 3, 8, generator=generator)
+        lses = torch.randn(parts, rows, 3, generator=generator) * 5
+        empty = torch.rand(parts, rows, 3, generator=generator) < 0.3
+        empty[:, 0] = True  # a row that no shard sees
+        lses[empty] = float("-inf")
+        outs[empty] = 0.0
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            ref_out, ref_lse = combine_lse_ref(outs.to(dtype), lses)
+            out, lse = combine_lse_cpu_finite(outs.to(dtype), lses)
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+            assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == float("-inf")).all())

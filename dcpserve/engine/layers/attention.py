@@ -45,7 +45,7 @@ from dcpserve.kernels import (
     DcpAttentionExchange,
     PcpAttentionExchange,
     combine_lse,
-    combine_lse_cpu,
+    combine_lse_cpu_finite,
     combine_lse_ref,
     paged_decode_attention,
     paged_decode_attention_cpu,
@@ -118,7 +118,8 @@ class Attention(EngineModule):
             "triton": triton_prefill, "cpu": paged_prefill_attention_cpu, "ref": paged_prefill_attention_ref}
         self.prefill = prefills[kernels]
         combines: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-            "triton": combine_lse, "cpu": combine_lse_cpu, "ref": combine_lse_ref}
+            # the CPU kernels' partials are clean (an empty shard is 0 / -inf), so their merge skips the guards
+            "triton": combine_lse, "cpu": combine_lse_cpu_finite, "ref": combine_lse_ref}
         self.combine = combines[kernels]
         parallel = self.parallel
         if parallel.pcp_size > 1 and parallel.dcp_size > 1:
