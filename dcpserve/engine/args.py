@@ -104,6 +104,12 @@ class EngineArgs:
         "of the tokens from the start, and start a request from its longest cached prefix; the app routes a "
         "request to the replica that caches most of its prefix"
     )})
+    kv_host_tier: str | int | None = field(default=None, metadata={"help": (
+        "host-memory KV tier under the prefix cache, per rank: a size (8GiB, 512MiB, bytes) or a share of the "
+        "host's available memory split over its ranks (0.25 or 25%); cached blocks the device pool evicts are "
+        "copied there (each rank its own shard) and copied back on a hit instead of recomputed; needs "
+        "enable_prefix_caching; refused at start when larger than the host's available memory (default: off)"
+    )})
     seed: int = field(default=0, metadata={"help": (
         "engine seed: the sampling generator of requests without a seed of their own"
     )})
@@ -163,6 +169,8 @@ class EngineArgs:
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.kv_host_tier is not None:
+            parse_host_tier(self.kv_host_tier)
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (the neutral "
                              f"OpenAI defaults), got {self.generation_config!r}")
@@ -222,7 +230,13 @@ class EngineArgs:
                 f"leaves no request a full block before its last token: lower block_size, or set "
                 f"enable_prefix_caching=false"
             )
+        if self.kv_host_tier is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_host_tier={self.kv_host_tier!r} keeps the prefix cache's evicted blocks in host memory, but "
+                f"enable_prefix_caching is off: turn enable_prefix_caching on, or leave kv_host_tier unset"
+            )
         max_num_batched_tokens = self.step_token_budget() or max_model_len
+        tier_bytes, tier_share = parse_host_tier(self.kv_host_tier) if self.kv_host_tier is not None else (None, None)
         return EngineConfig(
             model=str(model_path),
             model_config=model_config,
@@ -233,6 +247,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_hash_seed=self.prefix_hash_seed(),
+                host_tier_bytes=tier_bytes,
+                host_tier_share=tier_share,
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len,
@@ -363,6 +379,33 @@ def parse_bytes(text: str) -> int:
     return size
 
 
+def parse_host_tier(value: str | int) -> tuple[int | None, float | None]:
+    """kv_host_tier as (bytes per rank, None) or (None, share of the host's available memory): an int is bytes,
+    "8GiB" / "512MiB" / "4096" bytes, "0.25" or "25%" a share in (0, 1]. Raises ValueError naming the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"kv_host_tier must be a size (8GiB, 512MiB, bytes) or a share (0.25, 25%), got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"kv_host_tier must be positive, got {value} bytes; leave it unset to turn the tier off")
+        return value, None
+    text = value.strip()
+    percent = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
+    if percent is not None or re.fullmatch(r"0?\.\d+|1\.0*", text):
+        share = float(percent.group(1)) / 100 if percent is not None else float(text)
+        if not 0 < share <= 1:
+            raise ValueError(f"kv_host_tier={value!r} is a share of the host's memory outside (0, 1]; e.g. 0.25")
+        return None, share
+    try:
+        return parse_bytes(text), None
+    except ValueError as err:
+        raise ValueError(f"kv_host_tier={value!r}: {err}; or a share of host memory such as 0.25 or 25%") from err
+
+
+def _host_tier_text(text: str) -> str:
+    parse_host_tier(text)
+    return text
+
+
 def parse_tokens(text: str) -> int:
     """Token count: 128k (= 131072), 1M (= 1048576), or a plain number such as 131072."""
     value, unit = _parse_number(text, "token count", "e.g. 128k, 1M or 131072")
@@ -383,7 +426,7 @@ def _parse_number(text: str, what: str, example: str) -> tuple[float, str]:
 
 
 # Fields whose command-line text is not a plain number.
-CLI_PARSERS: dict[str, Callable[[str], Any]] = {"kv_cache_memory_bytes": parse_bytes}
+CLI_PARSERS: dict[str, Callable[[str], Any]] = {"kv_cache_memory_bytes": parse_bytes, "kv_host_tier": _host_tier_text}
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------

@@ -276,6 +276,10 @@ class CacheConfig:
     cpu_default_kv_bytes: int = 128 << 20  # per rank on CPU when no byte budget is set
     enable_prefix_caching: bool = False  # EngineArgs turns it on by default
     prefix_hash_seed: bytes = b""  # dcpserve.engine.core.prefix_cache.prefix_hash_seed of the model and dtype
+    # kv_host_tier (EngineArgs): bytes per rank, or a share of the host's available memory over its ranks; None: off.
+    host_tier_bytes: int | None = None
+    host_tier_share: float | None = None
+    host_tier_blocks: int = 0  # host slots per rank, resolved at engine start (dcpserve/engine/core/host_tier.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -154,6 +154,27 @@ class RankKvStats:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """The host-memory KV tier of a replica, since start: slots (per rank: one slot holds each rank's page of a
+    logical block), prefix-hit tokens by tier, copies each way (blocks, bytes over all ranks, seconds: the slowest
+    rank's), evictions into the tier and out of it, and the measured seconds of reloading one block (0 until one is)."""
+
+    capacity_blocks: int
+    used_blocks: int
+    hit_tokens_device: int
+    hit_tokens_host: int
+    blocks_out: int  # device -> host
+    blocks_in: int  # host -> device
+    bytes_out: int
+    bytes_in: int
+    seconds_out: float
+    seconds_in: float
+    evictions_to_host: int  # cached device blocks the device pool evicted into the tier
+    host_drops: int  # blocks the tier's LRU dropped (gone from device and host)
+    reload_seconds_per_block: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One replica's engine as of its last step: KV in logical blocks, sequences, counters, layout."""
 
@@ -185,6 +206,7 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_cache_evictions: int = 0
     per_rank: tuple[RankKvStats, ...] = ()
+    host_tier: HostTierStats | None = None  # the native engine's host KV tier (kv_host_tier); None: off
 
     @property
     def kv_blocks_free(self) -> int:

@@ -35,6 +35,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_num_batched_tokens": 512,
     "enable_chunked_prefill": False,
     "enable_prefix_caching": False,
+    "kv_host_tier": "8GiB",
     "seed": 7,
     "admission": "full",
     "kv_headroom": 0.2,

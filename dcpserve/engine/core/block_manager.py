@@ -11,7 +11,16 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from dcpserve.engine.core.prefix_cache import CACHED, EVICTED, PINNED, PrefixReporter, chain_hashes, max_hit_blocks
+from dcpserve.engine.core.host_tier import HostTier, StepCopies
+from dcpserve.engine.core.prefix_cache import (
+    CACHED,
+    EVICTED,
+    HOSTED,
+    PINNED,
+    PrefixReporter,
+    chain_hashes,
+    max_hit_blocks,
+)
 from dcpserve.engine.core.request import Request, RequestRejected
 
 
@@ -99,10 +108,15 @@ class BlockManager:
     LRU order, counted as free. A new request starts from the longest cached run of its blocks (`admit`); blocks are
     shared, never written twice (a request only hits blocks before its last token and computes from the first block it
     did not hit) and never handed out while referenced. Each referenced block is charged to one of its holders (the
-    first; the next one when that one lets go), so the per-request charges add up to the blocks really held."""
+    first; the next one when that one lets go), so the per-request charges add up to the blocks really held.
+
+    With a host tier (dcpserve/engine/core/host_tier.py) an evicted cached block goes to a host slot (a swap-out) and
+    is reported HOSTED; a request's cached run goes on past its device hits into the tier, and those blocks get device
+    blocks and swap-ins (`admit`), named by their hash at once as computed blocks are. The step's copies leave with
+    the step message (`drain_copies`)."""
 
     def __init__(self, num_blocks: int, block_size: int, dcp_size: int, enable_prefix_caching: bool = False,
-                 hash_seed: bytes = b"", verify_hits: bool = False) -> None:
+                 hash_seed: bytes = b"", verify_hits: bool = False, host_tier: HostTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache has no room for a single block (num_blocks={num_blocks}): raise the KV memory budget "
@@ -127,6 +141,10 @@ class BlockManager:
         self.num_queried_tokens = 0  # prompt tokens of new requests looked up in the cache
         self.num_hit_tokens = 0  # of those, tokens served from the cache
         self.num_evictions = 0
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("a host KV tier holds the prefix cache's evicted blocks: enable prefix caching to use one")
+        self.host_tier = host_tier
+        self.num_host_hit_tokens = 0  # of num_hit_tokens, tokens reloaded from the host tier
 
     @property
     def capacity_tokens(self) -> int:
@@ -198,6 +216,34 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def find_hosted(self, request: Request, device_hits: int) -> list[int]:
+        """The host slots of the request's cached run past its device_hits device blocks (before its last token):
+        each next block the tier holds and the device pool does not. No change."""
+        tier = self.host_tier
+        if tier is None or not len(tier) or not self._can_look_up(request):
+            return []
+        limit = max_hit_blocks(request.num_tokens, self.tokens_per_block)
+        slots: list[int] = []
+        hashes = self.block_hashes(request, limit)
+        for index in range(device_hits, limit):
+            block = hashes[index]
+            slot = tier.slot(block)
+            if slot is None or block in self._cached:
+                break
+            if self.verify_hits:
+                start = index * self.tokens_per_block
+                if tier.tokens(block) != tuple(request.all_token_ids[start:start + self.tokens_per_block]):
+                    raise PrefixCacheCorruption(
+                        f"host tier hit on slot {slot} (hash {block:#x}) for request {request.request_id} at block "
+                        f"{index}, but the slot holds other token ids: a hash collision; refusing to serve it")
+            slots.append(slot)
+        return slots
+
+    def hit_blocks(self, request: Request) -> int:
+        """Blocks of the request's cached run, on device and in the host tier: what it will not compute."""
+        device = len(self.find_cached(request))
+        return device + len(self.find_hosted(request, device))
+
     def pinned_hits(self, request: Request) -> int:
         """Of the request's cached run, the blocks other requests reference now (taking them adds no KV)."""
         return sum(1 for block_id in self.find_cached(request) if self._ref_count[block_id] > 0)
@@ -241,10 +287,16 @@ class BlockManager:
         block_id, _ = self._evictable.popitem(last=False)
         block = self._block_hash.pop(block_id)
         del self._cached[block]
-        self._block_tokens.pop(block_id, None)
+        tokens = self._block_tokens.pop(block_id, None)
         self.num_evictions += 1
+        state, dropped = EVICTED, None
+        if self.host_tier is not None:
+            kept, dropped = self.host_tier.store(block, block_id, tokens)
+            state = HOSTED if kept else EVICTED
         if self.reporter is not None:
-            self.reporter.set(block, EVICTED)
+            self.reporter.set(block, state)
+            if dropped is not None and dropped not in self._cached:  # a block reloaded earlier stays on device
+                self.reporter.set(dropped, EVICTED)
         return block_id
 
     # ---- admission and allocation ---------------------------------------------------------------------------
@@ -273,6 +325,7 @@ class BlockManager:
         changing nothing, if that does not fit; cached blocks nobody references cost as much as free ones."""
         looked_up = self._can_look_up(request)
         hits = self.find_cached(request)
+        hosted = self.find_hosted(request, len(hits))
         unreferenced = sum(1 for block_id in hits if self._ref_count[block_id] == 0)
         held = max(request.reserved_blocks, len(request.block_ids))
         if self.blocks_for(reserve_tokens) - max(held, len(hits)) > self.num_free_blocks - unreferenced - keep_free:
@@ -282,12 +335,45 @@ class BlockManager:
         if not self.reserve(request, reserve_tokens, keep_free):  # cannot happen after the check above
             self.free(request)
             return False
+        if hosted and not self._reload(request, len(hits), hosted):
+            self.free(request)
+            return False
         if looked_up and not request.num_preemptions:  # caching off or prompt logprobs: nothing was looked up
             self.num_queried_tokens += request.num_prompt_tokens
-            self.num_hit_tokens += len(hits) * self.tokens_per_block
-        request.num_cached_blocks = len(hits)
-        request.num_computed_tokens = len(hits) * self.tokens_per_block
+            self.num_hit_tokens += (len(hits) + len(hosted)) * self.tokens_per_block
+            self.num_host_hit_tokens += len(hosted) * self.tokens_per_block
+        request.num_cached_blocks = len(hits) + len(hosted)
+        request.num_computed_tokens = request.num_cached_blocks * self.tokens_per_block
         return True
+
+    def _reload(self, request: Request, device_hits: int, hosted: list[int]) -> bool:
+        """Device blocks, from the request's promise, for its host-tier hits, each named by its hash at once and
+        filled by a swap-in this step. The device blocks this takes may evict cached ones into the tier: the slots
+        read here are locked first, so those swap-outs never overwrite them."""
+        tier = self.host_tier
+        if tier is None:
+            return False
+        hashes = self.block_hashes(request, device_hits + len(hosted))[device_hits:]
+        for block in hashes:
+            tier.lock(block)
+        if not self.allocate(request, (device_hits + len(hosted)) * self.tokens_per_block):
+            return False
+        for offset, block in enumerate(hashes):
+            index = device_hits + offset
+            block_id = request.block_ids[index]
+            tier.load(block, block_id)
+            self._cached[block] = block_id
+            self._block_hash[block_id] = block
+            tokens = tier.tokens(block)
+            if tokens is not None:
+                self._block_tokens[block_id] = tokens
+            if self.reporter is not None:
+                self.reporter.set(block, PINNED)
+        return True
+
+    def drain_copies(self) -> StepCopies | None:
+        """This step's swap-outs and swap-ins (None without a tier), handed to the step message."""
+        return self.host_tier.drain() if self.host_tier is not None else None
 
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Makes the request hold blocks for its first num_tokens tokens, drawing on its promise first.
@@ -321,6 +407,13 @@ class BlockManager:
                     next(iter(holders.values())).num_charged_blocks += 1  # the next holder carries it
                 continue
             block = self._block_hash.get(block_id)
+            if block is not None and self.host_tier is not None and self.host_tier.cancel_load(block_id):
+                # Given back before the step that would have filled it ran: not a cached block after all.
+                del self._cached[block], self._block_hash[block_id]
+                self._block_tokens.pop(block_id, None)
+                if self.reporter is not None:
+                    self.reporter.set(block, HOSTED)
+                block = None
             if block is None:
                 self._free_block_ids.append(block_id)
             else:

@@ -15,13 +15,22 @@ import torch
 
 from dcpserve.engine.config import EngineConfig
 from dcpserve.engine.core.block_manager import BlockManager
+from dcpserve.engine.core.host_tier import HostTier, tier_layout, with_host_tier
 from dcpserve.engine.core.outputs import ModelRunnerOutput
 from dcpserve.engine.core.prefix_cache import PrefixReport
 from dcpserve.engine.core.request import FinishReason, Request, resolve_prompt_token_ids
 from dcpserve.engine.core.scheduler import Scheduler
 from dcpserve.engine.core.step import SchedulerOutput
 from dcpserve.engine.core.step_trace import StepTraceWriter
-from dcpserve.engine.protocol import EngineStats, KvLedger, RankKvStats, RequestDelta, RequestError, TokenLogprob
+from dcpserve.engine.protocol import (
+    EngineStats,
+    HostTierStats,
+    KvLedger,
+    RankKvStats,
+    RequestDelta,
+    RequestError,
+    TokenLogprob,
+)
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.structured_output import Grammars
 from dcpserve.engine.tokenizer import TextStream, Tokenizer, load_tokenizer
@@ -36,7 +45,10 @@ VERIFY_PREFIX_HITS_ENV = "DCPSERVE_VERIFY_PREFIX_HITS"
 class LLMEngine:
     """One replica: scheduler + executor + detokenization."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """`executor`: ranks already made with `with_host_tier(config)` (the tests' own worker groups); by default
+        the engine makes them (create_executor)."""
+        config = with_host_tier(config)  # refused here, before any rank starts, when the host lacks the memory
         self.config = config
         self.model_config = config.model_config
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model, self.model_config.eos_token_ids,
@@ -47,7 +59,7 @@ class LLMEngine:
         # Opened first: a bad path fails before a worker group starts.
         self.step_trace = StepTraceWriter(config.step_trace_path) if config.step_trace_path else None
         try:
-            self.executor: Executor = create_executor(config)
+            self.executor: Executor = executor if executor is not None else create_executor(config)
         except BaseException:
             if self.step_trace is not None:
                 self.step_trace.close()
@@ -56,7 +68,10 @@ class LLMEngine:
             self.executor.num_blocks, config.cache.block_size, config.parallel.dcp,
             enable_prefix_caching=config.cache.enable_prefix_caching, hash_seed=config.cache.prefix_hash_seed,
             verify_hits=os.environ.get(VERIFY_PREFIX_HITS_ENV, "") not in ("", "0"),
+            host_tier=(HostTier(config.cache.host_tier_blocks, tier_layout(config))
+                       if config.cache.host_tier_blocks else None),
         )
+        self.copies = CopyTotals()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, frozenset(eos))
         self._text: dict[str, TextStream] = {}
         self._grammars: Grammars | None = None
@@ -152,7 +167,9 @@ class LLMEngine:
         """schedule -> execute -> update. Returns the deltas of requests that produced a token this step."""
         start = time.perf_counter()
         output = self.scheduler.schedule()
-        self.last_step_idle = output.is_empty and not output.finished_request_ids
+        # A step with nothing to compute still makes its copies (swap-outs of blocks an admission that then gave its
+        # blocks back had taken).
+        self.last_step_idle = output.is_empty and not output.finished_request_ids and not output.has_copies
         if self.last_step_idle:
             if self.step_trace is not None:
                 self.step_trace.idle()
@@ -167,6 +184,8 @@ class LLMEngine:
         end = time.perf_counter()
         self.last_step_seconds = end - start
         self.last_exchange_seconds = self.executor.last_exchange_seconds
+        if output.has_copies:
+            self.copies.add(output, self.executor.last_copy_seconds)
         if self.step_trace is not None:
             rows = ((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
             self.step_trace.record(start, end, rows, self.last_exchange_seconds, self.scheduler.has_unfinished)
@@ -266,9 +285,49 @@ class LLMEngine:
             kv_blocks_cached=self.block_manager.num_cached_blocks,
             prefix_cache_evictions=self.block_manager.num_evictions,
             per_rank=per_rank,
+            host_tier=self.host_tier_stats(),
+        )
+
+    def host_tier_stats(self) -> HostTierStats | None:
+        """The host KV tier's occupancy, hits and copies (None when it is off). Bytes are over all ranks."""
+        tier = self.block_manager.host_tier
+        if tier is None:
+            return None
+        manager, copies = self.block_manager, self.copies
+        bytes_per_block = tier.layout.bytes_per_block * self.config.parallel.world_size if tier.layout else 0
+        return HostTierStats(
+            capacity_blocks=tier.num_slots,
+            used_blocks=len(tier),
+            hit_tokens_device=manager.num_hit_tokens - manager.num_host_hit_tokens,
+            hit_tokens_host=manager.num_host_hit_tokens,
+            blocks_out=copies.blocks_out,
+            blocks_in=copies.blocks_in,
+            bytes_out=copies.blocks_out * bytes_per_block,
+            bytes_in=copies.blocks_in * bytes_per_block,
+            seconds_out=copies.seconds_out,
+            seconds_in=copies.seconds_in,
+            evictions_to_host=tier.num_stored,
+            host_drops=tier.num_dropped,
+            reload_seconds_per_block=copies.seconds_in / copies.blocks_in if copies.blocks_in else 0.0,
         )
 
     def shutdown(self) -> None:
         if self.step_trace is not None:
             self.step_trace.close()
         self.executor.shutdown()
+
+
+class CopyTotals:
+    """The host KV tier's copies the engine's steps carried, and their seconds (the slowest rank's, each step)."""
+
+    def __init__(self) -> None:
+        self.blocks_out = 0
+        self.blocks_in = 0
+        self.seconds_out = 0.0
+        self.seconds_in = 0.0
+
+    def add(self, output: SchedulerOutput, seconds: tuple[float, float]) -> None:
+        self.blocks_out += len(output.swap_out)
+        self.blocks_in += len(output.swap_in)
+        self.seconds_out += seconds[0]
+        self.seconds_in += seconds[1]

@@ -17,6 +17,9 @@ Admission policies (SchedulerConfig.admission):
   request produces exactly the tokens it would have produced without preemption. A request whose next token
   would need more blocks than the whole pool finishes with "length" (the end of the context this replica holds).
 The waiting queue is FIFO and its head blocks the rest, so a big request is never starved by small ones.
+With prefix caching a preempted request's computed full blocks stay cached, and with the host KV tier they go to the
+host when the pool hands them out, so its readmission reloads them instead of recomputing; each SchedulerOutput
+carries the copies its admissions and allocations asked for (BlockManager.drain_copies).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 # Its whole uncached rest must fit this step's budget: a request that waits for budget must not
                 # take its cached blocks and give them back (that counts a lookup and reorders the LRU each step).
-                hit_blocks = len(self.block_manager.find_cached(request))
+                hit_blocks = self.block_manager.hit_blocks(request)
                 if request.num_tokens - hit_blocks * self.block_manager.tokens_per_block > budget:
                     break
             # Takes the longest cached run of the request's blocks: its computed tokens start after them.
@@ -176,7 +179,11 @@ class Scheduler:
         if len(decodes) < len(scheduled):
             scheduled = decodes + [entry for entry in scheduled if len(entry.token_ids) != 1]
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(scheduled, finished, preempted, self.config.max_num_batched_tokens - budget)
+        output = SchedulerOutput(scheduled, finished, preempted, self.config.max_num_batched_tokens - budget)
+        copies = self.block_manager.drain_copies()
+        if copies is not None:
+            output.swap_out, output.swap_in = copies.swap_out, copies.swap_in
+        return output
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Blocks for num_tokens tokens of a running request, preempting the newest requests if needed.
@@ -304,10 +311,11 @@ class Scheduler:
         )
 
     def _prefill_left(self, request: Request) -> int:
-        """Prompt tokens the request has still to compute: a waiting one's cached prefix is not computed again."""
+        """Prompt tokens the request has still to compute: a waiting one's cached prefix (on device or in the host
+        tier) is not computed again."""
         left = request.num_prompt_tokens - request.num_computed_tokens
         if left > 0 and request.num_computed_tokens == 0:
-            left -= len(self.block_manager.find_cached(request)) * self.block_manager.tokens_per_block
+            left -= self.block_manager.hit_blocks(request) * self.block_manager.tokens_per_block
         return max(left, 0)
 
     def committed_blocks(self, request: Request) -> int:

@@ -59,12 +59,16 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """A step's work: single-token rows (decodes) first, then prefill chunks."""
+    """A step's work: single-token rows (decodes) first, then prefill chunks; the host tier's copies before them."""
 
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
     preempted_request_ids: list[str] = field(default_factory=list)
     num_tokens: int = -1  # the tokens to compute this step (the scheduler knows it; counted when not given)
+    # The host KV tier's copies (dcpserve/engine/core/host_tier.py), made on every rank before the forward: swap-outs
+    # (device block, host slot) first, then swap-ins (host slot, device block).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -73,3 +77,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out or self.swap_in)

@@ -21,6 +21,10 @@ class Executor(Protocol):
     def last_exchange_seconds(self) -> float:
         """DCP exchange time of the last execute() (max over ranks; 0 without DCP)."""
 
+    @property
+    def last_copy_seconds(self) -> tuple[float, float]:
+        """(swap-out, swap-in) seconds of the host KV tier's copies in the last execute() (max over ranks)."""
+
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def check_health(self) -> None: ...
@@ -38,6 +42,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, parallel, torch.device(config.device))
         self.num_blocks = self.runner.available_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.allocate_host_tier(config.cache.host_tier_blocks)
         self.runner.capture_decode_graphs()
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -48,11 +53,16 @@ class InProcessExecutor:
     def last_exchange_seconds(self) -> float:
         return self.runner.last_exchange_seconds
 
+    @property
+    def last_copy_seconds(self) -> tuple[float, float]:
+        return self.runner.last_copy_seconds
+
     def check_health(self) -> None:
         return None
 
     def shutdown(self) -> None:
         self.runner.kv_caches = []
+        self.runner.host_pool = None
 
 
 def create_executor(config: EngineConfig) -> Executor:

@@ -23,6 +23,7 @@ from dcpserve.engine.protocol import TokenLogprob
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.engine.worker.cuda_graphs import DECODE_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
 from dcpserve.engine.worker.input_batch import InputBatch
+from dcpserve.engine.worker.kv_copies import HostKvPool
 from dcpserve.engine.worker.loader import load_model
 from dcpserve.engine.worker.parallel import ParallelState
 from dcpserve.engine.worker.pcp import PcpSplit, unsplit_rows
@@ -57,6 +58,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # capture_decode_graphs(), after the KV cache is allocated
         self.activation_peak_bytes = 0  # measured by profile_run() on CUDA before the KV cache is sized
         self._exchange_timer: ExchangeTimer | None = None  # the last execute()'s, read after the step
+        self.host_pool: HostKvPool | None = None  # allocate_host_tier(): the host KV tier's pages of this rank
+        self._copied = False  # the last execute() made host tier copies
 
     # ---- KV cache --------------------------------------------------------------------------------------------
 
@@ -135,6 +138,16 @@ class ModelRunner:
         """One (k_cache, v_cache) pair per layer of the model's cache (a key-only cache is its own v_cache)."""
         self.kv_caches = self.model.kv_cache_spec.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
+
+    def allocate_host_tier(self, num_slots: int) -> None:
+        """This rank's host KV pool of num_slots pages in the device cache's layout (after allocate_kv_cache); 0:
+        none (the tier is off)."""
+        self.host_pool = HostKvPool(num_slots, self.kv_caches) if num_slots > 0 else None
+
+    @property
+    def last_copy_seconds(self) -> tuple[float, float]:
+        """(swap-out, swap-in) seconds of the last execute() on this rank (0 without copies); read after the step."""
+        return self.host_pool.last_seconds() if self.host_pool is not None and self._copied else (0.0, 0.0)
 
     def capture_decode_graphs(self, capture: Capture | None = None, safety_check: bool | None = None) -> None:
         """Captures the decode forward in CUDA graphs (dcpserve/engine/worker/cuda_graphs.py), once the final KV cache
@@ -215,7 +228,16 @@ class ModelRunner:
         if self.sampler is not None and output.finished_request_ids:
             self.sampler.forget(output.finished_request_ids)
         self._exchange_timer = None
+        self._copied = bool(output.swap_out or output.swap_in)
+        if self._copied:
+            # Before anything of the step touches a page (the batch's fresh pages are zeroed on CPU): module docstring
+            # of dcpserve/engine/worker/kv_copies.py.
+            if self.host_pool is None:
+                raise RuntimeError("a step carries host KV tier copies but this rank has no host pool")
+            self.host_pool.apply(output.swap_out, output.swap_in)
         if output.is_empty:
+            if self.host_pool is not None:
+                self.host_pool.wait()
             self.batch.apply(output)
             return ModelRunnerOutput() if self.parallel.is_driver else None
         timer = ExchangeTimer(self.device) if self.parallel.dcp_size > 1 else None
@@ -232,6 +254,8 @@ class ModelRunner:
                     if entry.prefix_token_ids is not None:  # it starts after a cached prefix
                         self.sampler.record(entry.request_id, 0, entry.prefix_token_ids)
                     self.sampler.record(entry.request_id, entry.start_position, entry.token_ids)
+        if self.host_pool is not None:
+            self.host_pool.wait()  # the forward reads the pages this step's swap-ins fill (CUDA: a side stream)
         hidden = (self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
                   if self.decode_graphs is not None else None)
         if hidden is None:

@@ -65,6 +65,7 @@ class RankReply:
     output: ModelRunnerOutput | None
     exchange_seconds: float
     error: str | None = None
+    copy_seconds: tuple[float, float] = (0.0, 0.0)  # the host KV tier's (swap-out, swap-in) seconds on the rank
 
 
 class _RankFailure(NamedTuple):
@@ -130,6 +131,7 @@ class RankWorker:
         """Allocates this rank's KV cache, then captures the decode CUDA graphs over it (CUDA only: every rank of
         the group captures the same batch sizes, their collectives included, in the same order)."""
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_host_tier(self.config.cache.host_tier_blocks)
         self.runner.capture_decode_graphs()
 
     @ray.method(concurrency_group="steps")
@@ -152,7 +154,7 @@ class RankWorker:
     def _run(self, step: bytearray) -> RankReply:
         try:
             output = self.runner.execute(pickle.loads(step))
-            return RankReply(output, self.runner.last_exchange_seconds)
+            return RankReply(output, self.runner.last_exchange_seconds, copy_seconds=self.runner.last_copy_seconds)
         except Exception:  # noqa: BLE001 - the driver reports it and stops the group
             return RankReply(None, 0.0, error=traceback.format_exc())
 
@@ -190,6 +192,7 @@ class RayWorkerGroup:
         tp = config.parallel.world_size  # every rank: tp of each of the pcp groups
         self.config = config
         self.last_exchange_seconds = 0.0
+        self.last_copy_seconds = (0.0, 0.0)
         use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         try:
             if placement_group is None and use_gpus:
@@ -305,6 +308,8 @@ class RayWorkerGroup:
             raise self._fail(f"the step channel failed: {err!r}") from err
         # Every rank waits in the same collectives, so the slowest rank's exchange time is the step's.
         self.last_exchange_seconds = max(reply.exchange_seconds for reply in replies)
+        self.last_copy_seconds = (max(reply.copy_seconds[0] for reply in replies),
+                                  max(reply.copy_seconds[1] for reply in replies))
         output_of_rank0 = replies[0].output
         return ModelRunnerOutput() if output_of_rank0 is None else output_of_rank0
 
