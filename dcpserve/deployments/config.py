@@ -277,6 +277,15 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
     fair_share_quantum_s: float = Field(
         1.0, ge=0, description="a grant charges its tenant need x this at once, so grants made together alternate "
         "between tenants")
+    # ---- sessions and compute (dcpserve/deployments/admission/session_affinity.py, ttft_bound.py) ----
+    admission_ttft_bound_s: float = Field(
+        2.0, ge=0, description="a replica whose queued prefill would put a request's first token past this many "
+        "seconds does not get it while another replica would start it within the bound, or while a short wait in "
+        "the queue (at most this long, never past the request's deadline) lets a backlog drain under it; when none "
+        "can, it goes where it starts soonest. 0: off (KV and prefix alone decide)")
+    session_ttl_s: float = Field(
+        600.0, gt=0, description="a session (prompt_cache_key or X-Session-Id) silent this long loses its replica "
+        "(its next turn is routed as a new one) and its share of its tenant")
     max_request_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="largest request body accepted; larger -> 413"
     )
@@ -287,8 +296,8 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas (tokenize, admit, stream)")
     prefix_routing: bool = Field(
         True, description="with prefix caching, the admission queue grants the replica (with room, in balance) that "
-        "caches the longest run of the request's prompt, and among equal runs the one with the most free KV; false: "
-        "the most free KV alone"
+        "served the request's session last, else the one that caches the longest run of the request's prompt, and "
+        "among equal runs the one with the most free KV; false: the most free KV alone"
     )
     stream_interval_s: float = Field(
         0.05, ge=0, description="a replica sends an ingress the deltas of all of its requests there as one Ray stream "

@@ -59,6 +59,10 @@ class ServiceLevel:
     weight: float = 1.0
     deadline_s: float | None = None  # the longest it may wait in the queue, from when it arrives there
     tokens: int = 0  # prompt + max_tokens: what it counts against its tenant's tokens_per_minute
+    # The conversation or agent it belongs to (OpenAI's prompt_cache_key, or the X-Session-Id header): the queue keeps
+    # a session's turns on the replica that served its last one and shares a tenant fairly between its sessions
+    # (dcpserve/deployments/admission/session_affinity.py). None: the request is a session of its own.
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
@@ -167,6 +171,9 @@ class KvReport:
     max_seqs: int = 0
     prefill_tokens: int = 0  # prompt tokens it has yet to compute
     step_tokens: int = 0  # its engine's token budget per step
+    # Its measured seconds to copy one KV block from its host tier back to the device (0: not measured; the queue then
+    # assumes a share of recomputing it: dcpserve/deployments/admission/replica_choice.py ASSUMED_RELOAD_FRACTION).
+    reload_s_per_block: float = 0.0
     slo_window_s: float = 0.0  # > 0: the reply carries the pool's SloReport over this window
     slo_percentile: float = 0.9
 
@@ -315,6 +322,19 @@ class QueueReplicaView:
     prefill_ahead_blocks: int
 
 
+# Why the admission queue granted a request where it did (AdmissionStats.decisions; label `reason` of
+# dcpserve_admission_decisions_total). The replica ranking's first key that told the chosen replica from the next
+# (dcpserve/deployments/admission/replica_choice.py): session (its session's last replica), prefix (the longest cached
+# run, host-tier blocks credited with what their reload saves), start_soonest (the fewest engine steps of prefill
+# before its first token), most_free (the most KV free after the grant, or all alike); only_choice (one replica had
+# room and balance); and the TTFT bound's (dcpserve/deployments/admission/ttft_bound.py): backlog_rerouted (the
+# preferred replica would start it past the bound, another within it), over_bound (none would, nor would a short
+# wait: where it starts soonest), backlog_deferred (not a grant: held in the queue for a backlog to drain, counted
+# once per request).
+DECISION_REASONS = ("session", "prefix", "start_soonest", "most_free", "only_choice", "backlog_rerouted",
+                    "over_bound", "backlog_deferred")
+
+
 @dataclass(frozen=True)
 class AdmissionStats:
     """The admission queue's counters (since it started) and its view of each replica."""
@@ -335,6 +355,9 @@ class AdmissionStats:
     pool_grants: Mapping[str, int]  # "pool/reason" -> grants
     tenants: Mapping[str, TenantStats]
     replicas: Mapping[str, QueueReplicaView]  # by replica id
+    # Admission decisions by reason (DECISION_REASONS: each grant once, each request the TTFT bound held back once).
+    decisions: Mapping[str, int] = field(default_factory=dict)
+    num_sessions: int = 0  # sessions whose last replica the queue remembers
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,13 @@ The order (`admission_order`, a pure function of the waiters, the tenants' share
    Each grant is also charged its tokens x `quantum_s` at once, and the order charges the same for every request it
    places ahead, so that requests granted at one instant alternate between tenants as deficit round robin's rounds
    do, in proportion to the weights;
-4. within a tenant, requests with a deadline by deadline (earliest first), then the rest by arrival.
+4. within a tenant, its sessions (ServiceLevel.session: dcpserve/deployments/admission/session_affinity.py) by the
+   same measure: each session's attained KV-seconds, least first, each request placed charging its session its
+   tokens x `quantum_s`, so one agent with many queued turns or long prompts alternates with the tenant's other
+   sessions instead of going ahead of them all. A request without a session is a session of its own, with nothing
+   attained: such requests keep the order they had before sessions;
+5. within a session (and between sessions alike), requests with a deadline by deadline (earliest first), then the
+   rest by arrival.
 
 Why attained KV-seconds and not deficit round robin's counters: DRR charges a packet its size when it is sent, but
 what a request costs (KV held x how long) is known only as it runs; the queue's ledger knows every grant's KV and
@@ -111,6 +117,11 @@ class TenantShares:
             if self._value[tenant] < 1e-9:
                 self._forget(tenant)
 
+    def forget(self, tenant: str) -> None:
+        """Drops what the tenant attained (it holds nothing: the caller's bound on how many it keeps)."""
+        self.holding.pop(tenant, None)
+        self._forget(tenant)
+
     def _forget(self, tenant: str) -> None:
         self._value.pop(tenant, None)
         self._as_of.pop(tenant, None)
@@ -123,29 +134,59 @@ class TenantShares:
 W = TypeVar("W", bound=Waiting)
 
 
-def admission_order(waiters: Sequence[W], shares: TenantShares, now: float) -> list[W]:
-    """The order the queue grants waiting requests in (module doc): the head is granted first when it fits."""
+class SessionMeasure(Protocol):
+    """What the order reads of the sessions' shares (session_affinity.SessionShares)."""
+
+    @property
+    def quantum_s(self) -> float: ...
+    def attained(self, session: tuple[str, str], now: float) -> float: ...
+
+
+def admission_order(waiters: Sequence[W], shares: TenantShares, now: float,
+                    sessions: SessionMeasure | None = None) -> list[W]:
+    """The order the queue grants waiting requests in (module doc): the head is granted first when it fits. Without
+    `sessions` every request is a session of its own."""
     order = sorted((w for w in waiters if w.front), key=lambda w: w.seq)
-    bands: dict[int, dict[str, list[W]]] = {}
+    # priority -> tenant -> session -> its waiters, the next one last
+    bands: dict[int, dict[str, dict[object, list[W]]]] = {}
     for waiter in waiters:
         if not waiter.front:
-            bands.setdefault(waiter.level.priority, {}).setdefault(waiter.level.tenant, []).append(waiter)
+            session: object = waiter.seq if sessions is None or waiter.level.session is None else waiter.level.session
+            bands.setdefault(waiter.level.priority, {}).setdefault(waiter.level.tenant, {}).setdefault(
+                session, []).append(waiter)
     by_deadline: Callable[[W], tuple[float, int]] = lambda w: (  # noqa: E731 - a sort key
         w.deadline_at if w.deadline_at is not None else math.inf, w.seq)
     for priority in sorted(bands):
         tenants = bands[priority]
-        for line in tenants.values():
-            line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
-        projected = {t: shares.attained(t, now) / line[-1].level.weight for t, line in tenants.items()}
+        spent: dict[str, dict[object, float]] = {}  # tenant -> session -> its attained + what the order placed
+        for tenant, lines in tenants.items():
+            for session, line in lines.items():
+                line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
+                spent.setdefault(tenant, {})[session] = (sessions.attained((tenant, session), now)
+                                                         if sessions is not None and isinstance(session, str) else 0.0)
+        heads = {t: _next_session(lines, spent[t], by_deadline) for t, lines in tenants.items()}
+        projected = {t: shares.attained(t, now) / tenants[t][heads[t]][-1].level.weight for t in tenants}
         while tenants:
-            tenant = min(tenants, key=lambda t: (projected[t], tenants[t][-1].seq))
-            line = tenants[tenant]
-            waiter = line.pop()
+            tenant = min(tenants, key=lambda t: (projected[t], tenants[t][heads[t]][-1].seq))
+            lines = tenants[tenant]
+            session = heads[tenant]
+            waiter = lines[session].pop()
             order.append(waiter)
             projected[tenant] += waiter.tokens * shares.quantum_s / waiter.level.weight
-            if not line:
+            spent[tenant][session] += waiter.tokens * (sessions.quantum_s if sessions is not None else 0.0)
+            if not lines[session]:
+                del lines[session]
+            if lines:
+                heads[tenant] = _next_session(lines, spent[tenant], by_deadline)
+            else:
                 del tenants[tenant]
     return order
+
+
+def _next_session(lines: dict[object, list[W]], spent: dict[object, float],
+                  by_deadline: Callable[[W], tuple[float, int]]) -> object:
+    """The tenant's session that goes next: the least spent, then the one whose next request is due first."""
+    return min(lines, key=lambda s: (spent[s], *by_deadline(lines[s][-1])))
 
 
 def displaced(waiting: Sequence[W], newcomer: W, sheddable: Callable[[ServiceLevel], bool]) -> W | None:

@@ -36,7 +36,8 @@ class KvAdmission:
                  leak_grace_s: float = 30.0, sheddable_priority: int | None = None,
                  fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
                  fair_share_reserve: bool = True, limits: dict[str, Limits] | None = None,
-                 order: str = "service_levels", retry_after_s: int = 1) -> None:
+                 order: str = "service_levels", retry_after_s: int = 1, ttft_bound_s: float = 0.0,
+                 session_ttl_s: float = 600.0) -> None:
         self.retry_after_s = retry_after_s  # the Retry-After of a refusal a retry may pass (the app's retry_after_s)
         self.metrics = AdmissionMetrics({tenant: (limit.max_concurrent_requests, limit.tokens_per_minute)
                                          for tenant, limit in (limits or {}).items()})
@@ -48,7 +49,8 @@ class KvAdmission:
                                     fair_share_half_life_s=fair_share_half_life_s,
                                     fair_share_quantum_s=fair_share_quantum_s,
                                     fair_share_reserve=fair_share_reserve, limits=TenantLimits(limits or {}),
-                                    order=order)
+                                    order=order, ttft_bound_s=ttft_bound_s, session_ttl_s=session_ttl_s,
+                                    on_decision=self.metrics.on_decision)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:
@@ -56,6 +58,7 @@ class KvAdmission:
             await asyncio.sleep(1.0)
             self.queue.expire()
             self.metrics.update(self.queue.num_queued, self.queue.queued_blocks, self.queue.queued_by_level())
+            self.metrics.sessions.set(len(self.queue.homes))
 
     async def acquire(self, request: Acquire) -> AcquireReply:
         """Granted (the replica, the blocks counted there, the prefix blocks found there, its pool) or Refusal (the

@@ -14,6 +14,7 @@ from dcpserve.deployments.admission.fair_share import TenantShares
 from dcpserve.deployments.admission.latency_window import LatencyWindow
 from dcpserve.deployments.admission.pools import never_fits, pools_of, smallest_blocks
 from dcpserve.deployments.admission.replica_choice import ReplicaKv
+from dcpserve.deployments.admission.session_affinity import SessionHomes, SessionShares, session_of
 from dcpserve.deployments.messages import DEFAULT_POOL, KvReport, Need, ServiceLevel, SloReport
 
 
@@ -29,6 +30,7 @@ class Grant:
     pool: str = DEFAULT_POOL
     level: ServiceLevel = ServiceLevel()
     tokens: int = 0  # need x the replica's tokens per block: what its tenant's share is charged while it holds it
+    decision: str = ""  # why that replica (messages.DECISION_REASONS)
 
 
 class ReplicaLedger:
@@ -39,6 +41,8 @@ class ReplicaLedger:
     replica_ttl_s: float  # a replica silent this long gets no more grants
     leak_grace_s: float  # a grant its replica never saw this long is dropped (caller died)
     shares: TenantShares
+    session_shares: SessionShares
+    homes: SessionHomes
     latency: LatencyWindow
     num_lost: int  # replicas a caller's stream found dead (replica_lost)
     num_refusals: int
@@ -68,7 +72,7 @@ class ReplicaLedger:
         replica_id = self._ticket_replica.pop(ticket, None)
         grant = self._grants.pop(ticket, None)
         if grant is not None:
-            self.shares.release(grant.level.tenant, grant.tokens, self._clock())
+            self._release_shares(grant)
         replica = self.replicas.get(replica_id) if replica_id is not None else None
         if replica is not None:
             replica.grants.pop(ticket, None)
@@ -78,6 +82,12 @@ class ReplicaLedger:
             else:
                 replica.prefix.drop(ticket)
         return replica
+
+    def _release_shares(self, grant: Grant) -> None:
+        """The grant no longer holds KV: its tenant and its session stop being charged for it."""
+        now = self._clock()
+        self.shares.release(grant.level.tenant, grant.tokens, now)
+        self.session_shares.release(session_of(grant.level), grant.tokens, now)
 
     def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
         """The replica refused the ticket's request (it holds less free KV than we thought): drop the grant and
@@ -120,7 +130,8 @@ class ReplicaLedger:
         """A replica's truth (KvReport): its capacity, the blocks its ledger counts per ticket, its health, whether
         Serve routes to it (and how many controller probes it has seen), its admission headroom, the changes of its
         prefix cache, its pool and recent step (its GPUs and max_num_seqs), and the prompt tokens it has still to
-        compute (with the tokens one of its steps takes). Reconciles grants with it."""
+        compute (with the tokens one of its steps takes, and its measured reload of a host-tier block). Reconciles
+        grants with it."""
         replica_id, held, prefix = report.replica_id, report.held, report.prefix
         now = self._clock()
         replica = self.replicas.get(replica_id)
@@ -137,6 +148,7 @@ class ReplicaLedger:
         replica.max_seqs = report.max_seqs
         replica.prefill_tokens = report.prefill_tokens
         replica.step_tokens = report.step_tokens
+        replica.reload_s_per_block = report.reload_s_per_block
         replica.healthy = report.healthy
         replica.routable = report.routable
         replica.probes = report.probes
@@ -164,7 +176,8 @@ class ReplicaLedger:
                 self._ticket_replica.pop(ticket, None)
                 grant = self._grants.pop(ticket, None)
                 if grant is not None:
-                    self.shares.release(grant.level.tenant, grant.tokens, self._clock())
+                    self._release_shares(grant)
+            self.homes.forget_replica(replica_id)
 
     def prefix_position(self, replica_id: str) -> tuple[str | None, int]:
         """Where the queue's copy of the replica's prefix cache stands: (epoch, version), for its next report."""

@@ -24,13 +24,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from dcpserve.deployments.admission.replica_choice import ReplicaKv, pick_replica
+from dcpserve.deployments.admission.replica_choice import Pick, ReplicaKv, pick_replica
 from dcpserve.deployments.messages import DEFAULT_POOL, Need, PoolNeed, PrefixAsk
 from dcpserve.engine.core.block_manager import admission_blocks
 
 
 @dataclass(frozen=True)
 class PoolChoice:
+    """Where the queue grants a request now: the pool, the replica and what it counts there, and why."""
+
     pool: str
     need: int  # the blocks counted on the replica (less the prefix blocks its running requests hold)
     replica: ReplicaKv
@@ -40,6 +42,12 @@ class PoolChoice:
     # by a request waiting ahead), cheapest (the fewest GPU-seconds per token: gpu_seconds_per_token), most_free
     # (costs alike: the most KV free after the grant)
     reason: str
+    # Why that replica (messages.DECISION_REASONS); the blocks it prefills there; the TTFT bound's estimate of
+    # its first token there, and wait_s > 0: no pool's replica would start it within the bound, it should wait.
+    decision: str = "only_choice"
+    prefill_blocks: int = 0
+    start_s: float = 0.0
+    wait_s: float = 0.0
 
 
 def request_need(layouts: Mapping[str, int], policy: str, prompt_tokens: int, max_tokens: int) -> Need:
@@ -114,9 +122,12 @@ def gpu_seconds_per_token(replica: ReplicaKv, blocks: int, step_s: float) -> flo
 
 
 def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, prefix_routing: bool,
-           open_pools: set[str] | None = None) -> PoolChoice | None:
+           open_pools: set[str] | None = None, *, home: str | None = None, ttft_bound_s: float = 0.0,
+           may_wait_s: float = 0.0, now: float = 0.0) -> PoolChoice | None:
     """The pool and replica to grant now (module doc), among open_pools (None: every pool); None if no open pool
-    has room for the request."""
+    has room for the request. home, ttft_bound_s, may_wait_s, now: pick_replica's (the session's last replica, the
+    TTFT bound). Pools whose pick starts the request within the bound go first; when none does, the pool whose
+    backlog drains under the bound soonest (a wait), else the one where it starts soonest."""
     by_pool: dict[str, list[ReplicaKv]] = {}
     for replica in replicas:
         by_pool.setdefault(replica.pool, []).append(replica)
@@ -126,28 +137,40 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
         pool_need = need_on(need, ask, pool)
         if pool_need is None or pool not in holding or (open_pools is not None and pool not in open_pools):
             continue
-        picked = pick_replica(members, pool_need.blocks, pool_need.ask, prefix_routing)
+        picked = pick_replica(members, pool_need.blocks, pool_need.ask, prefix_routing, home=home,
+                              ttft_bound_s=ttft_bound_s, may_wait_s=may_wait_s, now=now)
         if picked is not None:
             candidates.append((pool, picked, pool_need.ask, mean_step_s(members)))
     if not candidates:
         return None
-    if len(candidates) == 1:
-        pool, (blocks, replica, hits), pool_ask, _ = candidates[0]
-        return PoolChoice(pool, blocks, replica, hits, pool_ask,
-                          reason="only_pool" if len(holding) == 1 else "only_room")
+    only = "only_pool" if len(holding) == 1 else "only_room"
+    within = [c for c in candidates if c[1].within_bound]
+    if not within:  # none within the bound: the soonest wait, else the soonest start (never starved)
+        waits = [c for c in candidates if c[1].wait_s > 0]
+        pool, pick, pool_ask, _ = (min(waits, key=lambda c: c[1].wait_s) if waits
+                                   else min(candidates, key=lambda c: c[1].start_s))
+        return _choice(pool, pick, pool_ask, only)
+    if len(within) == 1:
+        pool, pick, pool_ask, _ = within[0]
+        return _choice(pool, pick, pool_ask, only)
     # A replica that has not stepped yet is priced at its pool's mean step, or at the fastest step any candidate
     # reports (a pool that has not run yet gets tried), or alike when none has run.
-    fastest = min((step for *_, step in candidates if step > 0), default=1.0)
+    fastest = min((step for *_, step in within if step > 0), default=1.0)
 
-    def cost(candidate: tuple[str, tuple[int, ReplicaKv, int], PrefixAsk | None, float]) -> float:
-        _, (blocks, replica, _), _, pool_step = candidate
-        return gpu_seconds_per_token(replica, blocks, replica.step_s or pool_step or fastest)
+    def cost(candidate: tuple[str, Pick, PrefixAsk | None, float]) -> float:
+        _, pick, _, pool_step = candidate
+        return gpu_seconds_per_token(pick.replica, pick.need, pick.replica.step_s or pool_step or fastest)
 
-    def key(candidate: tuple[str, tuple[int, ReplicaKv, int], PrefixAsk | None, float]) -> tuple[float, float]:
-        _, (blocks, replica, _), _, _ = candidate
-        return (cost(candidate), -(replica.free - blocks) / max(replica.capacity, 1))
+    def key(candidate: tuple[str, Pick, PrefixAsk | None, float]) -> tuple[float, float]:
+        _, pick, _, _ = candidate
+        return (cost(candidate), -(pick.replica.free - pick.need) / max(pick.replica.capacity, 1))
 
-    best = min(candidates, key=key)
-    costs = {cost(c) for c in candidates}
-    pool, (blocks, replica, hits), pool_ask, _ = best
-    return PoolChoice(pool, blocks, replica, hits, pool_ask, reason="cheapest" if len(costs) > 1 else "most_free")
+    best = min(within, key=key)
+    costs = {cost(c) for c in within}
+    pool, pick, pool_ask, _ = best
+    return _choice(pool, pick, pool_ask, "cheapest" if len(costs) > 1 else "most_free")
+
+
+def _choice(pool: str, pick: Pick, ask: PrefixAsk | None, reason: str) -> PoolChoice:
+    return PoolChoice(pool, pick.need, pick.replica, pick.hit_blocks, ask, reason, decision=pick.reason,
+                      prefill_blocks=pick.prefill_blocks, start_s=pick.start_s, wait_s=pick.wait_s)

@@ -23,8 +23,12 @@ preferring the most free KV, and counts the grant against that replica until the
   capacity and grants, not after replica_ttl_s without reports; if it reports again it comes back, grantable once
   Serve has probed it since.
 
-Which replica: dcpserve/deployments/admission/replica_choice.py (the replica's KV as the queue knows it, balance, and
-prefix-aware routing: the longest cached run of the prompt's blocks among the replicas with room and in balance).
+Which replica: dcpserve/deployments/admission/replica_choice.py (the replica's KV as the queue knows it, balance, the
+session's last replica (dcpserve/deployments/admission/session_affinity.py), and prefix-aware routing: the longest
+cached run of the prompt's blocks among the replicas with room and in balance), then the TTFT bound
+(dcpserve/deployments/admission/ttft_bound.py): a request no replica would start within ttft_bound_s may wait in the
+queue (held back, not waiting for KV: it closes no pool to those behind it) until a replica's backlog drains under the
+bound, at most the bound and never past its deadline or timeout; then it is granted where it starts soonest.
 
 AdmissionQueue is plain asyncio (tested without Ray); dcpserve/deployments/admission/kv_admission.py serves it as the
 one-replica KvAdmission deployment.
@@ -33,11 +37,13 @@ one-replica KvAdmission deployment.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dcpserve.deployments.admission.bound_holds import BoundHolds
 from dcpserve.deployments.admission.errors import (
     AdmissionError,
     DeadlineExceeded,
@@ -51,9 +57,11 @@ from dcpserve.deployments.admission.fair_share import TenantShares, admission_or
 from dcpserve.deployments.admission.latency_window import LatencyWindow, nearest_rank
 from dcpserve.deployments.admission.ledger import Grant, ReplicaLedger
 from dcpserve.deployments.admission.pools import PoolChoice, choose, pools_of, smallest_blocks
-from dcpserve.deployments.admission.replica_choice import ReplicaKv, prompt_blocks, why_not_grantable
+from dcpserve.deployments.admission.replica_choice import ReplicaKv, why_not_grantable
+from dcpserve.deployments.admission.session_affinity import SessionHomes, SessionShares, session_of
 from dcpserve.deployments.admission.tenant_limits import TenantLimits
 from dcpserve.deployments.messages import (
+    DECISION_REASONS,
     Acquire,
     AcquireReply,
     AdmissionStats,
@@ -78,6 +86,9 @@ class _Waiter:
     deadline_at: float | None  # when it stops waiting for its deadline (the queue's clock)
     tokens: int  # its KV in tokens (the smallest need over its pools), what the fair order charges it
     arrived: float
+    timeout_at: float = math.inf  # when its queue timeout ends its wait (the queue's clock)
+    defer_end: float | None = None  # held back by the TTFT bound: the latest it may be held (set at the first time)
+    defer_until: float | None = None  # held back until then (the backlog's estimate falls under the bound)
 
 
 class AdmissionQueue(ReplicaLedger):
@@ -102,6 +113,9 @@ class AdmissionQueue(ReplicaLedger):
         limits: TenantLimits | None = None,
         order: str = "service_levels",
         fair_share_reserve: bool = True,
+        ttft_bound_s: float = 0.0,
+        session_ttl_s: float = 600.0,
+        on_decision: Callable[[str], None] | None = None,
     ) -> None:
         """on_event(outcome, waited_s, level), when given, hears every decision (dcpserve/deployments/metrics.py
         ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the queue, level
@@ -113,8 +127,11 @@ class AdmissionQueue(ReplicaLedger):
         still end a wait). fair_share_reserve: a tenant over its fair share of the KV leaves the next request of each
         tenant seen in the last half-life and under its share room (TenantShares.reserve_against).
         on_routed(prompt_blocks, hit_blocks) hears every grant of a request that named its prompt blocks.
-        prefix_routing: prefer the replica holding the longest run of the prompt's blocks
-        (dcpserve/deployments/admission/replica_choice.py); off: the most free KV alone."""
+        prefix_routing: prefer the session's last replica, then the one holding the longest run of the prompt's blocks
+        (dcpserve/deployments/admission/replica_choice.py); off: the most free KV alone. ttft_bound_s: the TTFT bound
+        (dcpserve/deployments/admission/ttft_bound.py; 0: off). session_ttl_s: a session silent this long loses its
+        replica and its share. on_decision(reason) hears every grant's reason and every request held back by the
+        bound (messages.DECISION_REASONS)."""
         self.max_queued = max_queued
         self._on_event = on_event
         self._on_routed = on_routed
@@ -147,6 +164,11 @@ class AdmissionQueue(ReplicaLedger):
             raise ValueError(f"admission_order must be 'service_levels' or 'fifo', got {order!r}")
         self.order = order
         self.fair_share_reserve = fair_share_reserve
+        self.holds = BoundHolds(ttft_bound_s, self._fulfill)  # the TTFT bound's holds on waiters
+        self.homes = SessionHomes(session_ttl_s)
+        self.session_shares = SessionShares(fair_share_half_life_s, fair_share_quantum_s, session_ttl_s)
+        self._on_decision = on_decision
+        self.decisions: dict[str, int] = dict.fromkeys(DECISION_REASONS, 0)
         self._seq = 0
         self._waits: dict[str, deque[float]] = {}  # tenant -> how long its last granted requests waited
         self.num_shed = 0
@@ -244,7 +266,7 @@ class AdmissionQueue(ReplicaLedger):
         self.shares.seen(level, self._need_tokens(need), now)
         waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, seq=self._seq,
                          front=front, deadline_at=None if level.deadline_s is None else now + level.deadline_s,
-                         tokens=self._need_tokens(need), arrived=now)
+                         tokens=self._need_tokens(need), arrived=now, timeout_at=now + timeout_s)
         self._waiters.append(waiter)
         self._fulfill()
         if waiter.future.done():  # granted at once
@@ -369,7 +391,8 @@ class AdmissionQueue(ReplicaLedger):
             num_unreachable=self.num_unreachable, num_lost=self.num_lost, num_leaked=self.num_leaked,
             num_shed=self.num_shed, num_deadline=self.num_deadline,
             prefix_query_blocks=self.num_prefix_query_blocks, prefix_hit_blocks=self.num_prefix_hit_blocks,
-            pool_grants=dict(self.pool_grants), tenants=self.tenant_stats(),
+            pool_grants=dict(self.pool_grants), tenants=self.tenant_stats(), decisions=dict(self.decisions),
+            num_sessions=len(self.homes),
             replicas={r.replica_id: QueueReplicaView(
                 pool=r.pool, capacity=r.capacity, granted=r.granted, external=r.external, free=r.free,
                 healthy=r.healthy, grantable=r.grantable, num_grants=len(r.grants), num_granted=r.num_granted,
@@ -388,11 +411,14 @@ class AdmissionQueue(ReplicaLedger):
         replica.grants[ticket] = (need, now)
         tokens = need * replica.tokens_per_block
         self.shares.grant(level.tenant, tokens, now)
-        replica.grant_prefill[ticket] = max(prompt_blocks(need, ask) - hit_blocks, 0)
+        self.session_shares.grant(session_of(level), tokens, now)
+        self.homes.record(session_of(level), replica.replica_id, now)
+        replica.grant_prefill[ticket] = choice.prefill_blocks
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, pool=replica.pool, level=level,
-                                     tokens=tokens)
+                                     tokens=tokens, decision=choice.decision)
+        self._decided(choice.decision)
         self.num_granted += 1
         replica.num_granted += 1
         key = f"{choice.pool}/{choice.reason}"
@@ -405,6 +431,11 @@ class AdmissionQueue(ReplicaLedger):
             if self._on_routed is not None:
                 self._on_routed(len(ask.hashes), hit_blocks)
         return replica.replica_id
+
+    def _decided(self, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        if self._on_decision is not None:
+            self._on_decision(reason)
 
     def _need_tokens(self, need: Need) -> int:
         """The request's KV in tokens: its smallest need over the pools (blocks x the pool's tokens per block)."""
@@ -470,16 +501,22 @@ class AdmissionQueue(ReplicaLedger):
         if self.order == "fifo":
             order = sorted(self._waiters, key=lambda w: (not w.front, w.seq))
         else:
-            order = admission_order(self._waiters, self.shares, self._clock())
+            order = admission_order(self._waiters, self.shares, self._clock(), self.session_shares)
+        now = self._clock()
         for waiter in order:
             usable = pools_of(waiter.need, self.replicas.values())
             open_pools = usable - closed
-            choice = choose(self.replicas.values(), waiter.need, waiter.ask, self.prefix_routing,
-                            open_pools) if open_pools else None
+            choice = choose(self.replicas.values(), waiter.need, waiter.ask, self.prefix_routing, open_pools,
+                            home=self.homes.home(session_of(waiter.level), now), ttft_bound_s=self.holds.bound_s,
+                            may_wait_s=self.holds.may_wait(waiter, now), now=now) if open_pools else None
             if choice is None:
                 closed |= usable
                 if closed >= pools:
                     break
+                continue
+            if choice.wait_s > 0:  # held back by the TTFT bound, not by KV: the waiters after it may go
+                if self.holds.hold(waiter, choice.wait_s, now):
+                    self._decided("backlog_deferred")
                 continue
             if self.fair_share_reserve and self.order != "fifo" and self._keeps_reserve(waiter, choice, usable):
                 continue  # over its share, and the room left is another tenant's next request: it waits
@@ -491,3 +528,4 @@ class AdmissionQueue(ReplicaLedger):
             if victim is None:
                 break
             self._shed(victim, "a request that is not sheddable waits for KV it could use")
+        self.holds.schedule((w for w in self._waiters if not w.future.done()), now)

@@ -27,20 +27,56 @@ turn away whenever the other replica ran one request fewer. With no prefix anywh
 step budget reported, it is the replica with the most free KV, as without caching. Grants still in flight count as
 cached on their replica for routing (not for the KV need): a burst sharing a new prefix follows the first request
 to one replica instead of computing the prefix everywhere.
+
+Host-tier prefixes (issue 51). A replica with a host-memory KV tier reports blocks that left its device for the tier
+as HOSTED (`PrefixMatch.host_blocks`): a hit copies them back instead of recomputing them, so the run is credited
+with what it saves (`prefix_credit`, in blocks of prefill: a device block 1, a host block 1 less its reload's share of
+its recompute, measured by the replica as KvReport.reload_s_per_block, else ASSUMED_RELOAD_FRACTION), and routing
+compares credits, not block counts. A host block is not shared KV: it needs its device block like a miss (only pinned
+blocks come off the need), and the request's prefill there is its prompt less the credit.
+
+Sessions (issue 51). Before the prefix comes the session's last replica (`home`, from
+dcpserve/deployments/admission/session_affinity.py), when it is among the replicas with room and in balance: prefix
+routing alone already sends a turn to its history while the replica reports it cached; the home keeps it there when
+the device evicted the history to the host tier, or the reports lag. A home with no room or out of balance (the
+saturation the balance rule defines) is passed over as any replica is, and the normal ranking decides.
+
+The TTFT bound (issue 51; dcpserve/deployments/admission/ttft_bound.py). The ranking above keeps the queued prefill
+as a tie-breaker, for the reason given; the bound is what keeps a replica's backlog from delaying a first token past
+`ttft_bound_s`: over the ranked replicas, the best-ranked one that would start the request within the bound (by
+`start_estimate`: its queued prefill, drained one step per step_s since its report, and the request's own) is granted,
+or the request is held in the queue while a replica's backlog drains, or, when neither helps, it goes where it starts
+soonest. Every pick says why (`Pick.reason`, messages.DECISION_REASONS).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dcpserve.deployments.admission.prefix_routing import ReplicaPrefix
+from dcpserve.deployments.admission.ttft_bound import StartEstimate, bound_decision
 from dcpserve.deployments.messages import PrefixAsk
+from dcpserve.engine.core.prefix_cache import PrefixMatch
 
 # A replica is in balance while it runs at most max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
 # sequences, least being the count of the least busy replica with room; only replicas in balance compete on cost.
 BALANCE_SLACK_SEQUENCES = 2
 BALANCE_RATIO = 1.5
+
+# A block only in a replica's host tier is credited with what its reload saves: its recompute less its copy back. A
+# replica that has not measured the copy (KvReport.reload_s_per_block = 0) is assumed to reload a block in this share
+# of the time recomputing it takes. Why 0.1: prefilling a token costs about 2 x params FLOPs plus attention over the
+# context, copying it back its KV bytes over the host link; for Llama-3-70B in bf16 that is ~140 GFLOP (~0.3 ms at
+# ~500 TFLOP/s) against ~320 KiB (~13 us at ~25 GB/s of PCIe 5 per GPU), a share of ~0.05, and less for MLA models
+# (Kimi K2, DeepSeek: a few tens of KiB per token) and long contexts (attention grows the recompute, not the copy).
+# 0.1 takes twice the estimate, so that a guess never credits a reload with more than it likely saves.
+ASSUMED_RELOAD_FRACTION = 0.1
+
+# The keys pick_replica ranks replicas by, as the decision reasons they give (messages.DECISION_REASONS): the first
+# key that told the chosen replica from the next one.
+RANKING_REASONS = ("session", "prefix", "start_soonest", "most_free")
 
 
 @dataclass
@@ -56,6 +92,7 @@ class ReplicaKv:
     max_seqs: int = 0  # the sequences one engine step takes (max_num_seqs); 0: not reported
     prefill_tokens: int = 0  # prompt tokens it had still to compute at its last report (KvLedger.prefill_tokens)
     step_tokens: int = 0  # the tokens one of its steps takes (max_num_batched_tokens); 0: not reported
+    reload_s_per_block: float = 0.0  # its measured host -> device copy of one block; 0: not measured
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
     grant_prefill: dict[str, int] = field(default_factory=dict)  # ticket -> blocks its grant has to prefill there
     num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
@@ -133,11 +170,72 @@ def steps_to_start(replica: ReplicaKv, own_blocks: int) -> int:
     return (replica.prefill_ahead + max(own_blocks, 0)) // step_blocks
 
 
-def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None,
-                 prefix_routing: bool) -> tuple[int, ReplicaKv, int] | None:
-    """The grantable replica with room for a request of `need` admission blocks, in balance, holding the longest
-    cached run of its prompt (not weighed when prefix_routing is off), then the most KV free after the grant
-    (module doc), as (need there, replica, prompt blocks it caches); None if no replica has room now."""
+def recompute_s_per_block(replica: ReplicaKv) -> float:
+    """Seconds of engine steps that prefilling one block takes there (its step time over the blocks one step takes);
+    0 where it has not reported its step time and budget."""
+    if replica.step_s <= 0 or replica.step_tokens <= 0:
+        return 0.0
+    return replica.step_s * replica.tokens_per_block / replica.step_tokens
+
+
+def reload_fraction(replica: ReplicaKv) -> float:
+    """A host-tier block's reload there as a share of its recompute: measured (reload_s_per_block over
+    recompute_s_per_block, at most 1), else ASSUMED_RELOAD_FRACTION."""
+    recompute = recompute_s_per_block(replica)
+    if replica.reload_s_per_block > 0 and recompute > 0:
+        return min(replica.reload_s_per_block / recompute, 1.0)
+    return ASSUMED_RELOAD_FRACTION
+
+
+def prefix_credit(replica: ReplicaKv, match: PrefixMatch) -> float:
+    """What a cached run saves there, in blocks of prefill: a block on device its whole recompute, a block only in the
+    host tier its recompute less its reload (seconds saved = this x recompute_s_per_block). A host block still needs
+    its device block, like a miss: the KV need counts it (only pinned blocks are shared)."""
+    host = min(match.host_blocks, match.hit_blocks)
+    return (match.hit_blocks - host) + host * (1.0 - reload_fraction(replica))
+
+
+def start_estimate(replica: ReplicaKv, own_blocks: float, now: float) -> StartEstimate:
+    """When a request granted there now would get its first token (ttft_bound.StartEstimate): the prefill queued
+    before it (`prefill_ahead`), drained one step per step_s since the replica's last report, and its own blocks; 0
+    where the replica has not reported its step time and budget."""
+    per_block = recompute_s_per_block(replica)
+    if per_block <= 0:
+        return StartEstimate(0.0, 0.0)
+    elapsed = max(now - replica.last_report, 0.0)
+    return StartEstimate(max(replica.prefill_ahead * per_block - elapsed, 0.0), max(own_blocks, 0.0) * per_block)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """pick_replica's answer: the replica, the blocks counted there (its need less the cached blocks running requests
+    there hold), the prompt blocks routing found there, the blocks it has to prefill there (its prompt less the
+    prefill its cached run saves), why (messages.DECISION_REASONS), and the TTFT bound's estimate: its first token
+    there in start_s; wait_s > 0: no replica would start it within the bound, and it should wait that long instead."""
+
+    need: int
+    replica: ReplicaKv
+    hit_blocks: int
+    prefill_blocks: int
+    reason: str
+    start_s: float = 0.0
+    wait_s: float = 0.0
+    within_bound: bool = True
+
+
+def _whole(blocks: float) -> int:
+    """Blocks rounded up, a rounding error of the credit's float arithmetic not counting as one more."""
+    return max(math.ceil(blocks - 1e-9), 0)
+
+
+def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None, prefix_routing: bool, *,
+                 home: str | None = None, ttft_bound_s: float = 0.0, may_wait_s: float = 0.0,
+                 now: float = 0.0) -> Pick | None:
+    """The grantable replica with room for a request of `need` admission blocks, in balance, ranked by: its session's
+    last replica (`home`), the prefill its cached run saves (prefix_credit; neither weighed when prefix_routing is
+    off), the fewest steps before its first token, the most KV free after the grant (module doc); then the TTFT
+    bound (ttft_bound.bound_decision; 0: off) over that ranking, with `may_wait_s` the wait the request has left for
+    it. None if no replica has room now."""
     roomy = []
     for replica in replicas:
         if not replica.grantable:
@@ -152,15 +250,32 @@ def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
     # much of the prefix it holds (otherwise every request sharing a system prompt would pile onto one replica).
     least = min(replica.num_sequences for replica, *_ in roomy)
     limit = max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
-    best: tuple[tuple[int, int, int], int, ReplicaKv, int] | None = None
+    ranked: list[tuple[tuple[bool, float, int, int], Pick, StartEstimate]] = []
     for replica, reported, inflight, need_here in roomy:
         if replica.num_sequences > limit:
             continue
         # What routing counts on there: the blocks it reported cached, or those its grants in flight (or
         # finished since its last report) are computing, whichever run is longer.
         hit_blocks = max(reported.hit_blocks, inflight)
-        own = prompt_blocks(need, ask) - (hit_blocks if prefix_routing else 0)
-        key = (hit_blocks if prefix_routing else 0, -steps_to_start(replica, own), replica.free - need_here)
-        if best is None or key > best[0]:
-            best = (key, need_here, replica, hit_blocks)
-    return None if best is None else best[1:]
+        # The replica uses its cache whether routing weighs it or not: its prefill is the prompt less the credit.
+        credit = max(prefix_credit(replica, reported), float(inflight))
+        own = max(prompt_blocks(need, ask) - credit, 0.0)
+        routed = credit if prefix_routing else 0.0
+        key = (prefix_routing and home == replica.replica_id, routed,
+               -steps_to_start(replica, _whole(prompt_blocks(need, ask) - routed)), replica.free - need_here)
+        pick = Pick(need_here, replica, hit_blocks, prefill_blocks=_whole(own), reason="")
+        ranked.append((key, pick, start_estimate(replica, own, now)))
+    if not ranked:
+        return None
+    ranked.sort(key=lambda entry: entry[0], reverse=True)
+    if len(ranked) == 1:
+        reason = "only_choice"
+    else:
+        first, second = ranked[0][0], ranked[1][0]
+        reason = next((name for name, a, b in zip(RANKING_REASONS, first, second, strict=True) if a != b), "most_free")
+    decision = bound_decision([estimate for *_, estimate in ranked], ttft_bound_s, may_wait_s)
+    _, pick, estimate = ranked[decision.index]
+    within = ttft_bound_s <= 0 or decision.reason in ("preferred", "backlog_rerouted")
+    return Pick(pick.need, pick.replica, pick.hit_blocks, pick.prefill_blocks,
+                reason if decision.reason == "preferred" else decision.reason, estimate.start_s, decision.wait_s,
+                within)

@@ -135,7 +135,7 @@ class OpenAIIngress:
                          **openapi.ERROR_RESPONSES})
     async def completions(self, request: Request) -> Response:
         try:
-            body, tenant = await self._parse(request, protocol.CompletionRequest)
+            body, tenant, session = await self._parse(request, protocol.CompletionRequest)
             prompts, echo_texts = [], []
             for prompt in body.prompts():
                 ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -143,7 +143,7 @@ class OpenAIIngress:
                 if body.echo:
                     echo_texts.append(prompt if isinstance(prompt, str) else self._decode(ids))
             shaper = CompletionShaper(body, self.model_name, self.tokenizer, prompts, echo_texts)
-            response = await self._serve(body, tenant, prompts, shaper)
+            response = await self._serve(body, tenant, session, prompts, shaper)
         except ApiError as err:
             response = error_response(err)
         self.metrics.response("completions", response.status_code)
@@ -154,7 +154,7 @@ class OpenAIIngress:
                                                  "stream"), **openapi.ERROR_RESPONSES})
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body, tenant = await self._parse(request, protocol.ChatCompletionRequest)
+            body, tenant, session = await self._parse(request, protocol.ChatCompletionRequest)
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: chat needs one; use /v1/completions with token ids")
             plan = self._tool_plan(body)
@@ -170,7 +170,7 @@ class OpenAIIngress:
             except ValueError as err:
                 raise ApiError(400, str(err), param="messages") from None
             shaper = ChatShaper(body, self.model_name, self.tokenizer, token_ids, plan, self.reasoning)
-            response = await self._serve(body, tenant, [token_ids], shaper)
+            response = await self._serve(body, tenant, session, [token_ids], shaper)
         except ApiError as err:
             response = error_response(err)
         self.metrics.response("chat_completions", response.status_code)
@@ -178,8 +178,9 @@ class OpenAIIngress:
 
     # ---- steps ----------------------------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> tuple[Any, str]:
-        """The validated body and the request's tenant (its API key's name)."""
+    async def _parse(self, request: Request, model: type[protocol._SamplingFields]) -> tuple[Any, str, str | None]:
+        """The validated body, the request's tenant (its API key's name) and its session (prompt_cache_key, else the
+        X-Session-Id header; 400 naming the one that is not a valid key)."""
         tenant = authorize(request, self._api_keys)
         try:
             raw = json.loads(await read_body(request, self.args.max_request_body_bytes))
@@ -195,11 +196,15 @@ class OpenAIIngress:
         if body.model != self.model_name:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        return body, tenant
+        try:
+            session = body.session(request.headers.get(protocol.SESSION_HEADER))
+        except ValueError as err:
+            raise ApiError(400, str(err), param=protocol.SESSION_HEADER) from None
+        return body, tenant, session
 
-    def _level(self, body: Any, tenant: str) -> ServiceLevel:
+    def _level(self, body: Any, tenant: str, session: str | None) -> ServiceLevel:
         """The request's service level: its tenant's weight, its priority (the key's default when it sends none;
-        400 past the key's min_priority) and its deadline (400 when it has passed)."""
+        400 past the key's min_priority), its deadline (400 when it has passed) and its session."""
         settings = self.args.tenant(tenant)
         priority = settings.priority if body.priority is None else body.priority
         if settings.min_priority is not None and priority < settings.min_priority:
@@ -210,7 +215,7 @@ class OpenAIIngress:
             deadline_s = body.deadline_s()
         except ValueError as err:
             raise ApiError(400, str(err), param="deadline") from None
-        return ServiceLevel(tenant, priority, settings.weight, deadline_s)
+        return ServiceLevel(tenant, priority, settings.weight, deadline_s, session=session)
 
     @staticmethod
     def _tool_plan(body: Any) -> ToolPlan | None:
@@ -306,8 +311,9 @@ class OpenAIIngress:
             raise first
         return sessions
 
-    async def _serve(self, body: Any, tenant: str, prompts: list[list[int]], shaper: ResponseShaper) -> Response:
-        level = self._level(body, tenant)
+    async def _serve(self, body: Any, tenant: str, session: str | None, prompts: list[list[int]],
+                     shaper: ResponseShaper) -> Response:
+        level = self._level(body, tenant, session)
         await self._check_constraint(body)
         planned = self._plan(body, prompts)
         sessions = await self._admit(planned, level)  # before any byte is sent: errors are plain HTTP statuses

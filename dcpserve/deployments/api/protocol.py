@@ -6,10 +6,13 @@ repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, skip
 prompt_logprobs, continuous_usage_stats, return_tokens_as_token_ids). Fields that do not change what is generated
 (user, metadata, store: false, service_tier, request_id) are accepted and ignored; `priority`
 (vLLM's: lower first) and `deadline` (ours) set the request's service level
-(dcpserve/deployments/admission/fair_share.py); structured outputs (response_format, vLLM's structured_outputs and
-guided_*: dcpserve/deployments/api/structured.py) and tools (dcpserve/deployments/api/tool_calls.py) constrain the
-output; fields that would silently change results without being implemented (suffix, beam search, ...) are refused with
-a 400 that names them. docs/operations.md has the table of every field.
+(dcpserve/deployments/admission/fair_share.py); OpenAI's `prompt_cache_key` (or the `X-Session-Id` header, for clients
+that cannot send it: `session_key`) names the request's session, whose turns the admission queue keeps on one replica
+and shares its tenant between (dcpserve/deployments/admission/session_affinity.py); structured outputs
+(response_format, vLLM's structured_outputs and guided_*: dcpserve/deployments/api/structured.py) and tools
+(dcpserve/deployments/api/tool_calls.py) constrain the output; fields that would silently change results without being
+implemented (suffix, beam search, ...) are refused with a 400 that names them. docs/operations.md has the table of
+every field.
 """
 
 from __future__ import annotations
@@ -36,6 +39,24 @@ MAX_N = 16
 MAX_PROMPTS = 64
 MAX_SEQUENCES = 64
 MAX_LOGPROBS = 20
+# The longest session key (prompt_cache_key, X-Session-Id): the admission queue remembers up to 100,000 of them.
+MAX_SESSION_KEY_CHARS = 256
+# The header that names a request's session for clients that cannot send prompt_cache_key (the body wins).
+SESSION_HEADER = "X-Session-Id"
+
+
+def session_key(value: object, name: str) -> str:
+    """A session key as sent in `name` (the body's prompt_cache_key or the X-Session-Id header), checked: a non-empty
+    string of at most MAX_SESSION_KEY_CHARS characters. ValueError naming the field, what it got and the fix."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string (a name for the conversation or agent the request belongs to), "
+                         f"got {type(value).__name__}; send it as a string, or omit it")
+    if not value:
+        raise ValueError(f"{name} is empty; send a non-empty string naming the conversation, or omit it")
+    if len(value) > MAX_SESSION_KEY_CHARS:
+        raise ValueError(f"{name} is {len(value)} characters, longer than the {MAX_SESSION_KEY_CHARS} allowed; send a "
+                         f"shorter key (a hash of a longer one, for instance)")
+    return value
 
 
 def deadline_unix_s(value: float | str) -> float:
@@ -98,6 +119,11 @@ class _SamplingFields(BaseModel):
     # default), and by when the request must have started: Unix seconds, or an ISO 8601 time with its UTC offset.
     priority: StrictInt | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     deadline: StrictInt | StrictFloat | StrictStr | None = None
+    # OpenAI's: the request's session (session_key; the X-Session-Id header when absent). Any here so that a value of
+    # another type gets session_key's 400, not pydantic's.
+    prompt_cache_key: Any = Field(None, description=f"the request's session (a conversation or agent): a non-empty "
+                                  f"string of at most {MAX_SESSION_KEY_CHARS} characters; the header {SESSION_HEADER} "
+                                  f"when absent")
     spaces_between_special_tokens: bool = True
     # Structured outputs (dcpserve/deployments/api/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* fields; at most one constraint per request.
@@ -138,6 +164,18 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"deadline: {self.deadline!r} passed {-left:.3f}s ago; send a time in the future (Unix "
                              f"seconds or ISO 8601 with a UTC offset)")
         return left
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _prompt_cache_key(cls, value: object) -> str | None:
+        return None if value is None else session_key(value, "prompt_cache_key")
+
+    def session(self, header: str | None) -> str | None:
+        """The request's session: its prompt_cache_key, else the X-Session-Id header's value (ValueError naming the
+        header when that is not a valid key), else None."""
+        if self.prompt_cache_key is not None:
+            return str(self.prompt_cache_key)
+        return None if header is None else session_key(header, f"the {SESSION_HEADER} header")
 
     @field_validator("logit_bias")
     @classmethod
