@@ -92,3 +92,33 @@ def test_a_pool_smaller_than_one_max_model_len_request_fails_at_deploy(tiny_mode
 @pytest.mark.vllm
 def test_valid_vllm_args_bind(tiny_model_dir: Path) -> None:
     assert build_app(vllm_args(tiny_model_dir)) is not None
+
+
+@pytest.mark.vllm
+def test_a_host_tier_on_vllms_cpu_build_is_refused_at_deploy(tiny_model_dir: Path) -> None:
+    """vLLM's CPU build cannot offload KV (its offloading worker takes CUDA tensors): refused before any replica
+    starts, naming the option, why, and the fix."""
+    with pytest.raises(ValueError, match=r"kv_host_tier='256MiB' with backend='vllm' on CPU: .*cannot offload; unset "
+                                         r"kv_host_tier, or use backend='native'"):
+        build_app(vllm_args(tiny_model_dir, enable_prefix_caching=True, kv_host_tier="256MiB"))
+
+
+def test_a_host_tier_passes_to_vllms_offloading_where_vllm_offloads() -> None:
+    """On GPUs kv_host_tier becomes vLLM's kv_offloading_size (GiB over all the replica's ranks), a share of host
+    memory split as the native engine splits it; PCP, which vLLM's offloading does not shard by, is refused."""
+    from dcpserve.engine.args import EngineArgs
+    from dcpserve.engine.backends.vllm.args import check_vllm_takes_host_tier, vllm_offloading_gib
+
+    sized = EngineArgs(model="m", backend="vllm", tensor_parallel_size=4, decode_context_parallel_size=4,
+                       enable_prefix_caching=True, kv_host_tier="2GiB")
+    check_vllm_takes_host_tier(sized, "cuda")  # TP x DCP: vLLM offloads each rank's shard
+    assert vllm_offloading_gib(sized, 1 << 40) == 8.0
+    shared = EngineArgs(model="m", backend="vllm", tensor_parallel_size=2, enable_prefix_caching=True,
+                        kv_host_tier="25%")
+    assert vllm_offloading_gib(shared, 64 << 30) == 16.0
+    pcp = EngineArgs(model="m", backend="vllm", tensor_parallel_size=2, prefill_context_parallel_size=2,
+                     enable_prefix_caching=True, kv_host_tier="1GiB")
+    with pytest.raises(ValueError, match=r"prefill_context_parallel_size=2: vLLM .*sizes its blocks by DCP only"):
+        check_vllm_takes_host_tier(pcp, "cuda")
+    with pytest.raises(ValueError, match=r"on CPU: .*cannot offload"):
+        check_vllm_takes_host_tier(sized, "cpu")

@@ -19,7 +19,15 @@ import pytest
 from dcpserve.engine.args import EngineArgs
 from dcpserve.engine.backends.vllm.prefix import HeldRequest, VllmPrefixCache
 from dcpserve.engine.core.block_manager import admission_blocks
-from dcpserve.engine.core.prefix_cache import CACHED, EVICTED, PINNED, PrefixIndex, chain_hashes, prompt_hashes
+from dcpserve.engine.core.prefix_cache import (
+    CACHED,
+    EVICTED,
+    HOSTED,
+    PINNED,
+    PrefixIndex,
+    chain_hashes,
+    prompt_hashes,
+)
 from dcpserve.engine.sampling_params import SamplingParams
 
 TPB = 4  # tokens per block in the hand-driven tests
@@ -64,15 +72,48 @@ def test_copies_removals_and_what_cannot_be_named() -> None:
     assert cache.cached_hashes() == {second: CACHED} and cache.num_evictions == 2
     cache.removed(["unknown"], "GPU")  # never stored here: nothing
     assert cache.num_evictions == 2
-    # A parent no event named (lost events): not reported. Other block sizes and other tiers: not this pool.
+    # A parent no event named (lost events): not reported. Other block sizes and other tiers (vLLM's storage
+    # offloading): not this pool.
     cache.stored(["x"], "never-seen", [1, 2, 3, 4], TPB, "GPU")
     cache.stored(["y"], None, [1, 2, 3, 4, 5, 6, 7, 8], 2 * TPB, "GPU")
-    cache.stored(["z"], None, [9, 9, 9, 9], TPB, "CPU")
+    cache.stored(["z"], None, [9, 9, 9, 9], TPB, "STORAGE")
     assert cache.cached_hashes() == {second: CACHED} and cache.num_unmapped_blocks == 1
     cache.cleared()
     assert cache.cached_hashes() == {} and cache.num_cached_blocks == 0
     report = cache.report(None, 0)
     assert report.full and report.changes == {}
+
+
+def test_host_tier_copies_are_hosted_until_both_tiers_drop_them() -> None:
+    """vLLM's CPU offloading: a block whose pool copy is evicted while its host copy stays is HOSTED (the queue's
+    PrefixMatch counts it in host_blocks), and EVICTED once the host tier drops it too; a host copy is named by its own
+    chain or, for the connector's placeholders (no parent, no tokens), by the pool's name of the same vLLM hash."""
+    cache = VllmPrefixCache(TPB, SEED)
+    tokens = list(range(1, 13))
+    first, second, third = chain_hashes(tokens, TPB, SEED)
+    _vllm_store(cache, tokens, 0, 3)
+    cache.stored(["v0", "v1"], None, tokens[:2 * TPB], TPB, "CPU")  # offloaded with their chain
+    cache.stored(["v2"], None, [], 0, "CPU")  # a placeholder: named through the pool's mapping
+    assert cache.num_host_blocks == 3
+    assert cache.cached_hashes() == {first: CACHED, second: CACHED, third: CACHED}  # on device: not HOSTED
+    index = PrefixIndex()
+    index.apply(cache.report(None, 0))
+    cache.removed(["v0", "v1", "v2"], "GPU")  # the pool evicts them; the host tier keeps them
+    assert cache.cached_hashes() == {first: HOSTED, second: HOSTED, third: HOSTED}
+    index.apply(cache.report(index.epoch, index.version))
+    match = index.match(prompt_hashes(tokens + [99], TPB, SEED), TPB, SEED)
+    assert (match.hit_blocks, match.host_blocks, match.pinned_blocks) == (3, 3, 0)
+    assert cache.pinned_hits(tokens + [99]) == 0  # a hosted block still needs device KV
+    _vllm_store(cache, tokens, 0, 1)  # reloaded into the pool: on device again
+    assert cache.cached_hashes()[first] == CACHED
+    cache.removed(["v1"], "CPU")
+    assert second not in cache.cached_hashes() and cache.num_host_evictions == 1
+    index.apply(cache.report(index.epoch, index.version))
+    assert index.match(prompt_hashes(tokens + [99], TPB, SEED), TPB, SEED).hit_blocks == 1  # the run breaks there
+    cache.stored(["unknown"], None, [], 0, "CPU")  # a placeholder of a block never in the pool: not named
+    assert cache.num_unmapped_blocks == 1
+    cache.cleared()
+    assert cache.cached_hashes() == {} and cache.num_host_blocks == 0
 
 
 def test_lost_events_forget_everything() -> None:

@@ -62,6 +62,8 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
             )
     if args.kv_cache_memory_bytes is not None:
         _check_pool_holds_one_request(args, args.kv_cache_memory_bytes, device)
+    if args.kv_host_tier is not None:
+        check_vllm_takes_host_tier(args, device)
 
     try:
         config = json.loads((Path(args.model) / "config.json").read_text())
@@ -78,6 +80,35 @@ def validate_vllm_args(args: EngineArgs, device: str) -> None:
             f"model={args.model!r}: vLLM {VLLM_VERSION} supports none of its architectures {architectures}; serve it "
             f"with backend='native' if dcpserve's engine supports it, or pick a model vLLM supports"
         )
+
+
+def check_vllm_takes_host_tier(args: EngineArgs, device: str) -> None:
+    """kv_host_tier on the vLLM backend is vLLM's own CPU offloading (kv_offloading_size, its native
+    OffloadingConnector), where vLLM does it for the layout; refused before a replica starts where it does not."""
+    if device == "cpu":
+        raise ValueError(
+            f"kv_host_tier={args.kv_host_tier!r} with backend='vllm' on CPU: vLLM {VLLM_VERSION}'s KV offloading "
+            f"copies between GPU and host memory only (its OffloadingConnector's worker takes CUDA/XPU tensors), so "
+            f"its CPU build cannot offload; unset kv_host_tier, or use backend='native', whose tier runs on CPU"
+        )
+    if args.prefill_context_parallel_size > 1:
+        raise ValueError(
+            f"kv_host_tier={args.kv_host_tier!r} with backend='vllm' and prefill_context_parallel_size="
+            f"{args.prefill_context_parallel_size}: vLLM {VLLM_VERSION}'s KV offloading sizes its blocks by DCP only "
+            f"(offloading/config.py resolve_dcp_kv_block_size), not by PCP's sharding; unset kv_host_tier, use "
+            f"prefill_context_parallel_size=1, or use backend='native'"
+        )
+
+
+def vllm_offloading_gib(args: EngineArgs, meminfo_bytes: int) -> float:
+    """vLLM's kv_offloading_size (GiB summed over the replica's ranks) for kv_host_tier (per rank: bytes, or a share
+    of the host's available memory `meminfo_bytes` split over the ranks, as the native engine reads it)."""
+    from dcpserve.engine.args import parse_host_tier
+
+    tier_bytes, share = parse_host_tier(args.kv_host_tier) if args.kv_host_tier is not None else (None, None)
+    ranks = args.tensor_parallel_size * args.prefill_context_parallel_size
+    per_rank = tier_bytes if tier_bytes is not None else int((share or 0.0) * meminfo_bytes / ranks)
+    return per_rank * ranks / (1 << 30)
 
 
 def cpu_has_amx() -> bool:
@@ -258,6 +289,11 @@ def vllm_engine_kwargs(args: EngineArgs, device: str, kv_events_endpoint: str | 
         kwargs["kv_events_config"] = kv_events_config(kv_events_endpoint, kv_events_topic)
     if args.prefill_context_parallel_size > 1:  # (validate_vllm_args checked that this vLLM takes it)
         kwargs["prefill_context_parallel_size"] = args.prefill_context_parallel_size
+    if args.kv_host_tier is not None:  # (validate_vllm_args checked that vLLM offloads here)
+        from dcpserve.engine.core.host_tier import available_host_bytes
+
+        kwargs["kv_offloading_size"] = vllm_offloading_gib(args, available_host_bytes())
+        kwargs["kv_offloading_backend"] = "native"
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens is not None:

@@ -19,6 +19,7 @@ from dcpserve.engine.backends.vllm.args import KV_EVENTS_HOST
 from dcpserve.engine.core.prefix_cache import (
     CACHED,
     EVICTED,
+    HOSTED,
     PINNED,
     PrefixReport,
     PrefixReporter,
@@ -45,6 +46,9 @@ class HeldRequest:
 
 # The KV pool vLLM reports its cached blocks for (BlockPool's medium; offloading tiers report others).
 _POOL_MEDIUMS = (None, "GPU")
+# The host tier: vLLM's CPU offloading (its OffloadingConnector, kv_offloading_size) stores and removes copies of the
+# pool's blocks under this medium (vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py).
+HOST_MEDIUM = "CPU"
 
 
 class VllmPrefixCache:
@@ -58,6 +62,12 @@ class VllmPrefixCache:
     earlier event named (a request's blocks are stored in order, each while the request holds its parent). vLLM does
     not de-duplicate: two requests computing the same block at once each store a copy under one hash, and each copy
     is removed on its own, so a hash stays cached while any copy does.
+
+    With vLLM's CPU offloading on, the same events come with medium CPU for the copies its host tier stores and
+    removes: a block whose last pool copy is gone while the host tier still has one is HOSTED (a hit copies it back),
+    and EVICTED only once both are gone. The offloading connector names a block by the pool's vLLM hash and may send
+    no token ids for it (a placeholder), so a host copy is named through the pool's mapping when the event has no
+    parent and tokens of its own.
     """
 
     def __init__(self, tokens_per_block: int, seed: bytes) -> None:
@@ -67,9 +77,12 @@ class VllmPrefixCache:
         self._lock = threading.Lock()
         self._vllm_blocks: dict[Hashable, list] = {}  # vLLM block hash -> [our hash, its copies in the pool]
         self._copies: dict[int, int] = {}  # our hash -> copies in vLLM's pool
+        self._host_blocks: dict[Hashable, list] = {}  # vLLM block hash -> [our hash, its copies in the host tier]
+        self._host_copies: dict[int, int] = {}  # our hash -> copies in vLLM's host tier
         self._holders: dict[int, dict[str, None]] = {}  # our hash -> held requests whose blocks include it; the
         #                                                 first one is charged for it
         self.num_evictions = 0  # copies removed from vLLM's cache
+        self.num_host_evictions = 0  # copies removed from vLLM's host tier
         self.num_unmapped_blocks = 0  # stored blocks whose parent no event named (events lost): not reported
         self.num_lost_batches = 0  # event batches that never arrived (the state was dropped then)
         self._warned: set[str] = set()
@@ -79,6 +92,9 @@ class VllmPrefixCache:
     def stored(self, vllm_hashes: Sequence[Hashable], parent: Hashable | None, token_ids: Sequence[int],
                block_size: int, medium: str | None = None) -> None:
         """BlockStored: vLLM cached len(vllm_hashes) full blocks, holding token_ids in order, after `parent`."""
+        if medium == HOST_MEDIUM:
+            self._host_stored(vllm_hashes, parent, token_ids, block_size)
+            return
         if medium not in _POOL_MEDIUMS:
             return
         if block_size != self.tokens_per_block or len(token_ids) != len(vllm_hashes) * block_size:
@@ -103,8 +119,36 @@ class VllmPrefixCache:
                 if copies == 0:
                     self.reporter.set(ours, PINNED if ours in self._holders else CACHED)
 
+    def _host_stored(self, vllm_hashes: Sequence[Hashable], parent: Hashable | None, token_ids: Sequence[int],
+                     block_size: int) -> None:
+        """A BlockStored of the host tier: named by its own chain when it carries one, else by the pool's names."""
+        chained = block_size == self.tokens_per_block and len(token_ids) == len(vllm_hashes) * block_size
+        with self._lock:
+            ours: int | None = None
+            if chained and parent is not None:
+                known = self._vllm_blocks.get(parent) or self._host_blocks.get(parent)
+                chained = known is not None
+                ours = known[0] if known is not None else None
+            for index, vllm_hash in enumerate(vllm_hashes):
+                if chained:
+                    ours = block_hash(ours, token_ids[index * block_size:(index + 1) * block_size], self.seed)
+                else:
+                    known = self._vllm_blocks.get(vllm_hash) or self._host_blocks.get(vllm_hash)
+                    if known is None:
+                        self.num_unmapped_blocks += 1
+                        continue
+                    ours = known[0]
+                entry = self._host_blocks.setdefault(vllm_hash, [ours, 0])
+                entry[1] += 1
+                self._host_copies[ours] = self._host_copies.get(ours, 0) + 1
+                if ours not in self._copies:
+                    self.reporter.set(ours, HOSTED)
+
     def removed(self, vllm_hashes: Iterable[Hashable], medium: str | None = None) -> None:
         """BlockRemoved: one copy of each block left vLLM's cache (evicted to make room, or reset)."""
+        if medium == HOST_MEDIUM:
+            self._host_removed(vllm_hashes)
+            return
         if medium not in _POOL_MEDIUMS:
             return
         with self._lock:
@@ -119,10 +163,30 @@ class VllmPrefixCache:
                     del self._vllm_blocks[vllm_hash]
                 self._drop_copy(ours)
 
+    def _host_removed(self, vllm_hashes: Iterable[Hashable]) -> None:
+        with self._lock:
+            for vllm_hash in vllm_hashes:
+                entry = self._host_blocks.get(vllm_hash)
+                if entry is None:
+                    continue
+                self.num_host_evictions += 1
+                ours = entry[0]
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._host_blocks[vllm_hash]
+                copies = self._host_copies.get(ours, 0) - 1
+                if copies > 0:
+                    self._host_copies[ours] = copies
+                    continue
+                self._host_copies.pop(ours, None)
+                if ours not in self._copies:
+                    self.reporter.set(ours, EVICTED)
+
     def cleared(self) -> None:
-        """AllBlocksCleared: vLLM reset its prefix cache (only ever with no block in use)."""
+        """AllBlocksCleared: vLLM reset its prefix cache (only ever with no block in use); its host tier too."""
         with self._lock:
             self.num_evictions += sum(self._copies.values())
+            self.num_host_evictions += sum(self._host_copies.values())
             self._forget_all()
 
     def lost(self, num_batches: int) -> None:
@@ -141,13 +205,15 @@ class VllmPrefixCache:
             self._copies[ours] = copies
         else:
             self._copies.pop(ours, None)
-            self.reporter.set(ours, EVICTED)
+            self.reporter.set(ours, HOSTED if ours in self._host_copies else EVICTED)
 
     def _forget_all(self) -> None:
-        for ours in self._copies:
+        for ours in {**self._copies, **self._host_copies}:
             self.reporter.set(ours, EVICTED)
         self._copies.clear()
         self._vllm_blocks.clear()
+        self._host_copies.clear()
+        self._host_blocks.clear()
 
     def _warn_once(self, key: str, message: str, *args: object) -> None:
         if key not in self._warned:
@@ -232,10 +298,18 @@ class VllmPrefixCache:
         with self._lock:
             return sum(self._copies.values())
 
-    def cached_hashes(self) -> dict[int, int]:
-        """Our hash -> PINNED | CACHED of every block vLLM caches now."""
+    @property
+    def num_host_blocks(self) -> int:
+        """Copies of cached prefix blocks in vLLM's host tier now."""
         with self._lock:
-            return {ours: PINNED if ours in self._holders else CACHED for ours in self._copies}
+            return sum(self._host_copies.values())
+
+    def cached_hashes(self) -> dict[int, int]:
+        """Our hash -> PINNED | CACHED of every block vLLM caches now in its pool, HOSTED of those only its host tier
+        holds."""
+        with self._lock:
+            hosted = {ours: HOSTED for ours in self._host_copies if ours not in self._copies}
+            return {**hosted, **{ours: PINNED if ours in self._holders else CACHED for ours in self._copies}}
 
 
 class KvEventSubscriber:
