@@ -6,12 +6,12 @@ service-discovery file Ray writes (<temp dir>/prom_metrics_service_discovery.jso
 Ray prefixes every name with `ray_` and exports a counter `x` as `ray_x_total`: the names below are the ones
 given to Ray (no `ray_`, no `_total`); METRIC_NAMES holds the names Prometheus shows.
 
-Three recorders, one per deployment: ReplicaMetrics (engine KV, prefix cache, sequences, layout, steps;
-EngineReplica), AdmissionMetrics (outcomes, queue length and wait, prefix routing; KvAdmission), IngressMetrics (HTTP
-statuses, tokens and latencies as the client sees them; OpenAIIngress); and AutoscalingMetrics, the service-level
-autoscaling policy's inputs and decisions, recorded in Serve's controller (no replica there: ray.util.metrics, with
-the application and deployment as tags of its own). Units are in the names (seconds, tokens,
-blocks, ratio). Every series of an engine replica carries its layout pool (`pool`,
+Three recorders, one per deployment: ReplicaMetrics (engine KV, prefix cache, host KV tier, sequences, layout,
+steps; EngineReplica), AdmissionMetrics (outcomes, queue length and wait, prefix routing; KvAdmission),
+IngressMetrics (HTTP statuses, tokens and latencies as the client sees them; OpenAIIngress); and
+AutoscalingMetrics, the service-level autoscaling policy's inputs and decisions, recorded in Serve's controller (no
+replica there: ray.util.metrics, with the application and deployment as tags of its own). Units are in the names
+(seconds, tokens, blocks, bytes, ratio). Every series of an engine replica carries its layout pool (`pool`,
 dcpserve/deployments/admission/pools.py: "default" in an app without pools), and so do the ingress' latencies (the pool
 of the replica that served the request), so that PromQL can `sum by (pool)`.
 """
@@ -26,8 +26,8 @@ from ray.serve import metrics
 from ray.util import metrics as util_metrics
 from ray.util.metrics import Metric
 
-from dcpserve.deployments.messages import ANONYMOUS, ServiceLevel
-from dcpserve.engine.protocol import EngineStats, KvLedger
+from dcpserve.deployments.messages import ANONYMOUS, DECISION_REASONS, ServiceLevel
+from dcpserve.engine.protocol import EngineStats, HostTierStats, KvLedger
 
 # Outcomes of one KvAdmission.acquire call (label `outcome` of dcpserve_admission_requests_total).
 ADMISSION_OUTCOMES = (
@@ -104,20 +104,28 @@ def _start_at_zero(counter: metrics.Counter, tags: dict[str, str] | None = None)
 class _EngineCount:
     """Feeds a counter from one of EngineStats' cumulative counts (counted since the engine started): each update
     adds what the count grew by since the last one. A count below the last one seen means the engine started over
-    from 0, so all of it is new (Prometheus' own counter-reset rule); the exported counter never goes back."""
+    from 0, so all of it is new (Prometheus' own counter-reset rule); the exported counter never goes back. `tags`:
+    the one series of a labelled counter this count feeds (exported at 0 from the start, as the others)."""
 
-    def __init__(self, counter: metrics.Counter, count: Callable[[EngineStats], int]) -> None:
+    def __init__(self, counter: metrics.Counter, count: Callable[[EngineStats], float],
+                 tags: dict[str, str] | None = None) -> None:
         self.counter = counter
         self.count = count
-        self.seen = 0
-        _start_at_zero(counter)
+        self.tags = tags
+        self.seen: float = 0
+        _start_at_zero(counter, tags)
 
     def advance(self, stats: EngineStats) -> None:
         count = self.count(stats)
         new = count - self.seen if count >= self.seen else count
         if new > 0:
-            self.counter.inc(new)
+            self.counter.inc(new, tags=self.tags)  # type: ignore[arg-type]  # Ray's None default is untyped
         self.seen = count
+
+
+def _host_tier(read: Callable[[HostTierStats], float]) -> Callable[[EngineStats], float]:
+    """One of HostTierStats' counts as an EngineStats count: 0 while the engine has no host tier."""
+    return lambda stats: read(stats.host_tier) if stats.host_tier is not None else 0
 
 
 def _histogram(name: str, description: str, boundaries: list[float],
@@ -127,8 +135,8 @@ def _histogram(name: str, description: str, boundaries: list[float],
 
 
 class ReplicaMetrics:
-    """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, prefix cache, step
-    timings; every series tagged with the replica's layout pool."""
+    """One engine replica's metrics: KV (replica and per rank), sequences, layout, preemptions, prefix cache, host KV
+    tier, step timings; every series tagged with the replica's layout pool."""
 
     def __init__(self, *, pool: str, tp: int, dcp: int, num_kv_heads: int, target_sequences_per_replica: float,
                  admission: str = "usage", node_id: str = "", node_type: str = "") -> None:
@@ -173,6 +181,25 @@ class ReplicaMetrics:
                                         "cached prefix blocks evicted to hold other KV")
         self.kv_cached = gauge("dcpserve_kv_cached_blocks",
                                "logical KV blocks holding a cached prefix block (in use or evictable)")
+        # The host KV tier (kv_host_tier; EngineStats.host_tier): occupancy, prefix hits by the tier that held them,
+        # copies each way, blocks into and out of the tier. All 0 while the engine has none.
+        self.host_capacity = gauge("dcpserve_kv_host_tier_capacity_blocks",
+                                   "logical KV blocks the host tier holds (one page of each rank per block)")
+        self.host_used = gauge("dcpserve_kv_host_tier_used_blocks", "logical KV blocks in the host tier now")
+        self.host_reload = gauge("dcpserve_kv_host_tier_reload_seconds_per_block",
+                                 "measured seconds to copy one block back from the host tier (0: not measured)")
+        self.tier_hits = counter("dcpserve_prefix_cache_tier_hit_tokens",
+                                 "prompt tokens served from the prefix cache, by the tier holding them (device, host)",
+                                 ("tier",))
+        self.host_blocks = counter("dcpserve_kv_host_tier_copied_blocks",
+                                   "logical KV blocks copied to_host / to_device", ("direction",))
+        self.host_bytes = counter("dcpserve_kv_host_tier_copied_bytes",
+                                  "bytes copied to_host / to_device, over all ranks", ("direction",))
+        self.host_seconds = counter("dcpserve_kv_host_tier_copy_seconds",
+                                    "step time spent copying to_host / to_device (the slowest rank's)", ("direction",))
+        self.host_evictions = counter("dcpserve_kv_host_tier_evictions",
+                                      "blocks the device pool evicted into the host tier (to_host) and blocks the "
+                                      "host tier dropped (dropped: gone from device and host)", ("eviction",))
         self.accepted = counter("dcpserve_requests_accepted", "requests this replica accepted, by admission policy",
                                 ("admission",))
         self.stream_items = counter(
@@ -190,6 +217,16 @@ class ReplicaMetrics:
             _EngineCount(self.prefix_queries, lambda stats: stats.prefix_cache_queries),
             _EngineCount(self.prefix_hits, lambda stats: stats.prefix_cache_hits),
             _EngineCount(self.prefix_evictions, lambda stats: stats.prefix_cache_evictions),
+            _EngineCount(self.tier_hits, _host_tier(lambda tier: tier.hit_tokens_device), {"tier": "device"}),
+            _EngineCount(self.tier_hits, _host_tier(lambda tier: tier.hit_tokens_host), {"tier": "host"}),
+            _EngineCount(self.host_blocks, _host_tier(lambda tier: tier.blocks_out), {"direction": "to_host"}),
+            _EngineCount(self.host_blocks, _host_tier(lambda tier: tier.blocks_in), {"direction": "to_device"}),
+            _EngineCount(self.host_bytes, _host_tier(lambda tier: tier.bytes_out), {"direction": "to_host"}),
+            _EngineCount(self.host_bytes, _host_tier(lambda tier: tier.bytes_in), {"direction": "to_device"}),
+            _EngineCount(self.host_seconds, _host_tier(lambda tier: tier.seconds_out), {"direction": "to_host"}),
+            _EngineCount(self.host_seconds, _host_tier(lambda tier: tier.seconds_in), {"direction": "to_device"}),
+            _EngineCount(self.host_evictions, _host_tier(lambda tier: tier.evictions_to_host), {"eviction": "to_host"}),
+            _EngineCount(self.host_evictions, _host_tier(lambda tier: tier.host_drops), {"eviction": "dropped"}),
         )
         _start_at_zero(self.accepted, {"admission": admission})
         _start_at_zero(self.stream_items)
@@ -219,6 +256,10 @@ class ReplicaMetrics:
         self.kv_headroom.set(ledger.headroom_blocks * ledger.tokens_per_block)
         self.kv_block.set(stats.kv_block_size_tokens)
         self.kv_cached.set(stats.kv_blocks_cached)
+        tier = stats.host_tier
+        self.host_capacity.set(tier.capacity_blocks if tier is not None else 0)
+        self.host_used.set(tier.used_blocks if tier is not None else 0)
+        self.host_reload.set(tier.reload_seconds_per_block if tier is not None else 0.0)
         for rank in stats.per_rank:
             tags = {"rank": str(rank.rank), "dcp_rank": str(rank.dcp_rank)}
             self.rank_capacity.set(rank.tokens_capacity, tags=tags)
@@ -268,6 +309,14 @@ class AdmissionMetrics:
         self.pool_grants = _counter("dcpserve_admission_pool_grants",
                                     "grants by layout pool and why that pool (only_pool, only_room, cheapest, "
                                     "most_free: dcpserve/deployments/admission/pools.py)", ("pool", "reason"))
+        self.decisions = _counter("dcpserve_admission_decisions",
+                                  "admission decisions by reason: every grant (session, prefix, start_soonest, "
+                                  "most_free, only_choice, backlog_rerouted, over_bound) and every request the TTFT "
+                                  "bound held back (backlog_deferred)", ("reason",))
+        self.sessions = _gauge("dcpserve_admission_sessions",
+                               "sessions (prompt_cache_key / X-Session-Id) whose last replica the queue remembers")
+        for reason in DECISION_REASONS:
+            _start_at_zero(self.decisions, {"reason": reason})
         for outcome in ADMISSION_OUTCOMES:
             _start_at_zero(self.requests, {"outcome": outcome, TENANT_TAG: ANONYMOUS, PRIORITY_TAG: "0"})
         _start_at_zero(self.prefix_query_blocks)
@@ -295,6 +344,11 @@ class AdmissionMetrics:
     def on_pool(self, pool: str, reason: str) -> None:
         """AdmissionQueue's observer of pool choices: one call per grant."""
         self.pool_grants.inc(tags={"pool": pool, "reason": reason})
+
+    def on_decision(self, reason: str) -> None:
+        """AdmissionQueue's observer of its decisions: every grant's reason, and every request the TTFT bound held
+        back (messages.DECISION_REASONS)."""
+        self.decisions.inc(tags={"reason": reason})
 
     def on_routed(self, prompt_blocks: int, hit_blocks: int) -> None:
         """AdmissionQueue's observer of prefix routing: one call per grant of a request, with the blocks of its prompt
@@ -394,7 +448,9 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_autoscaling_target_sequences_per_replica", "dcpserve_engine_healthy",
         "dcpserve_admission_queued_requests", "dcpserve_admission_queued_kv_blocks", "dcpserve_kv_cached_blocks",
         "dcpserve_admission_queued_requests_by_level", "dcpserve_autoscaling_slo_input",
-        "dcpserve_autoscaling_slo_replicas",
+        "dcpserve_autoscaling_slo_replicas", "dcpserve_admission_sessions",
+        "dcpserve_kv_host_tier_capacity_blocks", "dcpserve_kv_host_tier_used_blocks",
+        "dcpserve_kv_host_tier_reload_seconds_per_block",
     )},
     **{f"ray_{n}_total": "counter" for n in (
         "dcpserve_preemptions", "dcpserve_recomputed_tokens", "dcpserve_requests_accepted",
@@ -404,6 +460,9 @@ METRIC_NAMES: dict[str, str] = {
         "dcpserve_admission_prefix_query_blocks", "dcpserve_admission_prefix_hit_blocks",
         "dcpserve_admission_prefix_routed_requests", "dcpserve_admission_pool_grants", "dcpserve_stream_items",
         "dcpserve_stream_tokens", "dcpserve_tenant_limited_requests", "dcpserve_autoscaling_slo_decisions",
+        "dcpserve_admission_decisions",
+        "dcpserve_prefix_cache_tier_hit_tokens", "dcpserve_kv_host_tier_copied_blocks",
+        "dcpserve_kv_host_tier_copied_bytes", "dcpserve_kv_host_tier_copy_seconds", "dcpserve_kv_host_tier_evictions",
     )},
     **{f"ray_{n}": "histogram" for n in (
         "dcpserve_engine_step_seconds", "dcpserve_engine_dcp_exchange_seconds",

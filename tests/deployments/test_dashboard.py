@@ -171,6 +171,58 @@ def test_the_autoscaling_row_shows_every_input_replica_count_and_reason_of_the_s
     assert "replica" not in labels["ray_dcpserve_autoscaling_slo_decisions_total"]  # the controller is no replica
 
 
+def test_the_host_kv_tier_row_shows_occupancy_hits_copies_evictions_and_sessions() -> None:
+    """Each view of the host KV tier groups its metric by what it is about (checked in the result's labels, so a
+    panel that lost its grouping fails here): occupancy and the reload cost per replica, hit tokens by tier, bytes
+    and seconds copied by direction, evictions by kind beside the reloads, and the admission queue's sessions."""
+    labels = series_labels()
+    panels = row_panels("Host KV tier")
+    grouped: set[tuple[str, frozenset[str]]] = set()
+    for panel in panels:
+        for target in panel["targets"]:
+            for name in re.findall(r"\bray_dcpserve_\w+", target["expr"]):
+                grouped.add((re.sub(r"_(bucket|sum|count|total)$", "", name),
+                             query_labels(target["expr"], labels) or frozenset()))
+    for metric, by in [
+        ("ray_dcpserve_kv_host_tier_used_blocks", {"replica"}),
+        ("ray_dcpserve_kv_host_tier_capacity_blocks", {"replica"}),
+        ("ray_dcpserve_kv_host_tier_reload_seconds_per_block", {"replica"}),
+        ("ray_dcpserve_prefix_cache_tier_hit_tokens", {"tier"}),
+        ("ray_dcpserve_kv_host_tier_copied_bytes", {"replica", "direction"}),
+        ("ray_dcpserve_kv_host_tier_copy_seconds", {"replica", "direction"}),
+        ("ray_dcpserve_kv_host_tier_evictions", {"replica", "eviction"}),
+        ("ray_dcpserve_kv_host_tier_copied_blocks", {"replica"}),  # reloads, beside the evictions
+        ("ray_dcpserve_admission_sessions", {"application"}),
+    ]:
+        assert (metric, frozenset(by)) in grouped, (metric, by)
+    exprs = {panel["title"]: [t["expr"] for t in panel["targets"]] for panel in panels}
+    units = {panel["title"]: panel["fieldConfig"]["defaults"].get("unit") for panel in panels}
+    # Occupancy is used over capacity; counters are shown as rates; bandwidth in bytes/s, copy time as a share.
+    assert re.fullmatch(r"sum by \(replica\) \(ray_dcpserve_kv_host_tier_used_blocks\{[^}]*\}\) / "
+                        r"sum by \(replica\) \(ray_dcpserve_kv_host_tier_capacity_blocks\{[^}]*\}\)",
+                        exprs["Host tier occupancy per replica"][0])
+    assert all(re.search(r"rate\(ray_dcpserve_\w+_total", e) for es in exprs.values() for e in es if "_total" in e)
+    assert units["Host tier copy bandwidth"] == "Bps" and units["Host tier copy seconds per second"] == "percentunit"
+    assert any('direction="to_device"' in e for e in exprs["Host tier evictions and reloads /s"])
+
+
+def test_the_host_kv_tier_alerts_say_what_to_do() -> None:
+    """The tier's alerts (their firing is evaluated by promtool in tests/deployments/test_tier_metrics.py) last a
+    while before they fire, tell what happens and what to do, and docs/metrics.md lists them."""
+    rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    for name in ("DcpserveHostKvTierThrashing", "DcpserveHostKvTierCopiesSlowSteps"):
+        rule = rules[name]
+        assert rule["for"] in ("10m", "15m") and rule["labels"]["severity"] == "warning", name
+        assert {"summary", "description"} <= set(rule["annotations"]), name
+        assert "kv_host_tier" in rule["annotations"]["description"] and "replicas" in rule["annotations"][
+            "description"], name
+        assert f"| `{name}` |" in doc, name
+    thrash = rules["DcpserveHostKvTierThrashing"]["expr"]
+    for series in ('eviction="dropped"', 'eviction="to_host"', 'direction="to_device"'):
+        assert series in thrash, series
+
+
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:
     board = dashboard()
     panels = board["panels"]

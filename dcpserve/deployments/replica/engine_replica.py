@@ -334,6 +334,7 @@ class EngineReplica:
         copy. One at a time: each starts from the prefix position the last one's reply gave."""
         async with self._report_lock:
             ledger = self.engine.kv_ledger()
+            tier = self.engine.stats().host_tier  # its measured reload cost: the queue credits host-tier hits by it
             prefix = await self.engine.prefix_report(*self._prefix_position)
             reply: KvReportReply = await self.admission.report.remote(KvReport(
                 replica_id=self.replica_id, capacity=ledger.capacity_blocks, tokens_per_block=ledger.tokens_per_block,
@@ -341,6 +342,7 @@ class EngineReplica:
                 probes=self.probes, headroom=ledger.headroom_blocks, prefix=prefix, pool=self.pool.name,
                 step_s=self.step_s, gpus=self.pool.ranks, max_seqs=self.max_num_seqs,
                 prefill_tokens=ledger.prefill_tokens, step_tokens=self.step_tokens,
+                reload_s_per_block=tier.reload_seconds_per_block if tier is not None else 0.0,
                 slo_window_s=self._slo_window_s, slo_percentile=self._slo_percentile))
             self.admission_queued = reply.num_queued
             self.slo = reply.slo

@@ -11,7 +11,8 @@ engine (dcpserve.engine.protocol.EngineClient), so admission, routing, autoscali
   "usage" commits prompt + outputs so far plus the headroom, and vLLM preempts (recomputes) when decode runs out,
   as the native engine does.
 - Running / waiting / KV usage / preemptions / prefix cache queries and hits come from a vLLM stat logger of ours
-  (dcpserve/engine/backends/vllm/stats.py: `StatsRecorder`).
+  (dcpserve/engine/backends/vllm/stats.py: `StatsRecorder`); with kv_host_tier (vLLM's CPU offloading) the host
+  tier's figures come from that and the KV events (stats.py: `VllmHostTier`).
 - Prefix caching is vLLM's own. Which blocks it caches we learn from its KV cache events: its engine core (another
   process) publishes them over ZeroMQ to a SUB socket of ours bound on loopback
   (dcpserve/engine/backends/vllm/prefix.py: `KvEventSubscriber`), and `VllmPrefixCache` names each stored block with our
@@ -42,7 +43,7 @@ from dcpserve.engine.backends.vllm.args import (
 )
 from dcpserve.engine.backends.vllm.prefix import HeldRequest, KvEventSubscriber, VllmPrefixCache
 from dcpserve.engine.backends.vllm.reaper import EngineCoreReaper, descendants
-from dcpserve.engine.backends.vllm.stats import StatsRecorder, stat_logger_factory
+from dcpserve.engine.backends.vllm.stats import StatsRecorder, VllmHostTier, offloaded_block_bytes, stat_logger_factory
 from dcpserve.engine.core.block_manager import admission_blocks, blocks_needed, check_fits, headroom_blocks
 from dcpserve.engine.core.prefix_cache import PrefixReport
 from dcpserve.engine.core.request import resolve_prompt_token_ids
@@ -139,6 +140,10 @@ class VllmEngine:
                 self.prefix = VllmPrefixCache(self.tokens_per_block, args.prefix_hash_seed())
                 self._app_tokens_per_block = args.block_size * args.decode_context_parallel_size
                 self._events.start(self.prefix)
+        # kv_host_tier: vLLM's CPU offloading of kv_offloading_size GiB over the replica's ranks (stats.py).
+        self._host_tier = VllmHostTier(int(float(kwargs["kv_offloading_size"]) * (1 << 30)),
+                                       offloaded_block_bytes(self.vllm_config), self.tokens_per_block) if (
+            "kv_offloading_size" in kwargs) else None
         logger.info("vLLM engine: tp=%d dcp=%d, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                     self.tp, dcp, self.num_blocks, self.tokens_per_block, self.num_blocks * self.tokens_per_block,
                     self.max_model_len)
@@ -370,10 +375,11 @@ class VllmEngine:
             healthy=self.dead_error is None and not self.llm.errored,
             prefix_caching=self.prefix is not None,
             prefix_cache_queries=rec.prefix_cache_queries,
-            prefix_cache_hits=rec.prefix_cache_hits,
+            prefix_cache_hits=rec.prefix_cache_hits + rec.host_hit_tokens,  # as natively: the host tier's hits too
             kv_blocks_cached=self.prefix.num_cached_blocks if self.prefix is not None else 0,
             prefix_cache_evictions=self.prefix.num_evictions if self.prefix is not None else 0,
             per_rank=per_rank,
+            host_tier=self._host_tier.stats(self.prefix, rec) if self._host_tier is not None else None,
         )
 
     def _on_record(self) -> None:
