@@ -11,6 +11,7 @@ from __future__ import annotations
 # name -> what it measures, in one line (`python -m bench` prints these).
 BENCHMARKS: dict[str, str] = {
     "admission": "admission full vs usage on one burst of early-stopping requests through the deployed app",
+    "agentic": "multi-turn agentic sessions through the deployed app: the host KV tier off vs on, TTFT by turn",
     "burst": "a burst of long sampled requests against a running `make serve`: statuses, then responsiveness",
     "capacity": "KV capacity and throughput of dcp=1 vs dcp=4 through the deployed app (the claim DCP exists for)",
     "engine": "engine decode tokens/s and per-step overhead vs transformers' generate (tp=1, tp=2 x dcp=2)",
@@ -27,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "simulate_pools": "layout pools at up to 512 simulated GPUs: goodput of pooled splits vs single layouts",
     "simulate_published": "dcpserve simulate against published TP-vs-DCP results (vLLM's blog, ROCm ATOM #847)",
     "simulate_scale": "dcpserve simulate's wall time per simulated request from 1 to 64 nodes",
+    "simulate_tier": "the host KV tier in the simulator: prefix hits, goodput, TTFT of first and later turns",
     "simulate_validate": "dcpserve simulate against the real app on this machine, the same traces both ways",
     "soak": "minutes of mixed traffic with one SIGKILL of each kind on a cluster of its own",
     "step_fit": "fits dcpserve simulate's linear step model to this engine's measured or recorded steps",
