@@ -22,10 +22,12 @@ from dcpserve.cluster.published_models import model_spec
 from dcpserve.deployments.config import POOL_NAME, AutoscalingArgs
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.simulator.gpus import GpuSpec, gpu_spec
+from dcpserve.simulator.host_tier import HostKvOption, host_tier_shape
 from dcpserve.simulator.replica import ReplicaShape
 from dcpserve.simulator.run import ServeSettings, SimPool, Simulation, SimulationConfig
 from dcpserve.simulator.step_fit import LinearStepModel
 from dcpserve.simulator.step_time import RooflineModel, StepTimeModel
+from dcpserve.simulator.trace import MOONCAKE_BLOCK_TOKENS
 
 POOL_FORM = "NAME:tp=T,dcp=D[,replicas=N]"
 POOL_SYNTAX = f"{POOL_FORM} (for example long:tp=8,dcp=8,replicas=1)"
@@ -97,12 +99,16 @@ def build(args: argparse.Namespace) -> tuple[Simulation, dict[str, Any]]:
     _check_gpu_budget(args, [(f"{kept} x tp={tp}", kept * tp)])
     config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve, autoscaling=autoscaling,
                               replica_start_s=args.replica_start_s, concurrency=args.concurrency,
+                              trace_block_tokens=_trace_block_tokens(args),
                               request_latency_s=args.request_latency_s,
                               progress=None if args.quiet else sys.stderr, gpu_budget=args.gpu_budget)
     facts: dict[str, Any] = {
         "model": spec.describe_shape(), "gpu": gpu.name, "gpus": gpus, "layout": f"tp={tp} dcp={dcp}",
         "replicas": replicas, "kv_tokens_per_replica": shape.num_blocks * shape.tokens_per_block,
         "step_model": step_model.describe()}
+    if shape.host_tier is not None:
+        facts["host_kv_tokens_per_replica"] = shape.host_tier.num_blocks * shape.tokens_per_block
+        facts["host_link_gbps"] = shape.host_tier.load_bytes_per_s / 1e9
     if args.gpu_budget is not None:
         facts["gpu_budget"] = args.gpu_budget
     return Simulation(config, step_model), facts
@@ -120,9 +126,26 @@ def _replica_shape(args: argparse.Namespace, spec: GqaSpec | MlaSpec | GenericSp
     max_model_len = args.max_model_len or spec.max_position_embeddings
     scheduler = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens, admission=args.admission)
+    tier = None
+    host_kv: HostKvOption | None = getattr(args, "host_kv_per_node", None)
+    if host_kv is not None:
+        if args.no_prefix_caching:
+            raise ValueError("--host-kv-per-node holds cached prefix blocks: drop --no-prefix-caching")
+        link_gbps = getattr(args, "host_link_gbps", None)
+        tier = host_tier_shape(host_kv, num_blocks, args.block_size * roofline.kv_bytes_per_token_per_rank,
+                               args.gpus_per_node, gpu.host_link_bytes_per_s if link_gbps is None else link_gbps * 1e9)
+        if tier.num_blocks < 1:
+            raise ValueError(f"--host-kv-per-node {host_kv} holds no block of tp={tp} dcp={dcp} (a page of "
+                             f"{tier.bytes_per_block_per_rank:,} bytes per GPU); give more host memory")
     shape = ReplicaShape(tp=tp, dcp=dcp, num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
-                         enable_prefix_caching=not args.no_prefix_caching)
+                         enable_prefix_caching=not args.no_prefix_caching, host_tier=tier)
     return shape, roofline
+
+
+def _trace_block_tokens(args: argparse.Namespace) -> int:
+    """--trace-block-size: tokens per hash id of the trace (Mooncake's 512 when not given)."""
+    value = getattr(args, "trace_block_size", None)
+    return MOONCAKE_BLOCK_TOKENS if value is None else int(value)
 
 
 def _fitted_step_model(args: argparse.Namespace) -> LinearStepModel | None:
@@ -222,6 +245,8 @@ def _build_pools(args: argparse.Namespace, spec: GqaSpec | MlaSpec | GenericSpec
         facts_pools.append({"name": option.name, "layout": option.layout, "replicas": option.replicas,
                             "kv_tokens_per_replica": shape.num_blocks * shape.tokens_per_block,
                             "step_model": step_model.describe()})
+        if shape.host_tier is not None:
+            facts_pools[-1]["host_kv_tokens_per_replica"] = shape.host_tier.num_blocks * shape.tokens_per_block
         if autoscaling is not None:
             facts_pools[-1]["min_replicas"] = autoscaling.min_replicas
     _check_placement(args, options)
@@ -230,6 +255,7 @@ def _build_pools(args: argparse.Namespace, spec: GqaSpec | MlaSpec | GenericSpec
                              for option in options])
     config = SimulationConfig(shape=pools[0].shape, num_replicas=pools[0].num_replicas, serve=serve,
                               replica_start_s=args.replica_start_s, concurrency=args.concurrency,
+                              trace_block_tokens=_trace_block_tokens(args),
                               request_latency_s=args.request_latency_s,
                               progress=None if args.quiet else sys.stderr, pools=tuple(pools),
                               gpu_budget=args.gpu_budget)

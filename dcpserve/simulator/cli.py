@@ -32,11 +32,12 @@ from dcpserve.deployments.config import AutoscalingArgs
 from dcpserve.engine.args import cli_type
 from dcpserve.simulator.build import SLO_OPTIONS, build, parse_pool
 from dcpserve.simulator.gpus import GPUS, gpu_spec
+from dcpserve.simulator.host_tier import parse_host_kv
 from dcpserve.simulator.plots import Sample, SweepPoint, write_concurrency_sweep, write_layout_sweep, write_timeline
 from dcpserve.simulator.run import ServeSettings, Simulation
 from dcpserve.simulator.step_time import KV_DTYPES, WEIGHT_DTYPES
 from dcpserve.simulator.synth import PRESETS, parse_preset_or_path
-from dcpserve.simulator.trace import TraceError, TraceRequest
+from dcpserve.simulator.trace import MOONCAKE_BLOCK_TOKENS, TraceError, TraceRequest
 
 # The scheduler limits a simulated GPU replica runs with by default: vLLM's defaults for its OpenAI server on GPUs
 # with 70 GiB or more (vllm/engine/arg_utils.py: max_num_seqs 1024, max_num_batched_tokens 8192).
@@ -86,6 +87,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.add_argument("--trace", required=True,
                      help=f"a Mooncake JSONL trace file, or a generated preset: {', '.join(PRESETS)}")
+    sim.add_argument("--trace-block-size", type=cli_type(_positive_int), default=MOONCAKE_BLOCK_TOKENS,
+                     metavar="TOKENS",
+                     help=f"tokens per hash id of a trace file (default {MOONCAKE_BLOCK_TOKENS}, Mooncake's; AIPerf's "
+                          "converters and AgentX write 64)")
     sim.add_argument("--requests", type=int, default=1000, help="requests a preset generates (default 1000)")
     sim.add_argument("--rate", type=float, default=None,
                      help="sessions per second a preset's clients start (default: the preset's rate)")
@@ -121,6 +126,13 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="longest sequence (default: the model's max_position_embeddings)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--host-kv-per-node", type=cli_type(parse_host_kv), default=None, metavar="SIZE|Nx",
+                        help="a host-memory KV tier under each replica's prefix cache: the node's host memory for it "
+                             "(2TiB, 1.5TB, bytes), each GPU's share for its own pages, or a multiple of the device "
+                             "KV (4x); default none")
+    engine.add_argument("--host-link-gbps", type=float, default=None, metavar="GB/S",
+                        help="each GPU's host link per direction in GB/s (default: the GPU's, PCIe Gen5 x16 64; "
+                             "GB200's NVLink-C2C: 225); copies reach 80%% of it")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights + KV (default 0.9)")
     engine.add_argument("--step-model", default="roofline",
@@ -177,9 +189,24 @@ def _setup_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         rows += [("layout", facts["layout"]), ("replicas", str(facts["replicas"])),
                  ("KV tokens per replica", f"{facts['kv_tokens_per_replica']:,}")]
+        if "host_kv_tokens_per_replica" in facts:
+            rows.append(("host KV tokens per replica", f"{facts['host_kv_tokens_per_replica']:,} (copies at "
+                                                       f"{facts['host_link_gbps']:.1f} GB/s per GPU each way)"))
     if "gpu_budget" in facts:
         rows.append(("GPU budget", str(facts["gpu_budget"])))
     return [*rows, ("step model", facts["step_model"])]
+
+
+def _tier_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The host KV tier's rows: copies each way per rank and their time, what they added to steps, its drops."""
+    tier = summary.get("host_tier")
+    if not tier:
+        return []
+    return [("host tier loads / offloads", f"{tier['loaded_bytes_per_rank'] / 1e9:,.1f} / "
+                                           f"{tier['offloaded_bytes_per_rank'] / 1e9:,.1f} GB per rank, "
+                                           f"{tier['load_seconds']:.1f} / {tier['offload_seconds']:.1f} s"),
+            ("host tier: copy time past compute", f"{tier['exposed_copy_seconds']:.2f} s; "
+                                                  f"{tier['host_evictions']} blocks dropped")]
 
 
 def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
@@ -197,7 +224,13 @@ def format_summary(summary: dict[str, Any], facts: dict[str, Any]) -> str:
         ("concurrent sequences mean / peak",
          f"{summary['mean_concurrent_sequences']:.1f} / {summary['peak_concurrent_sequences']}"),
         ("KV utilization mean", f"{summary['kv_utilization_mean']:.1%}"),
-        ("prefix hit rate", f"{summary['prefix_hit_rate']:.1%}"),
+        ("prefix hit rate", f"{summary['prefix_hit_rate']:.1%}"
+         + (" (device {device:.1%}, host {host:.1%})".format(**summary["prefix_hit_rate_by_tier"])
+            if summary.get("host_tier") else "")),
+        *_tier_rows(summary),
+        *(("TTFT p50 / p90, " + name + " turns", f"{part['ttft_s']['p50']:.3f} / {part['ttft_s']['p90']:.3f} s "
+           f"({part['finished']} of {part['requests']} finished)")
+          for name, part in summary["turns"].items() if part["requests"]),
         ("preemptions", str(summary["preemptions"])),
         ("refused", ", ".join(f"{k} {v}" for k, v in summary["refused"].items()) or "none"),
     ]
@@ -302,7 +335,7 @@ def _run_sweep(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     try:
-        trace = parse_preset_or_path(args.trace, args.requests, args.seed, args.rate)
+        trace = parse_preset_or_path(args.trace, args.requests, args.seed, args.rate, args.trace_block_size)
         if args.sweep:
             return _run_sweep(args, trace)
         simulation, facts = build(args)

@@ -1,4 +1,5 @@
-"""The GPUs the step-time models know: memory, HBM bandwidth, dense tensor-core rates and NVLink, each with its source.
+"""The GPUs the step-time models know: memory, HBM bandwidth, dense tensor-core rates, NVLink and the link to host
+memory, each with its source.
 
 Every FLOP/s figure is DENSE: NVIDIA's datasheets print the "with sparsity" (2:4 structured) figure, twice the dense
 one, for the tensor-core rows; the numbers here are those halved, or the dense figure where the sheet gives it. A
@@ -25,6 +26,21 @@ class GpuSpec:
     nvlink_bytes_per_s: float  # per direction per GPU (the datasheets print both directions together)
     nvlink_latency_s: float  # per ring step of a collective (alpha of the alpha-beta cost); not a datasheet number
     sources: tuple[str, ...]
+    # The GPU's own link to host memory, per direction (the datasheets print both directions together): what a host
+    # KV tier's copies of this GPU's shard go over, each GPU of a replica over its own link at once.
+    host_link_bytes_per_s: float = 0.0
+
+
+# PCIe Gen5 x16: the datasheets print "PCIe Gen5: 128 GB/s", both directions: 64 GB/s per direction (32 GT/s x 16
+# lanes; 63 GB/s after 128b/130b encoding). Packet headers and flow control take some of it: what a copy reaches is
+# dcpserve/simulator/host_tier.py's HOST_LINK_EFFICIENCY of this.
+_PCIE_GEN5_X16_BYTES_PER_S = 64e9
+# GB200 (not a GpuSpec here: no nvidia-smi size of its GPUs is at hand): the Grace CPU of a Grace Blackwell superchip
+# reaches its two Blackwell GPUs over NVLink-C2C, 900 GB/s both directions (NVIDIA's GB200 / NVLink-C2C pages,
+# nvidia.com/en-us/data-center/gb200-nvl72 and .../nvlink-c2c). Read here as one 900 GB/s per superchip shared by its
+# two GPUs (an assumption: the pages do not split it per GPU): 450 GB/s per direction, 225 GB/s per GPU per direction,
+# 3.5x a PCIe Gen5 x16 link. `dcpserve simulate --host-link-gbps 225` models it on a B200.
+GB200_C2C_BYTES_PER_S_PER_GPU = 225e9
 
 
 # NCCL's own cost model (src/graph/tuning.cc, also tuning.h in older releases) puts a ring step over NVLink at
@@ -52,7 +68,10 @@ H100 = GpuSpec(
         "per direction; no FP4",
         "memory_bytes 81,559 MiB: nvidia-smi memory.total of an 'NVIDIA H100 80GB HBM3' (public nvidia-smi outputs)",
         _LATENCY_SOURCE,
+        "host link: the same datasheet's interconnect row, 'PCIe Gen5: 128GB/s' (both directions, x16) -> 64 GB/s "
+        "per direction; in an HGX H100 each GPU has its own x16 link to a PCIe switch and the host CPUs",
     ),
+    host_link_bytes_per_s=_PCIE_GEN5_X16_BYTES_PER_S,
 )
 
 H200 = GpuSpec(
@@ -70,7 +89,10 @@ H200 = GpuSpec(
         "H100) -> 989.4 / 1,978.9 dense, NVLink 900 GB/s (both directions) -> 450 GB/s per direction; no FP4",
         "memory_bytes 143,771 MiB: nvidia-smi memory.total of an 'NVIDIA H200' (public nvidia-smi outputs)",
         _LATENCY_SOURCE,
+        "host link: the H200 datasheet's interconnect row, 'PCIe Gen5: 128GB/s' (both directions, x16) -> 64 GB/s "
+        "per direction, each GPU of an HGX H200 its own x16 link",
     ),
+    host_link_bytes_per_s=_PCIE_GEN5_X16_BYTES_PER_S,
 )
 
 B200 = GpuSpec(
@@ -92,7 +114,12 @@ B200 = GpuSpec(
         "DGX datasheet's 8 TB/s; 8 TB/s is used here",
         "memory_bytes 183,359 MiB: nvidia-smi memory.total of an 'NVIDIA B200' (public nvidia-smi outputs)",
         _LATENCY_SOURCE,
+        "host link: HGX / DGX B200 connect each B200 to the x86 host over PCIe Gen5 x16 (NVIDIA HGX page, "
+        "nvidia.com/en-us/data-center/hgx, B200 column: 'PCIe Gen5: 128GB/s'; the DGX B200 datasheet's Xeon "
+        "Platinum 8570 hosts are PCIe Gen5) -> 64 GB/s per direction; DGX B200 has 2 TB of system memory, "
+        "configurable to 4 TB. GB200's NVLink-C2C: GB200_C2C_BYTES_PER_S_PER_GPU",
     ),
+    host_link_bytes_per_s=_PCIE_GEN5_X16_BYTES_PER_S,
 )
 
 GPUS: dict[str, GpuSpec] = {"h100": H100, "h200": H200, "b200": B200}

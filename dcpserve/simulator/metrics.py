@@ -64,6 +64,7 @@ class RequestRecord:
     outcome: str = "pending"  # "finished", or the refusal's kind (queue_full, queue_timeout, never_fits, ...)
     session_id: str | None = None
     replica_id: str | None = None  # the replica that served it
+    turn: int = 0  # its index in its session: 0 the first turn (or a request of no session), 1.. a later one
 
 
 def mean_itl_s(record: RequestRecord) -> float | None:
@@ -132,6 +133,28 @@ def goodput(records: Iterable[RequestRecord], duration_s: float, gpu_seconds: fl
                    requests_per_s_per_gpu=met / gpu_seconds if gpu_seconds else 0.0)
 
 
+def split_turns(records: Iterable[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    """The records by turn: "first" (a session's first turn, and requests of no session) and "later"."""
+    turns: dict[str, list[RequestRecord]] = {"first": [], "later": []}
+    for record in records:
+        turns["later" if record.turn else "first"].append(record)
+    return turns
+
+
+def turn_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """Requests, finished and TTFT percentiles of one part of split_turns."""
+    finished = [r for r in records if r.outcome == "finished"]
+    return {"requests": len(records), "finished": len(finished),
+            "ttft_s": _quantiles([r.first_token_at - r.arrival for r in finished if r.first_token_at is not None])}
+
+
+def goodput_by_turn(records: Iterable[RequestRecord], duration_s: float, gpu_seconds: float, ttft_target_s: float,
+                    itl_target_s: float) -> dict[str, Goodput]:
+    """`goodput` of the first and the later turns apart (split_turns), over the same run's duration and GPUs."""
+    return {name: goodput(part, duration_s, gpu_seconds, ttft_target_s, itl_target_s)
+            for name, part in split_turns(records).items()}
+
+
 @dataclass
 class Recorder:
     """Collects a simulation's measurements as they happen."""
@@ -156,8 +179,9 @@ class Recorder:
     load_ended: bool = False
     _gpus_since: float = 0.0
 
-    def arrived(self, ticket: str, now: float, input_length: int, session_id: str | None = None) -> RequestRecord:
-        record = self.records[ticket] = RequestRecord(now, input_length, session_id=session_id)
+    def arrived(self, ticket: str, now: float, input_length: int, session_id: str | None = None,
+                turn: int = 0) -> RequestRecord:
+        record = self.records[ticket] = RequestRecord(now, input_length, session_id=session_id, turn=turn)
         if self.first_arrival is None:
             self.first_arrival = now
         return record
@@ -262,4 +286,5 @@ class Recorder:
             "prefix_hit_rate": prefix_hit_tokens / prefix_queried_tokens if prefix_queried_tokens else 0.0,
             "replicas_over_time": [[t, n] for t, n in replicas_over_time],
             "steady": self.steady,
+            "turns": {name: turn_summary(records) for name, records in split_turns(self.records.values()).items()},
         }

@@ -9,6 +9,8 @@ What the served replica does, in the same order with the same code:
 - the step loop (dcpserve.engine.core.engine.LLMEngine.step): `Scheduler.schedule()`, then the step's duration from the
   step-time model (simulated time passes), then `Scheduler.update()` with the sampled tokens. A request's tokens are
   1 until its trace length, where it samples the EOS id (or reaches max_tokens);
+- with a host KV tier (ReplicaShape.host_tier), the block manager is dcpserve.simulator.host_tier's
+  TieredBlockManager and a step lasts the longer of its compute and the copies its schedule started;
 - the KV report to the admission queue every kv_report_period_s (EngineReplica._report_loop): the ledger's
   per-request blocks, headroom and the prefix cache's changes (`BlockManager.reporter`), the reply's prefix position
   kept for the next report.
@@ -28,6 +30,7 @@ from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
 from dcpserve.engine.core.request import Request
 from dcpserve.engine.core.scheduler import Scheduler, TokenUpdate
+from dcpserve.simulator.host_tier import HostTierShape, TieredBlockManager
 from dcpserve.simulator.step_time import StepTimeModel, StepWork
 
 # Token ids of simulated outputs: every token is FILLER_TOKEN but the last of a request whose trace length ends
@@ -46,6 +49,11 @@ class ReplicaShape:
     block_size: int
     scheduler: SchedulerConfig
     enable_prefix_caching: bool = True
+    host_tier: HostTierShape | None = None  # None: no host KV tier
+
+    def __post_init__(self) -> None:
+        if self.host_tier is not None and not self.enable_prefix_caching:
+            raise ValueError("a host KV tier holds cached prefix blocks: it needs prefix caching on")
 
     @property
     def tokens_per_block(self) -> int:
@@ -70,8 +78,13 @@ class SimReplica:
         self.queue = queue
         self.report_period_s = report_period_s
         self._on_tokens = on_tokens
-        self.block_manager = BlockManager(shape.num_blocks, shape.block_size, shape.dcp,
-                                          enable_prefix_caching=shape.enable_prefix_caching)
+        self.tiered: TieredBlockManager | None = None  # the block manager, when it has a host tier
+        if shape.host_tier is None:
+            self.block_manager = BlockManager(shape.num_blocks, shape.block_size, shape.dcp,
+                                              enable_prefix_caching=shape.enable_prefix_caching)
+        else:
+            self.block_manager = self.tiered = TieredBlockManager(shape.num_blocks, shape.block_size, shape.dcp,
+                                                                  shape.host_tier)
         self.scheduler = Scheduler(shape.scheduler, self.block_manager, frozenset({EOS_TOKEN}))
         self.output_lengths: dict[str, int] = {}  # request id -> the trace's output length
         self._work = asyncio.Event()
@@ -82,6 +95,9 @@ class SimReplica:
         self.num_steps = 0
         self.busy_seconds = 0.0
         self.num_step_tokens = 0
+        self.load_seconds = 0.0  # host -> device copy time of the tier's reloads (each rank's, all at once)
+        self.offload_seconds = 0.0
+        self.exposed_copy_seconds = 0.0  # what the copies added to their steps past the compute
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -123,6 +139,7 @@ class SimReplica:
         loop = asyncio.get_running_loop()
         scheduler = self.scheduler
         output_lengths = self.output_lengths
+        tiered = self.tiered
         while True:
             if not scheduler.has_unfinished:
                 self._work.clear()
@@ -135,6 +152,16 @@ class SimReplica:
                 continue
             work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
             seconds = self.step_model.step_seconds(work)
+            if tiered is not None:
+                loaded, offloaded = tiered.take_copies()
+                if loaded or offloaded:
+                    shape_tier = tiered.tier_shape
+                    self.load_seconds += shape_tier.load_seconds(loaded)
+                    self.offload_seconds += shape_tier.offload_seconds(offloaded)
+                    copies = shape_tier.copy_seconds(loaded, offloaded)
+                    if copies > seconds:
+                        self.exposed_copy_seconds += copies - seconds
+                        seconds = copies
             await asyncio.sleep(seconds)
             self.num_steps += 1
             self.busy_seconds += seconds

@@ -20,6 +20,7 @@ queue's grant is where the request goes, as in the app).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -159,6 +160,40 @@ def sessions_of(trace: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
     return units
 
 
+# The queue's session key (ServiceLevel.session: the ingress' prompt_cache_key or X-Session-Id), where this version of
+# the queue has one: a trace's session_id is the key its client would send.
+_QUEUE_TAKES_SESSIONS = "session" in {f.name for f in dataclasses.fields(ServiceLevel)}
+
+
+def session_level(session_id: str | None) -> ServiceLevel:
+    """The service level a request of that session is admitted with: the default one, keyed by its session."""
+    if session_id is None or not _QUEUE_TAKES_SESSIONS:
+        return ServiceLevel()
+    return ServiceLevel(session=session_id)
+
+
+def host_tier_summary(replicas: Sequence[SimReplica]) -> dict[str, float] | None:
+    """The host KV tier's totals over the replicas (None without a tier): blocks copied each way with their bytes
+    and seconds per rank (every rank copies its own pages at once), the seconds the copies added to steps past
+    their compute, and the blocks the tier dropped."""
+    tiered = [(r, r.tiered) for r in replicas if r.tiered is not None]
+    if not tiered:
+        return None
+    return {
+        "capacity_blocks": sum(manager.tier_shape.num_blocks for _, manager in tiered),
+        "loaded_blocks": sum(manager.num_loaded_blocks for _, manager in tiered),
+        "offloaded_blocks": sum(manager.num_offloaded_blocks for _, manager in tiered),
+        "loaded_bytes_per_rank": sum(manager.num_loaded_blocks * manager.tier_shape.bytes_per_block_per_rank
+                                     for _, manager in tiered),
+        "offloaded_bytes_per_rank": sum(manager.num_offloaded_blocks * manager.tier_shape.bytes_per_block_per_rank
+                                        for _, manager in tiered),
+        "load_seconds": sum(replica.load_seconds for replica, _ in tiered),
+        "offload_seconds": sum(replica.offload_seconds for replica, _ in tiered),
+        "exposed_copy_seconds": sum(replica.exposed_copy_seconds for replica, _ in tiered),
+        "host_evictions": sum(manager.num_host_evictions for _, manager in tiered),
+    }
+
+
 class SimAdmission:
     """The in-process AdmissionQueue as the admission loop's port (KvAdmission's calls, without the network)."""
 
@@ -254,12 +289,17 @@ class Simulation:
         self._sample(now)
         self.recorder.close(now)
         preemptions = sum(r.scheduler.num_preemptions for r in self.replicas.values())
-        queried = sum(r.block_manager.num_queried_tokens for r in self.replicas.values())
-        hits = sum(r.block_manager.num_hit_tokens for r in self.replicas.values())
-        for replica in list(self.replicas.values()):
+        replicas = list(self.replicas.values())
+        queried = sum(r.block_manager.num_queried_tokens for r in replicas)
+        device_hits = sum(r.block_manager.num_hit_tokens for r in replicas)
+        host_hits = sum(r.tiered.num_host_hit_tokens for r in replicas if r.tiered is not None)
+        for replica in replicas:
             replica.stop()
         self._progress(now, final=True)
-        summary = self.recorder.summary(now, preemptions, queried, hits, self.replicas_over_time)
+        summary = self.recorder.summary(now, preemptions, queried, device_hits + host_hits, self.replicas_over_time)
+        summary["prefix_hit_rate_by_tier"] = {"device": device_hits / queried if queried else 0.0,
+                                              "host": host_hits / queried if queried else 0.0}
+        summary["host_tier"] = host_tier_summary(replicas)
         summary["admission"] = dict(sorted(self.admission_events.items()))
         summary["pool_grants"] = {f"{pool}/{reason}": n for (pool, reason), n in sorted(self.pool_grants.items())}
         summary["peak_granted_sequences"] = self.peak_granted
@@ -365,11 +405,12 @@ class Simulation:
         for index, request in enumerate(unit):
             if index and request.delay_ms:
                 await asyncio.sleep(request.delay_ms / 1000.0)
-            await self._send(request)
+            await self._send(request, index)
         self.units_done += 1
 
-    async def _send(self, trace_request: TraceRequest) -> None:
-        """One request's way through the ingress (module doc, step 2), until its last token or its refusal."""
+    async def _send(self, trace_request: TraceRequest, turn: int = 0) -> None:
+        """One request's way through the ingress (module doc, step 2), until its last token or its refusal; `turn`:
+        its index in its session (0: the first turn)."""
         loop = asyncio.get_running_loop()
         queue = self.queue
         assert queue is not None  # set before any client runs
@@ -377,7 +418,7 @@ class Simulation:
         ticket = f"t{self._next_ticket}"
         self._next_ticket += 1
         arrived = loop.time()
-        record = self.recorder.arrived(ticket, arrived, trace_request.input_length, trace_request.session_id)
+        record = self.recorder.arrived(ticket, arrived, trace_request.input_length, trace_request.session_id, turn)
         if self.config.request_latency_s:
             await asyncio.sleep(self.config.request_latency_s)
         max_tokens = trace_request.max_tokens or trace_request.output_length
@@ -419,7 +460,8 @@ class Simulation:
             return Taken(Accepted(grant.replica_id), replica)
 
         try:
-            admitted = await admit(ticket, need, ask=ask, level=ServiceLevel(), arrived=arrived,
+            admitted = await admit(ticket, need, ask=ask, level=session_level(trace_request.session_id),
+                                   arrived=arrived,
                                    admission=SimAdmission(queue, settings.retry_after_s), dispatch=dispatch,
                                    settings=AdmitSettings(settings.queue_timeout_s, settings.retry_after_s))
         except ApiError as err:

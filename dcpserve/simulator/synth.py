@@ -255,21 +255,26 @@ def mix(traces: list[list[TraceRequest]]) -> list[TraceRequest]:
     return [request for _, _, turns in sessions for request in turns]
 
 
-def parse_preset_or_path(value: str, num_requests: int, seed: int,
-                         rate_per_s: float | None = None) -> list[TraceRequest]:
+def parse_preset_or_path(value: str, num_requests: int, seed: int, rate_per_s: float | None = None,
+                         block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
     """A trace file's requests (read_trace), or num_requests generated from the preset of that name (a file of
     that name wins), or a mix of presets joined by "+" ("chat+agentic": `mix` of num_requests split evenly, the
     first taking the remainder, the k-th generated with seed + k).
 
     rate_per_s, when given, replaces the preset's session arrival rate (of every preset of a mix); a trace file
-    carries its own timing.
+    carries its own timing. block_tokens: the tokens of a file's hash id (Mooncake's 512; AIPerf's converters and
+    AgentX write 64); presets are generated in 512-token blocks.
     """
     path = Path(value)
     if path.is_file():
         if rate_per_s is not None:
             raise ValueError(f"a rate ({rate_per_s}/s) was given with the trace file {value}, whose timestamps are "
                              f"its timing; drop the rate, or name a preset ({', '.join(PRESETS)})")
-        return read_trace(path)
+        return read_trace(path, block_tokens)
+    if block_tokens != MOONCAKE_BLOCK_TOKENS:
+        raise ValueError(f"a trace block size of {block_tokens} tokens was given with {value!r}, which is no file: "
+                         f"presets are generated in {MOONCAKE_BLOCK_TOKENS}-token blocks; drop the block size or "
+                         f"give a trace file")
     names = value.split("+")
     if len(names) > 1 and all(name in PRESETS for name in names):
         if len(set(names)) < len(names):
