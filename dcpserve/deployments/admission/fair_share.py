@@ -32,6 +32,7 @@ waiting, newest first, as soon as one that is not sheddable has to wait (dcpserv
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -164,29 +165,36 @@ def admission_order(waiters: Sequence[W], shares: TenantShares, now: float,
                 line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
                 spent.setdefault(tenant, {})[session] = (sessions.attained((tenant, session), now)
                                                          if sessions is not None and isinstance(session, str) else 0.0)
-        heads = {t: _next_session(lines, spent[t], by_deadline) for t, lines in tenants.items()}
-        projected = {t: shares.attained(t, now) / tenants[t][heads[t]][-1].level.weight for t in tenants}
+        # Per tenant, a heap of its sessions keyed by (spent, the next request's deadline and seq): the next session
+        # is its top, and only the session just served changes its key, so the order costs O(n log n), not the
+        # O(n^2) of scanning every session for each request (unkeyed requests are each a session of their own).
+        heaps = {t: [_session_key(session, line, spent[t][session], by_deadline) for session, line in lines.items()]
+                 for t, lines in tenants.items()}
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        projected = {t: shares.attained(t, now) / tenants[t][heaps[t][0][-1]][-1].level.weight for t in tenants}
         while tenants:
-            tenant = min(tenants, key=lambda t: (projected[t], tenants[t][heads[t]][-1].seq))
-            lines = tenants[tenant]
-            session = heads[tenant]
+            tenant = min(tenants, key=lambda t: (projected[t], tenants[t][heaps[t][0][-1]][-1].seq))
+            lines, heap = tenants[tenant], heaps[tenant]
+            session = heapq.heappop(heap)[-1]
             waiter = lines[session].pop()
             order.append(waiter)
             projected[tenant] += waiter.tokens * shares.quantum_s / waiter.level.weight
             spent[tenant][session] += waiter.tokens * (sessions.quantum_s if sessions is not None else 0.0)
-            if not lines[session]:
-                del lines[session]
-            if lines:
-                heads[tenant] = _next_session(lines, spent[tenant], by_deadline)
+            if lines[session]:
+                heapq.heappush(heap, _session_key(session, lines[session], spent[tenant][session], by_deadline))
             else:
-                del tenants[tenant]
+                del lines[session]
+            if not lines:
+                del tenants[tenant], heaps[tenant]
     return order
 
 
-def _next_session(lines: dict[object, list[W]], spent: dict[object, float],
-                  by_deadline: Callable[[W], tuple[float, int]]) -> object:
-    """The tenant's session that goes next: the least spent, then the one whose next request is due first."""
-    return min(lines, key=lambda s: (spent[s], *by_deadline(lines[s][-1])))
+def _session_key(session: object, line: list[W], spent: float, by_deadline: Callable[[W], tuple[float, int]]
+                 ) -> tuple[float, float, int, object]:
+    """A tenant's session in its heap: the least spent goes next, then the one whose next request is due first (the
+    request's seq is unique, so the session itself is never compared)."""
+    return (spent, *by_deadline(line[-1]), session)
 
 
 def displaced(waiting: Sequence[W], newcomer: W, sheddable: Callable[[ServiceLevel], bool]) -> W | None:
