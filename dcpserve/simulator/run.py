@@ -76,6 +76,10 @@ class ServeSettings:
     prefix_routing: bool = _app_default("prefix_routing")
     grant_leak_grace_s: float = _app_default("grant_leak_grace_s")
     retry_after_s: int = _app_default("retry_after_s")
+    # The queued-prefill bound (admission_ttft_bound_s) is off unless asked for: its holds re-run the queue's order at
+    # each hold's end, which on the simulator's deep queues (100k waiters) costs more than the runs can afford.
+    admission_ttft_bound_s: float = 0.0
+    session_ttl_s: float = _app_default("session_ttl_s")
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,9 @@ class Simulation:
         settings = self.config.serve
         self.queue = AdmissionQueue(max_queued=settings.max_queued_requests, leak_grace_s=settings.grant_leak_grace_s,
                                      clock=loop.time, prefix_routing=settings.prefix_routing,
-                                     on_event=self._on_admission_event, on_pool=self._on_pool)
+                                     on_event=self._on_admission_event, on_pool=self._on_pool,
+                                     ttft_bound_s=settings.admission_ttft_bound_s,
+                                     session_ttl_s=settings.session_ttl_s)
         for name, pool in self.pools.items():
             scaling = self.scaling.get(name)
             initial = scaling.autoscaler.initial_replicas if scaling is not None else pool.num_replicas
