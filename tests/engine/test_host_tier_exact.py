@@ -27,6 +27,7 @@ from dcpserve.engine.core.host_tier import tier_layout
 from dcpserve.engine.core.outputs import ModelRunnerOutput
 from dcpserve.engine.core.step import SchedulerOutput
 from dcpserve.engine.protocol import HostTierStats
+from dcpserve.engine.worker.executor import InProcessExecutor
 from dcpserve.engine.worker.model_runner import ModelRunner
 from dcpserve.engine.worker.parallel import destroy_parallel_state, init_parallel_state
 from tests.engine.host_tier_harness import (
@@ -110,31 +111,20 @@ def test_a_random_shared_prefix_workload_on_a_tiny_pool_gives_the_cold_engines_t
 # ---- multi-rank, ranks as processes ----------------------------------------------------------------------------
 
 
-class BroadcastExecutor:
-    """Rank 0's executor: each step goes to the peers over the world group, then runs on this rank's runner."""
+class BroadcastExecutor(InProcessExecutor):
+    """Rank 0's executor: each step goes to the peers over the world group, then runs on this rank's runner (the
+    in-process executor's, whose copy-time and exchange properties it keeps)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:  # the runner is built by the caller, with its parallel state
         self.runner = runner
         self.num_blocks = runner.num_blocks
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         dist.broadcast_object_list([output], src=0)
-        result = self.runner.execute(output)
-        return result if result is not None else ModelRunnerOutput()
-
-    @property
-    def last_exchange_seconds(self) -> float:
-        return self.runner.last_exchange_seconds
-
-    @property
-    def last_copy_seconds(self) -> tuple[float, float]:
-        return self.runner.last_copy_seconds
-
-    def check_health(self) -> None:
-        return None
+        return super().execute(output)
 
     def shutdown(self) -> None:
-        return None
+        return None  # the caller tears the ranks down
 
 
 def _tier_rank(rank: int, model: str, tp: int, dcp: int, pcp: int, port: int, out_dir: str) -> None:
