@@ -206,7 +206,9 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_cache_evictions: int = 0
     per_rank: tuple[RankKvStats, ...] = ()
-    host_tier: HostTierStats | None = None  # the native engine's host KV tier (kv_host_tier); None: off
+    # The host KV tier (kv_host_tier): the native engine's, or vLLM's CPU offloading seen through its KV events (the
+    # backend's stats.py); None: off.
+    host_tier: HostTierStats | None = None
 
     @property
     def kv_blocks_free(self) -> int:
