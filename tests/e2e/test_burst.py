@@ -5,6 +5,10 @@ nobody knows in advance), a large max_tokens, many more requests than the KV hol
 Serve starts in the middle of the burst. Every request must get exactly one answer, a 200 or a 429 (never a 503
 while a healthy replica exists, never a 500), and afterwards the app must answer /health and a new completion
 while the ingress process sits idle (its CPU time over 10 idle seconds stays small).
+
+The replicas keep evicted prefix blocks in a host KV tier (kv_host_tier, 4x the device KV) and the prompts come in
+four groups sharing a prefix, so the burst also runs swap-outs and reloads through the autoscaled replicas: no
+KV stays held on device after the drain, and every replica (the one started mid-burst too) runs its tier.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ pytestmark = [pytest.mark.timeout(420)]
 MODEL = "tiny-burst"
 NUM_REQUESTS = 16
 PROMPT_TOKENS = 300
+GROUPS = 4  # request i shares its first SHARED_TOKENS with the requests of its group (i % GROUPS)
+SHARED_TOKENS = 160  # 5 blocks of 32
 MAX_TOKENS = 1200  # need = ceil((300 + 1200) / 32) = 47 logical blocks; a replica holds 128: 2 such requests
 QUEUE_TIMEOUT_S = 20.0
 APP_ARGS = tiny_app_args(
     MODEL,
     kv_cache_memory_bytes=1024 * 1024,  # 2048 tokens per rank, x dcp 2 = 4096 per replica = 128 blocks of 32
+    kv_host_tier=4 * 1024 * 1024,  # per rank: 4x the device KV
     max_model_len=4096,
     max_queued_requests=64,
     queue_timeout_s=QUEUE_TIMEOUT_S,
@@ -67,7 +74,9 @@ def test_burst_of_long_sampled_requests_gets_200_or_429_and_the_app_stays_respon
     output_lengths: list[int] = []
 
     async def one(client: openai.AsyncOpenAI, index: int) -> None:
-        prompt = [(7 * index + 13 * i) % 250 + 3 for i in range(PROMPT_TOKENS)]
+        group = index % GROUPS
+        prompt = ([(7 * group + 11 * i) % 250 + 3 for i in range(SHARED_TOKENS)]
+                  + [(7 * index + 13 * i) % 250 + 3 for i in range(PROMPT_TOKENS - SHARED_TOKENS)])
         try:
             reply = await client.completions.create(
                 model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=1000 + index,
@@ -109,6 +118,14 @@ def test_burst_of_long_sampled_requests_gets_200_or_429_and_the_app_stays_respon
                                                    "temperature": 0})
         assert reply.status_code == 200, reply.text
         print(f"a new completion right after the burst: {time.monotonic() - start:.2f}s")
+
+    # Nothing stays held once the app drains, and every replica ran its host tier within its capacity.
+    held_s = faults.wait_until_nothing_held(cluster, 60)
+    tiers = {stats.replica_id: stats.engine.host_tier for stats in cluster.every_replica_stats()}
+    print(f"KV free {held_s:.1f}s after the burst; host tiers: {tiers}")
+    for replica_id, tier in tiers.items():
+        assert tier is not None, f"replica {replica_id} runs without the host tier it was configured with"
+        assert 0 <= tier.used_blocks <= tier.capacity_blocks, tier
 
     # The ingress is idle, not spinning: its CPU time over IDLE_S stays small.
     pid = _ingress_pid(cluster)
