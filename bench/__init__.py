@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "pools": "layout pools through the deployed app: a pooled app vs two homogeneous ones on one burst",
     "prefix": "prefix caching and prefix-aware routing through the deployed app with 2 replicas",
     "rank_transport": "the rank transport: collectives over shared memory vs gloo; the step channel vs Ray's",
+    "simulate_bound": "the admission TTFT bound in the simulator: later turns' TTFT misses with it vs without",
     "simulate_pools": "layout pools at up to 512 simulated GPUs: goodput of pooled splits vs single layouts",
     "simulate_published": "dcpserve simulate against published TP-vs-DCP results (vLLM's blog, ROCm ATOM #847)",
     "simulate_scale": "dcpserve simulate's wall time per simulated request from 1 to 64 nodes",

@@ -28,7 +28,9 @@ session's last replica (dcpserve/deployments/admission/session_affinity.py), and
 cached run of the prompt's blocks among the replicas with room and in balance), then the TTFT bound
 (dcpserve/deployments/admission/ttft_bound.py): a request no replica would start within ttft_bound_s may wait in the
 queue (held back, not waiting for KV: it closes no pool to those behind it) until a replica's backlog drains under the
-bound, at most the bound and never past its deadline or timeout; then it is granted where it starts soonest.
+bound, at most the bound and never past its deadline or timeout; then it is granted where it starts soonest. A held
+request is parked out of the queue's walk until its hold ends or a replica could start it within the bound
+(bound_holds.py), so each event costs the walk the requests it can grant, not every request held.
 
 AdmissionQueue is plain asyncio (tested without Ray); dcpserve/deployments/admission/kv_admission.py serves it as the
 one-replica KvAdmission deployment.
@@ -37,11 +39,9 @@ one-replica KvAdmission deployment.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from dcpserve.deployments.admission.bound_holds import BoundHolds
 from dcpserve.deployments.admission.errors import (
@@ -53,47 +53,31 @@ from dcpserve.deployments.admission.errors import (
     QueueTimeout,
     Shed,
 )
-from dcpserve.deployments.admission.fair_share import TenantShares, admission_order, displaced, displaced_why
-from dcpserve.deployments.admission.latency_window import LatencyWindow, nearest_rank
+from dcpserve.deployments.admission.fair_share import TenantShares, admission_order
+from dcpserve.deployments.admission.latency_window import LatencyWindow
 from dcpserve.deployments.admission.ledger import Grant, ReplicaLedger
-from dcpserve.deployments.admission.pools import PoolChoice, choose, pools_of, smallest_blocks
-from dcpserve.deployments.admission.replica_choice import ReplicaKv, why_not_grantable
+from dcpserve.deployments.admission.pools import PoolChoice, choose, need_on, pools_of, smallest_blocks
+from dcpserve.deployments.admission.queue_views import QueueViews
+from dcpserve.deployments.admission.replica_choice import ReplicaKv, drained_at, option_starts, why_not_grantable
 from dcpserve.deployments.admission.session_affinity import SessionHomes, SessionShares, session_of
 from dcpserve.deployments.admission.tenant_limits import TenantLimits
+from dcpserve.deployments.admission.ttft_bound import BOUND_TOLERANCE_S
+from dcpserve.deployments.admission.waiter import Waiter
 from dcpserve.deployments.messages import (
     DECISION_REASONS,
     Acquire,
     AcquireReply,
-    AdmissionStats,
     Granted,
     Need,
     PrefixAsk,
-    QueueReplicaView,
     ServiceLevel,
-    TenantStats,
 )
 
 
-@dataclass(eq=False)
-class _Waiter:
-    ticket: str
-    need: Need
-    future: asyncio.Future[str]
-    ask: PrefixAsk | None
-    level: ServiceLevel
-    seq: int  # arrival order
-    front: bool  # a replica refused it after a grant: it goes first
-    deadline_at: float | None  # when it stops waiting for its deadline (the queue's clock)
-    tokens: int  # its KV in tokens (the smallest need over its pools), what the fair order charges it
-    arrived: float
-    timeout_at: float = math.inf  # when its queue timeout ends its wait (the queue's clock)
-    defer_end: float | None = None  # held back by the TTFT bound: the latest it may be held (set at the first time)
-    defer_until: float | None = None  # held back until then (the backlog's estimate falls under the bound)
-
-
-class AdmissionQueue(ReplicaLedger):
+class AdmissionQueue(QueueViews, ReplicaLedger):
     """One app's admission: the bounded queue of waiting requests, in the order of their service levels, granted
-    from the replicas' KV as the ledger (ReplicaLedger) counts it."""
+    from the replicas' KV as the ledger (ReplicaLedger) counts it; its counts and stats are QueueViews', its
+    refusals of waiting requests Shedding's (dcpserve/deployments/admission/shedding.py)."""
 
     def __init__(
         self,
@@ -142,7 +126,7 @@ class AdmissionQueue(ReplicaLedger):
         self.leak_grace_s = leak_grace_s  # a grant its replica never saw this long is dropped (caller died)
         self._clock = clock
         self.replicas: dict[str, ReplicaKv] = {}
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: deque[Waiter] = deque()  # those the walk looks at (the held ones: self.holds)
         self._ticket_replica: dict[str, str] = {}
         self._grants: dict[str, Grant] = {}  # ticket -> its grant, until released or given back
         self.num_prefix_query_blocks = 0  # prompt blocks of granted requests that could have been cached
@@ -164,7 +148,8 @@ class AdmissionQueue(ReplicaLedger):
             raise ValueError(f"admission_order must be 'service_levels' or 'fifo', got {order!r}")
         self.order = order
         self.fair_share_reserve = fair_share_reserve
-        self.holds = BoundHolds(ttft_bound_s, self._fulfill)  # the TTFT bound's holds on waiters
+        self.holds: BoundHolds[Waiter] = BoundHolds(ttft_bound_s, self._fulfill)  # the TTFT bound's holds
+        self._replica_set: tuple[tuple[str, bool], ...] = ()  # the grantable replicas the holds watch
         self.homes = SessionHomes(session_ttl_s)
         self.session_shares = SessionShares(fair_share_half_life_s, fair_share_quantum_s, session_ttl_s)
         self._on_decision = on_decision
@@ -232,39 +217,12 @@ class AdmissionQueue(ReplicaLedger):
             return Granted(replica_id, 0)
         return Granted(replica_id, grant.need, grant.hit_blocks, grant.pool)
 
-    def now(self) -> float:
-        """The queue's clock (what its grants, deadlines and latency window are timed with)."""
-        return self._clock()
-
-    def _waited(self, level: ServiceLevel, seconds: float) -> None:
-        self._waits.setdefault(level.tenant, deque(maxlen=1000)).append(seconds)
-
-    def tenant_stats(self) -> dict[str, TenantStats]:
-        """Per tenant: its attained KV token-seconds, the KV it holds, and how long its last (up to 1,000) granted
-        requests waited in the queue (p50, p90, max; 0 for those granted at once)."""
-        now = self._clock()
-        out: dict[str, TenantStats] = {}
-        for tenant in sorted(set(self.shares.tenants()) | set(self._waits)):
-            waits = sorted(self._waits.get(tenant, ()))
-            out[tenant] = TenantStats(
-                attained_kv_token_s=round(self.shares.attained(tenant, now), 3),
-                holding_kv_tokens=self.shares.holding.get(tenant, 0), granted=len(waits),
-                wait_p50_s=nearest_rank(waits, 0.5) if waits else None,
-                wait_p90_s=nearest_rank(waits, 0.9) if waits else None,
-                wait_max_s=waits[-1] if waits else None)
-        return out
-
-    def in_flight(self, tenant: str) -> int:
-        """The tenant's sequences waiting in the queue or holding a grant."""
-        return (sum(1 for grant in self._grants.values() if grant.level.tenant == tenant)
-                + sum(1 for w in self._waiters if not w.future.done() and w.level.tenant == tenant))
-
     async def _wait(self, ticket: str, need: Need, timeout_s: float, *, front: bool, ask: PrefixAsk | None,
                     level: ServiceLevel, now: float) -> str:
         """acquire's grant, at once or after waiting in the queue's order."""
         self._seq += 1
         self.shares.seen(level, self._need_tokens(need), now)
-        waiter = _Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, seq=self._seq,
+        waiter = Waiter(ticket, need, asyncio.get_running_loop().create_future(), ask, level, seq=self._seq,
                          front=front, deadline_at=None if level.deadline_s is None else now + level.deadline_s,
                          tokens=self._need_tokens(need), arrived=now, timeout_at=now + timeout_s)
         self._waiters.append(waiter)
@@ -273,25 +231,8 @@ class AdmissionQueue(ReplicaLedger):
             self._event("admitted", None, level)
             self._waited(level, 0.0)
             return waiter.future.result()
-        waiting = [w for w in self._waiters if not w.future.done()]
-        if len(waiting) > self.max_queued and not front:
-            full = (f"the admission queue is full ({len(waiting) - 1} requests wait for KV, max_queued_requests="
-                    f"{self.max_queued})")
-            victim = None if self.order == "fifo" else displaced(waiting, waiter, self._sheddable)
-            if victim is None:
-                self._waiters.remove(waiter)
-                waiter.future.cancel()
-                self.num_rejected_full += 1
-                self._event("rejected_queue_full", None, level)
-                raise QueueFull(f"{full}; retry later")
-            if self._sheddable(victim.level):
-                self._shed(victim, f"{full} and a request that is not sheddable arrived")
-            else:
-                self._waiters.remove(victim)
-                self.num_rejected_full += 1
-                victim.future.set_exception(QueueFull(
-                    f"{full} and a request of priority {level.priority} from tenant {level.tenant!r} took this "
-                    f"one's place (the newest of {displaced_why(waiting, victim)}); retry later"))
+        if self.num_queued > self.max_queued and not front:
+            self._admit_to_full_queue(waiter, level)  # raises QueueFull when the newcomer is the one refused
         self._event("queued", None, level)
         wait_s = timeout_s if level.deadline_s is None else min(timeout_s, level.deadline_s)
         try:
@@ -335,10 +276,7 @@ class AdmissionQueue(ReplicaLedger):
         finally:
             if not waiter.future.done():
                 waiter.future.cancel()  # _fulfill skips it
-            try:
-                self._waiters.remove(waiter)
-            except ValueError:
-                pass
+            self._remove(waiter)
             self._fulfill()
 
     def release(self, ticket: str, ttft_s: float | None = None, itl_s: float | None = None) -> None:
@@ -346,8 +284,8 @@ class AdmissionQueue(ReplicaLedger):
         request that produced tokens hands in its TTFT and mean ITL: the window the service-level autoscaling
         policy reads (dcpserve/deployments/admission/latency_window.py), under the pool of the replica that served
         it."""
-        for waiter in self._waiters:
-            if waiter.ticket == ticket and not waiter.future.done():
+        for waiter in self._waiting():
+            if waiter.ticket == ticket:
                 waiter.future.cancel()
         grant = self._grants.get(ticket)
         if grant is not None:
@@ -357,53 +295,6 @@ class AdmissionQueue(ReplicaLedger):
             if replica is granted_on or ticket in replica.held:
                 replica.released.add(ticket)
         self._fulfill()
-
-    @property
-    def num_queued(self) -> int:
-        return len(self._waiters)
-
-    def num_queued_for(self, pool: str) -> int:
-        """Waiting requests that pool could hold: what its replicas pass on to its autoscaling policy."""
-        replicas = self.replicas.values()
-        if all(replica.pool == pool for replica in replicas):
-            # One pool: every waiter is its own (acquire refused those no replica could ever hold), counted without
-            # each waiter's need against every replica at each report.
-            return sum(1 for w in self._waiters if not w.future.done())
-        return sum(1 for w in self._waiters if not w.future.done() and pool in pools_of(w.need, replicas))
-
-    def queued_by_level(self) -> dict[tuple[str, int], int]:
-        """Waiting requests by (tenant, priority)."""
-        counts: dict[tuple[str, int], int] = {}
-        for waiter in self._waiters:
-            if not waiter.future.done():
-                key = (waiter.level.tenant, waiter.level.priority)
-                counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    @property
-    def queued_blocks(self) -> int:
-        return sum(smallest_blocks(w.need) for w in self._waiters)
-
-    def stats(self) -> AdmissionStats:
-        return AdmissionStats(
-            num_queued=self.num_queued, queued_blocks=self.queued_blocks, num_granted=self.num_granted,
-            num_timeouts=self.num_timeouts, num_rejected_full=self.num_rejected_full, num_refusals=self.num_refusals,
-            num_unreachable=self.num_unreachable, num_lost=self.num_lost, num_leaked=self.num_leaked,
-            num_shed=self.num_shed, num_deadline=self.num_deadline,
-            prefix_query_blocks=self.num_prefix_query_blocks, prefix_hit_blocks=self.num_prefix_hit_blocks,
-            pool_grants=dict(self.pool_grants), tenants=self.tenant_stats(), decisions=dict(self.decisions),
-            num_sessions=len(self.homes),
-            replicas={r.replica_id: QueueReplicaView(
-                pool=r.pool, capacity=r.capacity, granted=r.granted, external=r.external, free=r.free,
-                healthy=r.healthy, grantable=r.grantable, num_grants=len(r.grants), num_granted=r.num_granted,
-                cached_prefix_blocks=len(r.prefix.index.blocks), prefill_ahead_blocks=r.prefill_ahead)
-                for r in self.replicas.values()},
-        )
-
-    # ---- internals ------------------------------------------------------------------------------------------
-
-    def _waiting_needs(self) -> list[Need]:
-        return [w.need for w in self._waiters if not w.future.done()]
 
     def _grant(self, ticket: str, choice: PoolChoice, level: ServiceLevel) -> str:
         replica, need, hit_blocks, ask = choice.replica, choice.need, choice.hit_blocks, choice.ask
@@ -444,7 +335,7 @@ class AdmissionQueue(ReplicaLedger):
             return need * max(per_block.values(), default=1)
         return min(n.blocks * per_block.get(pool, 1) for pool, n in need.items())
 
-    def _keeps_reserve(self, waiter: _Waiter, choice: PoolChoice, usable: set[str]) -> bool:
+    def _keeps_reserve(self, waiter: Waiter, choice: PoolChoice, usable: set[str]) -> bool:
         """Whether granting `choice` would leave less free KV (in the pools the waiter could use) than its tenant
         must leave for the tenants below their fair share (TenantShares.reserve_against)."""
         replicas = [r for r in self.replicas.values() if r.pool in usable and r.healthy]
@@ -457,52 +348,30 @@ class AdmissionQueue(ReplicaLedger):
         free = sum(max(r.free, 0) * r.tokens_per_block for r in replicas if r.grantable)
         return free - grant_tokens < keep
 
-    def _sheddable(self, level: ServiceLevel) -> bool:
-        return (self.order != "fifo" and self.sheddable_priority is not None
-                and level.priority >= self.sheddable_priority)
-
-    def _saturated_pools(self) -> set[str]:
-        """The pools a waiting request that is not sheddable could use: there, sheddable requests are refused."""
-        if self.sheddable_priority is None or self.order == "fifo":
-            return set()
-        saturated: set[str] = set()
-        for waiter in self._waiters:
-            if not waiter.future.done() and not self._sheddable(waiter.level):
-                saturated |= pools_of(waiter.need, self.replicas.values())
-        return saturated
-
-    def _newest_sheddable(self, pools: set[str]) -> _Waiter | None:
-        """The sheddable waiter that arrived last among those that could use `pools`."""
-        candidates = [w for w in self._waiters if not w.future.done() and self._sheddable(w.level)
-                      and pools_of(w.need, self.replicas.values()) & pools]
-        return max(candidates, key=lambda w: w.seq, default=None)
-
-    def _shed_message(self, level: ServiceLevel, waited_s: float) -> str:
-        waiting = sum(1 for w in self._waiters if not w.future.done() and not self._sheddable(w.level))
-        return (f"shed after {waited_s:.1f}s: priority {level.priority} is sheddable (sheddable_priority="
-                f"{self.sheddable_priority}) and the app is saturated ({waiting} requests that are not sheddable wait "
-                f"for KV); retry later or send a lower priority")
-
-    def _shed(self, waiter: _Waiter, why: str) -> None:
-        self.num_shed += 1
-        message = self._shed_message(waiter.level, self._clock() - waiter.arrived)
-        waiter.future.set_exception(Shed(f"{message}; {why}"))
-        self._waiters.remove(waiter)
-
     def _fulfill(self) -> None:
         """Grants waiters in the queue's order (dcpserve/deployments/admission/fair_share.py admission_order); a waiter
         that finds no room closes the pools it could use to the waiters after it (one pool: the head blocks everyone, so
-        a large request is never starved by smaller ones behind it). Then, under saturation (a request that is not
-        sheddable still waits), the sheddable waiters that could use its pools are refused, newest first."""
+        a large request is never starved by smaller ones behind it). A waiter the TTFT bound holds is parked
+        (bound_holds.py): the walk leaves it out, taking it back when its hold ends or a replica it watches could start
+        it within the bound. Then, under saturation (a request that is not sheddable still waits), the sheddable
+        waiters that could use its pools are refused, newest first."""
+        now = self._clock()
+        if self.holds.bound_s > 0:
+            replica_set = tuple((r.replica_id, r.grantable) for r in self.replicas.values())
+            if len(self.holds):
+                # The replicas changed: what each held waiter watches no longer says when it may go.
+                self._waiters.extend(self.holds.wake_all() if replica_set != self._replica_set
+                                     else self.holds.wake(now, self._drained()))
+            self._replica_set = replica_set
+        if any(w.future.done() for w in self._waiters):
+            self._waiters = deque(w for w in self._waiters if not w.future.done())
         closed: set[str] = set()
         pools = {replica.pool for replica in self.replicas.values()}
-        for waiter in [w for w in self._waiters if w.future.done()]:
-            self._waiters.remove(waiter)
         if self.order == "fifo":
             order = sorted(self._waiters, key=lambda w: (not w.front, w.seq))
         else:
-            order = admission_order(self._waiters, self.shares, self._clock(), self.session_shares)
-        now = self._clock()
+            order = admission_order(self._waiters, self.shares, now, self.session_shares)
+        gone: set[int] = set()  # granted or parked in this walk
         for waiter in order:
             usable = pools_of(waiter.need, self.replicas.values())
             open_pools = usable - closed
@@ -517,15 +386,34 @@ class AdmissionQueue(ReplicaLedger):
             if choice.wait_s > 0:  # held back by the TTFT bound, not by KV: the waiters after it may go
                 if self.holds.hold(waiter, choice.wait_s, now):
                     self._decided("backlog_deferred")
+                self.holds.park(waiter, self._own_prefill(waiter, usable, now))
+                gone.add(id(waiter))
                 continue
             if self.fair_share_reserve and self.order != "fifo" and self._keeps_reserve(waiter, choice, usable):
                 continue  # over its share, and the room left is another tenant's next request: it waits
-            self._waiters.remove(waiter)
+            gone.add(id(waiter))
             waiter.future.set_result(self._grant(waiter.ticket, choice, waiter.level))
-        saturated = self._saturated_pools()
-        while saturated:
-            victim = self._newest_sheddable(saturated)
-            if victim is None:
-                break
-            self._shed(victim, "a request that is not sheddable waits for KV it could use")
-        self.holds.schedule((w for w in self._waiters if not w.future.done()), now)
+        if gone:
+            self._waiters = deque(w for w in self._waiters if id(w) not in gone)
+        self._shed_under_saturation()
+        if len(self.holds):
+            self.holds.schedule(now, self._drained())
+
+    def _drained(self) -> dict[str, float | None]:
+        """Each grantable replica's replica_choice.drained_at: what the held waiters watch."""
+        return {r.replica_id: drained_at(r) for r in self.replicas.values() if r.grantable}
+
+    def _own_prefill(self, waiter: Waiter, usable: set[str], now: float) -> list[tuple[str, float]]:
+        """The held waiter's own prefill on each replica of its pools it could be granted to now and that would not
+        start it within the bound now (the replicas its hold watches). One within it now was passed over for
+        another reason (its pool closed by a waiter ahead): watching it would wake the waiter at once, again and
+        again; it is looked at when the hold ends."""
+        own: list[tuple[str, float]] = []
+        for pool in usable:
+            pool_need = need_on(waiter.need, waiter.ask, pool)
+            if pool_need is not None:
+                members = [r for r in self.replicas.values() if r.pool == pool]
+                own += [(r.replica_id, start.own_s)
+                        for r, start in option_starts(members, pool_need.blocks, pool_need.ask, now)
+                        if start.start_s > self.holds.bound_s + BOUND_TOLERANCE_S]
+        return own

@@ -206,6 +206,17 @@ def start_estimate(replica: ReplicaKv, own_blocks: float, now: float) -> StartEs
     return StartEstimate(max(replica.prefill_ahead * per_block - elapsed, 0.0), max(own_blocks, 0.0) * per_block)
 
 
+def drained_at(replica: ReplicaKv) -> float | None:
+    """When the prefill queued there (`prefill_ahead`) is done at the estimate's pace: its last report plus the
+    backlog's seconds, so that start_estimate's ahead_s is max(drained_at - now, 0). It moves only when the replica
+    reports, is granted a request, or a grant its report does not name yet goes back; None where the replica has not
+    reported its step time and budget (no estimate: within any bound)."""
+    per_block = recompute_s_per_block(replica)
+    if per_block <= 0:
+        return None
+    return replica.last_report + replica.prefill_ahead * per_block
+
+
 @dataclass(frozen=True)
 class Pick:
     """pick_replica's answer: the replica, the blocks counted there (its need less the cached blocks running requests
@@ -228,14 +239,11 @@ def _whole(blocks: float) -> int:
     return max(math.ceil(blocks - 1e-9), 0)
 
 
-def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None, prefix_routing: bool, *,
-                 home: str | None = None, ttft_bound_s: float = 0.0, may_wait_s: float = 0.0,
-                 now: float = 0.0) -> Pick | None:
-    """The grantable replica with room for a request of `need` admission blocks, in balance, ranked by: its session's
-    last replica (`home`), the prefill its cached run saves (prefix_credit; neither weighed when prefix_routing is
-    off), the fewest steps before its first token, the most KV free after the grant (module doc); then the TTFT
-    bound (ttft_bound.bound_decision; 0: off) over that ranking, with `may_wait_s` the wait the request has left for
-    it. None if no replica has room now."""
+def _options(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
+             ) -> list[tuple[ReplicaKv, PrefixMatch, int, int]]:
+    """The replicas a request of `need` admission blocks could be granted now: grantable, with room for its need
+    there (less the cached blocks running requests there hold), in balance (module doc). Each with its reported
+    cached run, the run its grants in flight share, and its need there."""
     roomy = []
     for replica in replicas:
         if not replica.grantable:
@@ -245,21 +253,44 @@ def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
         if replica.free >= need_here:
             roomy.append((replica, reported, inflight, need_here))
     if not roomy:
-        return None
+        return []
     # Load balance first: a replica running many more sequences than the least busy one is passed over, however
     # much of the prefix it holds (otherwise every request sharing a system prompt would pile onto one replica).
     least = min(replica.num_sequences for replica, *_ in roomy)
     limit = max(least + BALANCE_SLACK_SEQUENCES, BALANCE_RATIO * least)
+    return [option for option in roomy if option[0].num_sequences <= limit]
+
+
+def _own_blocks(replica: ReplicaKv, reported: PrefixMatch, inflight: int, need: int, ask: PrefixAsk | None) -> float:
+    """The request's own prefill there, in blocks: its prompt less what its cached run saves (the replica uses its
+    cache whether routing weighs it or not)."""
+    credit = max(prefix_credit(replica, reported), float(inflight))
+    return max(prompt_blocks(need, ask) - credit, 0.0)
+
+
+def option_starts(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None, now: float
+                  ) -> list[tuple[ReplicaKv, StartEstimate]]:
+    """Each replica the request could be granted now (pick_replica's options, unranked) with the TTFT bound's
+    estimate of its first token there: what the queue's holds watch (dcpserve/deployments/admission/bound_holds.py)."""
+    return [(replica, start_estimate(replica, _own_blocks(replica, reported, inflight, need, ask), now))
+            for replica, reported, inflight, _ in _options(replicas, need, ask)]
+
+
+def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None, prefix_routing: bool, *,
+                 home: str | None = None, ttft_bound_s: float = 0.0, may_wait_s: float = 0.0,
+                 now: float = 0.0) -> Pick | None:
+    """The grantable replica with room for a request of `need` admission blocks, in balance, ranked by: its session's
+    last replica (`home`), the prefill its cached run saves (prefix_credit; neither weighed when prefix_routing is
+    off), the fewest steps before its first token, the most KV free after the grant (module doc); then the TTFT
+    bound (ttft_bound.bound_decision; 0: off) over that ranking, with `may_wait_s` the wait the request has left for
+    it. None if no replica has room now."""
     ranked: list[tuple[tuple[bool, float, int, int], Pick, StartEstimate]] = []
-    for replica, reported, inflight, need_here in roomy:
-        if replica.num_sequences > limit:
-            continue
+    for replica, reported, inflight, need_here in _options(replicas, need, ask):
         # What routing counts on there: the blocks it reported cached, or those its grants in flight (or
         # finished since its last report) are computing, whichever run is longer.
         hit_blocks = max(reported.hit_blocks, inflight)
-        # The replica uses its cache whether routing weighs it or not: its prefill is the prompt less the credit.
         credit = max(prefix_credit(replica, reported), float(inflight))
-        own = max(prompt_blocks(need, ask) - credit, 0.0)
+        own = _own_blocks(replica, reported, inflight, need, ask)
         routed = credit if prefix_routing else 0.0
         key = (prefix_routing and home == replica.replica_id, routed,
                -steps_to_start(replica, _whole(prompt_blocks(need, ask) - routed)), replica.free - need_here)
