@@ -174,6 +174,10 @@ class KvReport:
     # Its measured seconds to copy one KV block from its host tier back to the device (0: not measured; the queue then
     # assumes a share of recomputing it: dcpserve/deployments/admission/replica_choice.py ASSUMED_RELOAD_FRACTION).
     reload_s_per_block: float = 0.0
+    # Its measured seconds per token of the steps that compute prompt tokens (dcpserve/deployments/replica/
+    # prefill_rate.py): the queue's price of its queued prefill and of recomputing a block (0: not measured yet; the
+    # queue then derives one from step_s and step_tokens).
+    prefill_s_per_token: float = 0.0
     slo_window_s: float = 0.0  # > 0: the reply carries the pool's SloReport over this window
     slo_percentile: float = 0.9
 

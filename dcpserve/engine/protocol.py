@@ -197,6 +197,8 @@ class EngineStats:
     num_steps: int = 0
     last_step_seconds: float = 0.0
     last_exchange_seconds: float = 0.0  # of last_step_seconds, the DCP exchange (0 without DCP or unknown)
+    last_step_tokens: int = 0  # tokens the last step computed (prompt and decode)
+    last_step_prompt_tokens: int = 0  # of those, prompt tokens (chunks of prompts, recomputes): 0 for a decode step
     healthy: bool = True
     # Prefix caching: whether it is on, prompt tokens of new requests looked up and, of those, served from the cache
     # (both since start), blocks holding a cached prefix block now (held or evictable), evictions since start.

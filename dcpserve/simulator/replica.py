@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.messages import DEFAULT_POOL, KvReport
+from dcpserve.deployments.replica.prefill_rate import PrefillRate
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
 from dcpserve.engine.core.request import Request
@@ -73,6 +74,7 @@ class SimReplica:
         self.replica_id = replica_id
         self.pool = pool
         self.step_s = 0.0  # recent mean step (EngineReplica's exponential average), reported to the queue
+        self.prefill_rate = PrefillRate()  # its steps' price of a prompt token, reported to the queue (EngineReplica's)
         self.shape = shape
         self.step_model = step_model
         self.queue = queue
@@ -166,6 +168,7 @@ class SimReplica:
             self.num_steps += 1
             self.busy_seconds += seconds
             self.step_s = seconds if not self.step_s else 0.9 * self.step_s + 0.1 * seconds
+            self.prefill_rate.observe(seconds, output.num_prompt_tokens, work.num_tokens)
             self.num_step_tokens += work.num_tokens
             sampled = {
                 entry.request_id: EOS_TOKEN if entry.num_output_tokens + 1 >= output_lengths[entry.request_id]
@@ -194,5 +197,6 @@ class SimReplica:
             held=ledger.per_request, healthy=True, routable=not self.draining, probes=self.probes,
             headroom=ledger.headroom_blocks, prefix=prefix, pool=self.pool, step_s=self.step_s, gpus=self.shape.tp,
             max_seqs=self.shape.scheduler.max_num_seqs, prefill_tokens=ledger.prefill_tokens,
-            step_tokens=self.shape.scheduler.max_num_batched_tokens))
+            step_tokens=self.shape.scheduler.max_num_batched_tokens,
+            prefill_s_per_token=self.prefill_rate.seconds_per_token))
         self._prefix_position = self.queue.prefix_position(self.replica_id)

@@ -149,6 +149,7 @@ class ReplicaLedger:
         replica.prefill_tokens = report.prefill_tokens
         replica.step_tokens = report.step_tokens
         replica.reload_s_per_block = report.reload_s_per_block
+        replica.prefill_s_per_token = report.prefill_s_per_token
         replica.healthy = report.healthy
         replica.routable = report.routable
         replica.probes = report.probes

@@ -93,6 +93,7 @@ class ReplicaKv:
     prefill_tokens: int = 0  # prompt tokens it had still to compute at its last report (KvLedger.prefill_tokens)
     step_tokens: int = 0  # the tokens one of its steps takes (max_num_batched_tokens); 0: not reported
     reload_s_per_block: float = 0.0  # its measured host -> device copy of one block; 0: not measured
+    prefill_s_per_token: float = 0.0  # its measured prefill price (KvReport.prefill_s_per_token); 0: not measured
     grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
     grant_prefill: dict[str, int] = field(default_factory=dict)  # ticket -> blocks its grant has to prefill there
     num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
@@ -171,8 +172,12 @@ def steps_to_start(replica: ReplicaKv, own_blocks: int) -> int:
 
 
 def recompute_s_per_block(replica: ReplicaKv) -> float:
-    """Seconds of engine steps that prefilling one block takes there (its step time over the blocks one step takes);
-    0 where it has not reported its step time and budget."""
+    """Seconds of engine steps that prefilling one block takes there: its measured price of a prompt token
+    (KvReport.prefill_s_per_token, on its steps that carry prompt tokens) x the block's tokens; until it has measured
+    one, its mean step time over the blocks one step takes (a decode-dominated mean: far below a long prompt's chunks,
+    dcpserve/deployments/replica/prefill_rate.py); 0 where it has reported neither."""
+    if replica.prefill_s_per_token > 0:
+        return replica.prefill_s_per_token * replica.tokens_per_block
     if replica.step_s <= 0 or replica.step_tokens <= 0:
         return 0.0
     return replica.step_s * replica.tokens_per_block / replica.step_tokens

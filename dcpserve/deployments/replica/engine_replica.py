@@ -48,6 +48,7 @@ from dcpserve.deployments.messages import (
 )
 from dcpserve.deployments.metrics import GAUGE_PERIOD_S, ReplicaMetrics
 from dcpserve.deployments.replica.outbox import Outbox
+from dcpserve.deployments.replica.prefill_rate import PrefillRate
 from dcpserve.engine.protocol import EngineClient, EngineStats
 
 logger = logging.getLogger("ray.serve")
@@ -107,6 +108,7 @@ class EngineReplica:
         self.pool = next(p for p in self.args.pool_list() if p.name == pool)  # its layout pool (admission/pools.py)
         self.metrics: ReplicaMetrics | None = None
         self.step_s = 0.0  # recent mean engine step (an exponential average), the ITL its batch gets
+        self.prefill_rate = PrefillRate()  # what its steps with prompt tokens cost per token: the queue's prefill price
         pool_args = self.args.pool_engine_args(self.pool)
         self.max_num_seqs = pool_args.max_num_seqs  # reported with step_s: its batch
         self.step_tokens = pool_args.step_token_budget()  # and the prefill a step takes
@@ -343,6 +345,7 @@ class EngineReplica:
                 step_s=self.step_s, gpus=self.pool.ranks, max_seqs=self.max_num_seqs,
                 prefill_tokens=ledger.prefill_tokens, step_tokens=self.step_tokens,
                 reload_s_per_block=tier.reload_seconds_per_block if tier is not None else 0.0,
+                prefill_s_per_token=self.prefill_rate.seconds_per_token,
                 slo_window_s=self._slo_window_s, slo_percentile=self._slo_percentile))
             self.admission_queued = reply.num_queued
             self.slo = reply.slo
@@ -350,6 +353,7 @@ class EngineReplica:
 
     def _on_step(self, stats: EngineStats) -> None:
         self.step_s = stats.last_step_seconds if not self.step_s else 0.9 * self.step_s + 0.1 * stats.last_step_seconds
+        self.prefill_rate.observe(stats.last_step_seconds, stats.last_step_prompt_tokens, stats.last_step_tokens)
         if self.metrics is None:
             return
         try:

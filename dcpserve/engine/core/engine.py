@@ -83,6 +83,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step_seconds = 0.0
         self.last_exchange_seconds = 0.0  # of last_step_seconds, the time in the DCP exchange
+        self.last_step_tokens = 0
+        self.last_step_prompt_tokens = 0
         self.last_step_idle = False  # the last step() scheduled nothing
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -183,6 +185,7 @@ class LLMEngine:
         self.num_steps += 1
         end = time.perf_counter()
         self.last_step_seconds = end - start
+        self.last_step_tokens, self.last_step_prompt_tokens = output.num_tokens, output.num_prompt_tokens
         self.last_exchange_seconds = self.executor.last_exchange_seconds
         if output.has_copies:
             self.copies.add(output, self.executor.last_copy_seconds)
@@ -279,6 +282,8 @@ class LLMEngine:
             num_steps=self.num_steps,
             last_step_seconds=self.last_step_seconds,
             last_exchange_seconds=self.last_exchange_seconds,
+            last_step_tokens=self.last_step_tokens,
+            last_step_prompt_tokens=self.last_step_prompt_tokens,
             prefix_caching=self.block_manager.enable_prefix_caching,
             prefix_cache_queries=self.block_manager.num_queried_tokens,
             prefix_cache_hits=self.block_manager.num_hit_tokens,

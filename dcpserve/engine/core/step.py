@@ -79,5 +79,11 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """The step's prompt tokens: every row but a decode's one token (a chunk of a prompt, or of a preempted
+        request's recompute). The serving layer measures its price of prefill on the steps that have some."""
+        return sum(len(s.token_ids) for s in self.scheduled if not (len(s.token_ids) == 1 and s.num_output_tokens))
+
+    @property
     def has_copies(self) -> bool:
         return bool(self.swap_out or self.swap_in)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dcpserve.deployments.admission.queue import AdmissionQueue
-from dcpserve.deployments.admission.replica_choice import ReplicaKv, start_estimate
+from dcpserve.deployments.admission.replica_choice import ReplicaKv, recompute_s_per_block, start_estimate
 from dcpserve.deployments.admission.ttft_bound import BoundDecision, StartEstimate, bound_decision
 from dcpserve.deployments.messages import KvReport, PrefixAsk, ServiceLevel
 from dcpserve.engine.core.prefix_cache import CACHED, PrefixReporter, chain_hashes, prompt_hashes
@@ -173,3 +173,32 @@ def test_a_held_request_waits_for_compute_not_kv_so_a_short_one_behind_it_is_gra
     assert grants[0][2] == pytest.approx(0.1)
     # The long one's hold ends at 0.5 s; by then the short one's 2 blocks are queued ahead of it: 0.05 s more.
     assert grants[1][2] == pytest.approx(0.55)
+
+
+# ---- the measured prefill price -----------------------------------------------------------------------------------
+
+def test_a_measured_prefill_price_replaces_the_decode_dominated_step_mean() -> None:
+    replica = ReplicaKv("r", capacity=100, tokens_per_block=TOKENS, step_s=STEP_S, step_tokens=STEP_TOKENS,
+                        prefill_tokens=40 * TOKENS, last_report=10.0)
+    assert recompute_s_per_block(replica) == pytest.approx(BLOCK_S)  # not measured: step_s over the budget's blocks
+    replica.prefill_s_per_token = 0.01  # measured on its steps with prompt tokens: 0.16 s a block
+    assert recompute_s_per_block(replica) == pytest.approx(0.01 * TOKENS)
+    assert start_estimate(replica, 4, 10.0) == StartEstimate(pytest.approx(40 * 0.16), pytest.approx(4 * 0.16))
+
+
+def test_the_bound_acts_on_the_replicas_measured_prefill_price_where_the_step_mean_saw_no_backlog() -> None:
+    """The same backlog of 30 blocks: priced by the step mean (0.025 s a block) it starts a request within 2 s; at the
+    replica's measured 0.1 s a block it would start it at 3.1 s, so the bound holds it until the backlog drains."""
+    async def run(price: float) -> tuple[tuple[str, float], str]:
+        queue = AdmissionQueue(max_queued=8, clock=asyncio.get_running_loop().time, ttft_bound_s=2.0)
+        queue.report(KvReport(replica_id="a", capacity=400, tokens_per_block=TOKENS, held={},
+                              prefill_tokens=30 * TOKENS, step_s=STEP_S, step_tokens=STEP_TOKENS,
+                              prefill_s_per_token=price))
+        result = await granted_at(queue, "t", 1)
+        grant = queue.grant_of("t")
+        assert grant is not None
+        return result, grant.decision
+
+    assert run_simulated(run(0.0)) == (("a", 0.0), "only_choice")
+    (replica_id, at), _ = run_simulated(run(0.1 / TOKENS))
+    assert replica_id == "a" and at == pytest.approx(30 * 0.1 + 0.1 - 2.0)  # held until 3.1 s - 2 s

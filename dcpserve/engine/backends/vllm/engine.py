@@ -372,6 +372,8 @@ class VllmEngine:
             generation_tokens=rec.num_generation_tokens,
             num_steps=rec.num_records,
             last_step_seconds=rec.step_seconds,
+            last_step_tokens=rec.step_tokens,
+            last_step_prompt_tokens=rec.step_prompt_tokens,
             healthy=self.dead_error is None and not self.llm.errored,
             prefix_caching=self.prefix is not None,
             prefix_cache_queries=rec.prefix_cache_queries,

@@ -28,6 +28,8 @@ class StatsRecorder:
         self.num_records = 0
         self.last_record_at: float | None = None
         self.step_seconds = 0.0
+        self.step_tokens = 0  # the last record's tokens computed (prompt and generated) and, of those, prompt tokens
+        self.step_prompt_tokens = 0
         # vLLM's prefix cache lookups of new requests (preempted ones resuming not counted, as natively): prompt tokens
         # looked up and, of those, served from the cache, since start (each record carries the step's).
         self.prefix_cache_queries = 0
@@ -56,8 +58,10 @@ class StatsRecorder:
             self.num_preemptions += iteration_stats.num_preempted_reqs
             self.num_generation_tokens += iteration_stats.num_generation_tokens
             prompt = getattr(iteration_stats, "prompt_token_stats", None)
-            self.num_prompt_tokens += int(getattr(prompt, "computed", 0) or getattr(iteration_stats,
+            self.step_prompt_tokens = int(getattr(prompt, "computed", 0) or getattr(iteration_stats,
                                                                                     "num_prompt_tokens", 0) or 0)
+            self.num_prompt_tokens += self.step_prompt_tokens
+            self.step_tokens = self.step_prompt_tokens + int(iteration_stats.num_generation_tokens)
         if self.last_record_at is not None and busy:
             self.step_seconds = now - self.last_record_at
         self.last_record_at = now
