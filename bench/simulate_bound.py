@@ -9,9 +9,11 @@ cached run the queue knows there), each at least as long as its chunks of `max_n
 model, one chunk a step with nothing else in it. A later turn that missed the TTFT target is counted as one no replica
 could have started in time when, on every replica, even that lower bound was past the target at its arrival (the
 issue's alternative acceptance: "every replica's prefill backlog past the bound at those arrivals"); the queue's own
-estimate (replica_choice.start_estimate, which prices prefill at the replica's mean step) is counted beside it.
+estimate (replica_choice.start_estimate: prefill at the replica's measured price, KvReport.prefill_s_per_token) is
+counted beside it.
 
     python -m bench simulate_bound --nodes 4 --chat-rate 10 --agentic-rate 4 --ttft-target-s 2
+    python -m bench simulate_bound --nodes 16 --write-docs   # docs/benchmarks.md's section
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from bench.harness.docs_section import DocsSection, bench_command
 from bench.simulate_pools import SERVE, Load, shape_of, trace_of
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.replica_choice import (
@@ -150,6 +153,9 @@ def run_bound(load: Load, dcp: int, nodes: int, bound_s: float) -> dict[str, Any
             "ttft_s": summary["ttft_s"]}
 
 
+SCRIPT = "bench/simulate_bound.py"
+
+
 def missed_ttft(record: RequestRecord, target_s: float) -> bool:
     return record.first_token_at is None or record.first_token_at - record.arrival > target_s
 
@@ -164,22 +170,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dcp", type=int, choices=(1, 8), default=1, help="every replica tp=8 x this (default 1)")
     parser.add_argument("--bounds", type=float, nargs="+", default=[0.0, 2.0],
                         help="the queue's admission_ttft_bound_s per run (default 0 2; 0: off)")
+    parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args(argv)
+    docs = DocsSection(SCRIPT)
+    if args.write_docs:
+        docs.check()  # fail now, not after a long run
     load = Load(args.nodes, args.requests_per_node, args.chat_rate, args.agentic_rate, args.ttft_target_s, 0.05)
     results = [run_bound(load, args.dcp, args.nodes, bound) for bound in args.bounds]
-    print(f"{args.nodes} replicas of tp=8 dcp={args.dcp}, {args.chat_rate:g} chat + {args.agentic_rate:g} agentic "
-          f"sessions/s per node, {args.requests_per_node * args.nodes} requests, TTFT target {args.ttft_target_s:g} s")
-    print("| bound | sessions | later turns | later-turn TTFT misses | of them, no replica could start in time "
-          "(true backlog) | (queue's estimate) | their grants | TTFT p50 / p90 | wall |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    command = bench_command("simulate_bound", sys.argv[1:] if argv is None else argv)
+    lines = [f"## The TTFT bound in the simulator (`{SCRIPT}`)", "",
+             f"`{command}`. Kimi K2 on 8 x H200 per replica, {args.nodes} replicas of tp=8 dcp={args.dcp}; the "
+             f"`chat` + `agentic` presets mixed, open loop at {args.chat_rate:g} chat + {args.agentic_rate:g} agentic "
+             f"sessions/s per node, {args.requests_per_node * args.nodes:,} requests, TTFT target "
+             f"{args.ttft_target_s:g} s. Later turns: every turn of a session after its first. \"no replica could "
+             "start in time\": at the turn's arrival, every replica's queued prefill plus its own (at least its "
+             "chunks on the step model) was past the target; \"queue's estimate\": the same by the queue's "
+             "start_estimate.", "",
+             "| bound | sessions | later turns | later-turn TTFT misses | of them, no replica could start in time "
+             "(true backlog) | (queue's estimate) | their grants | TTFT p50 / p90 | wall |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         ttft = result["ttft_s"]
         for kind, row in result["rows"].items():
             grants = ", ".join(f"{k.removeprefix('granted_')} {v}" for k, v in sorted(row.items())
                                if k.startswith("granted_"))
-            print(f"| {result['bound_s']:g} s | {kind} | {row['later_turns']} | {row['missed']} | "
-                  f"{row['no_replica_in_time']} | {row['queue_saw_none']} | {grants} | "
-                  f"{ttft['p50']:.2f} / {ttft['p90']:.2f} s | {result['wall_s']:.0f} s |")
+            lines.append(f"| {result['bound_s']:g} s | {kind} | {row['later_turns']} | {row['missed']} | "
+                         f"{row['no_replica_in_time']} | {row['queue_saw_none']} | {grants} | "
+                         f"{ttft['p50']:.2f} / {ttft['p90']:.2f} s | {result['wall_s']:.0f} s |")
+    if len(results) > 1 and results[0]["bound_s"] == 0:
+        lines.append("")
+        for kind in results[0]["rows"]:
+            off = results[0]["rows"][kind]["missed"]
+            for result in results[1:]:
+                on = result["rows"][kind]["missed"]
+                change = f"{(on - off) / off:+.0%}" if off else "-"
+                lines.append(f"- {kind} later-turn TTFT misses, bound {result['bound_s']:g} s against off: "
+                             f"{off} -> {on} ({change}; target -30%)")
+    section = "\n".join(lines)
+    print(section)
+    if args.write_docs:
+        docs.write(section)
     return 0
 
 
