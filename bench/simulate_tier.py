@@ -11,8 +11,14 @@ Goodput: the requests that finished with TTFT <= --ttft-target-s and their own m
 of the run (dcpserve/simulator/metrics.py `goodput`), also split by first and later turns.
 
     python -m bench simulate_tier --nodes 1                     # one node (minutes on 2 cores)
-    python -m bench simulate_tier --nodes 64 --requests-per-client 20   # 512 GPUs (hours on 2 cores)
-    python -m bench simulate_tier --nodes 1 --write-docs
+    python -m bench simulate_tier --nodes 4 --requests-per-client 20 --admission-ttft-bound-s 0 --write-docs
+    python -m bench simulate_tier --nodes 64 --requests-per-client 20   # 512 GPUs: tens of CPU-hours, below
+
+Cost: 40-55 ms of CPU per request for TP8 and 6-12 ms for TP8 + DCP8 at 256 clients per node, about flat from 1 to 4
+nodes (docs/benchmarks.md): 64 nodes x 256 clients x 20 requests is 327,680 requests per case, 4-5 hours per TP8
+case before the admission queue's per-grant look at every replica grows with them. Most of it is the real engine's
+per-block and per-token work (prefix cache, block manager, scheduler), which the simulator runs unchanged.
+--write-docs writes one section per node count (the one-node section is the bench's first).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import argparse
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.harness.docs_section import DocsSection, bench_command
@@ -54,6 +60,7 @@ class Case:
     requests: int
     ttft_target_s: float
     itl_target_s: float
+    admission_ttft_bound_s: float = PATIENT.admission_ttft_bound_s  # the queue's TTFT bound (0: off)
 
     @property
     def label(self) -> str:
@@ -78,7 +85,8 @@ def shape_of(case: Case) -> tuple[ReplicaShape, RooflineModel]:
 def run_case(case: Case) -> dict[str, Any]:
     shape, step_model = shape_of(case)
     replicas = case.nodes * GPUS_PER_NODE // shape.tp
-    config = SimulationConfig(shape=shape, num_replicas=replicas, serve=PATIENT,
+    serve = replace(PATIENT, admission_ttft_bound_s=case.admission_ttft_bound_s)
+    config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve,
                               concurrency=case.concurrency_per_node * case.nodes)
     trace = generate(PRESETS["agentic"], case.requests, seed=0)
     wall = time.perf_counter()
@@ -107,14 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dcp", default="1,8", help="the layouts' dcp, comma-separated (default 1,8)")
     parser.add_argument("--ttft-target-s", type=float, default=2.0)
     parser.add_argument("--itl-target-s", type=float, default=0.05)
+    parser.add_argument("--admission-ttft-bound-s", type=float, default=PATIENT.admission_ttft_bound_s,
+                        help="the admission queue's TTFT bound (item 4 of issue 51; 0: off; default "
+                             f"{PATIENT.admission_ttft_bound_s:g}, dcpserve/simulator/run.py ServeSettings)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default 2)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args(argv)
-    docs = DocsSection(SCRIPT)
+    # One section per cluster size: a run at more nodes adds its own instead of replacing the one-node section.
+    docs = DocsSection(SCRIPT if args.nodes == 1 else f"{SCRIPT} --nodes {args.nodes}")
     if args.write_docs:
         docs.check()
     requests = args.requests_per_client * args.concurrency * args.nodes
-    cases = [Case(int(dcp), tier, args.nodes, args.concurrency, requests, args.ttft_target_s, args.itl_target_s)
+    cases = [Case(int(dcp), tier, args.nodes, args.concurrency, requests, args.ttft_target_s, args.itl_target_s,
+                  args.admission_ttft_bound_s)
              for dcp in args.dcp.split(",") for tier in (None, args.host_kv)]
     with ProcessPoolExecutor(max_workers=args.jobs) as executor:
         results = dict(zip(cases, executor.map(run_case, cases), strict=True))
@@ -138,7 +151,8 @@ def format_section(results: dict[Case, dict[str, Any]], args: argparse.Namespace
              f"B200, replicas of tp=8; the `agentic` preset closed loop at {args.concurrency} clients per node, "
              f"{next(iter(results)).requests:,} requests; host tier {args.host_kv} per node over PCIe Gen5 x16 "
              f"(51.2 GB/s per GPU each way). KV tokens per replica: {kv}. SLO: TTFT <= "
-             f"{args.ttft_target_s:g} s and the request's mean ITL <= {args.itl_target_s * 1e3:g} ms.", "",
+             f"{args.ttft_target_s:g} s and the request's mean ITL <= {args.itl_target_s * 1e3:g} ms. Admission TTFT "
+             f"bound: {f'{args.admission_ttft_bound_s:g} s' if args.admission_ttft_bound_s else 'off'}.", "",
              "| layout, tier | host KV tokens / replica | prefix hits (device + host) | goodput req/s | SLO met: "
              "first / later turns | TTFT p50 / p90 first turns | TTFT p50 / p90 later turns | ITL p50 | "
              "output tok/s/GPU | reloaded per rank (GB, s) | copy time past compute | wall |",

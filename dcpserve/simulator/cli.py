@@ -144,11 +144,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--queue-timeout-s", type=float, default=defaults.queue_timeout_s,
                        help=f"longest wait in the queue (default {defaults.queue_timeout_s:g})")
     serve.add_argument("--no-prefix-routing", action="store_true", help="grant by free KV alone")
-    serve.add_argument("--admission-ttft-bound-s", type=float, default=0.0,
+    serve.add_argument("--admission-ttft-bound-s", type=float, default=defaults.admission_ttft_bound_s,
                        help="the app's admission_ttft_bound_s: a replica whose queued prefill would start a request "
-                            "past it does not get the request while another, or a short wait, serves it sooner "
-                            "(default 0: off; the app's default is "
-                            f"{AppArgs.model_fields['admission_ttft_bound_s'].default} s)")
+                            "past it does not get the request while another, or a short wait, serves it sooner (0: "
+                            f"off; default {AppArgs.model_fields['admission_ttft_bound_s'].default:g} s, the app's)")
     serve.add_argument("--request-latency-s", type=float, default=0.0,
                        help="from a request's arrival to its admission: HTTP, the ingress, the hop to the queue "
                             "(default 0)")

@@ -3,13 +3,13 @@
 The request's way through it, in simulated time (dcpserve.simulator.clock), is the served one's:
 1. The client sends it at its trace time (open loop), or when one of `concurrency` clients is free (closed loop);
    a later turn of a session goes `delay_ms` after the previous turn's answer.
-2. The ingress' part: the request's admission blocks with the one function every part of the app counts them with
-   (dcpserve.engine.core.block_manager.admission_blocks) and its prompt's block names for prefix routing, then the
-   app's own admission loop (dcpserve.deployments.dispatch.admit.admit, which the ingress' Sessions.open runs too),
-   here through `SimAdmission` (the real AdmissionQueue, in process) and a dispatch to the granted SimReplica: a
-   replica that refuses the grant (its ledger is fresher than the queue's copy) reports, the grant goes back with
-   `refused()` and the request waits at the head again; the queue's refusals (queue_full, queue_timeout,
-   never_fits, ...) end it with their code.
+2. The ingress' part (dcpserve.simulator.ingress): the request's admission blocks with the one function every part
+   of the app counts them with (dcpserve.engine.core.block_manager.admission_blocks) and its prompt's block names for
+   prefix routing, then the app's own admission loop (dcpserve.deployments.dispatch.admit.admit, which the ingress'
+   Sessions.open runs too), here through `SimAdmission` (the real AdmissionQueue, in process) and a dispatch to the
+   granted SimReplica: a replica that refuses the grant (its ledger is fresher than the queue's copy) reports, the
+   grant goes back with `refused()` and the request waits at the head again; the queue's refusals (queue_full,
+   queue_timeout, never_fits, ...) end it with their code.
 3. The replica's part: dcpserve.simulator.replica.SimReplica (the engine's scheduler and block manager).
 4. Its tokens reach the client at the end of each step that made one; the grant is released when it finishes.
 
@@ -20,7 +20,6 @@ queue's grant is where the request goes, as in the app).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -31,33 +30,24 @@ from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.autoscaling import GpuLedger, replica_stats
 from dcpserve.deployments.config import AppArgs, AutoscalingArgs
 from dcpserve.deployments.dispatch.admit import AdmitSettings, Dispatched, Taken, admit
-from dcpserve.deployments.messages import (
-    DEFAULT_POOL,
-    Accepted,
-    Acquire,
-    AcquireReply,
-    ApiError,
-    Granted,
-    Need,
-    PoolNeed,
-    PrefixAsk,
-    Refused,
-    Rejected,
-    ServiceLevel,
-)
-from dcpserve.engine.core.block_manager import admission_blocks
-from dcpserve.engine.core.prefix_cache import max_hit_blocks
+from dcpserve.deployments.messages import DEFAULT_POOL, Accepted, ApiError, Granted, Refused, Rejected
 from dcpserve.engine.core.request import Request, RequestRejected
 from dcpserve.engine.core.scheduler import TokenUpdate
 from dcpserve.engine.protocol import KvFull
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.simulator.autoscale import SimAutoscaler
 from dcpserve.simulator.clock import run_simulated
-from dcpserve.simulator.metrics import Recorder, RequestRecord, mean_itl_s
+from dcpserve.simulator.ingress import SimAdmission, request_need, served_latencies, session_level, sessions_of
+from dcpserve.simulator.metrics import Recorder, RequestRecord
 from dcpserve.simulator.replica import ReplicaShape, SimReplica
 from dcpserve.simulator.step_time import StepTimeModel
-from dcpserve.simulator.tokens import PromptTokens, trace_block_hashes
+from dcpserve.simulator.tokens import PromptTokens
+from dcpserve.simulator.totals import ReplicaTotals, host_tier_summary
 from dcpserve.simulator.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+# Re-exported: importers of this module's names from before the ingress' part moved to ingress.py.
+__all__ = ["SimAdmission", "ServeSettings", "SimPool", "Simulation", "SimulationConfig", "served_latencies",
+           "session_level", "sessions_of"]
 
 
 def _app_default(name: str) -> Any:
@@ -76,9 +66,7 @@ class ServeSettings:
     prefix_routing: bool = _app_default("prefix_routing")
     grant_leak_grace_s: float = _app_default("grant_leak_grace_s")
     retry_after_s: int = _app_default("retry_after_s")
-    # The queued-prefill bound (admission_ttft_bound_s) is off unless asked for: its holds re-run the queue's order at
-    # each hold's end, which on the simulator's deep queues (100k waiters) costs more than the runs can afford.
-    admission_ttft_bound_s: float = 0.0
+    admission_ttft_bound_s: float = _app_default("admission_ttft_bound_s")
     session_ttl_s: float = _app_default("session_ttl_s")
 
 
@@ -141,80 +129,6 @@ class _PoolScaling:
     starting: list[asyncio.Task[None]] = field(default_factory=list)
 
 
-def served_latencies(record: RequestRecord) -> tuple[float | None, float | None]:
-    """What the ingress hands the queue with a request's release: its TTFT from arrival (None without a token) and
-    its mean inter-token latency (None with fewer than two tokens: a single token has no gap to measure)."""
-    if record.first_token_at is None:
-        return None, None
-    return record.first_token_at - record.arrival, mean_itl_s(record) if record.num_output_tokens > 1 else None
-
-
-def sessions_of(trace: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
-    """The trace's units in order: a session's turns together (in trace order), every other request alone."""
-    units: list[list[TraceRequest]] = []
-    by_session: dict[str, list[TraceRequest]] = {}
-    for request in trace:
-        if request.session_id is None:
-            units.append([request])
-        elif request.session_id in by_session:
-            by_session[request.session_id].append(request)
-        else:
-            turns = by_session[request.session_id] = [request]
-            units.append(turns)
-    return units
-
-
-# The queue's session key (ServiceLevel.session: the ingress' prompt_cache_key or X-Session-Id), where this version of
-# the queue has one: a trace's session_id is the key its client would send.
-_QUEUE_TAKES_SESSIONS = "session" in {f.name for f in dataclasses.fields(ServiceLevel)}
-
-
-def session_level(session_id: str | None) -> ServiceLevel:
-    """The service level a request of that session is admitted with: the default one, keyed by its session."""
-    if session_id is None or not _QUEUE_TAKES_SESSIONS:
-        return ServiceLevel()
-    return ServiceLevel(session=session_id)
-
-
-def host_tier_summary(replicas: Sequence[SimReplica]) -> dict[str, float] | None:
-    """The host KV tier's totals over the replicas (None without a tier): blocks copied each way with their bytes
-    and seconds per rank (every rank copies its own pages at once), the seconds the copies added to steps past
-    their compute, and the blocks the tier dropped."""
-    tiered = [(r, r.tiered) for r in replicas if r.tiered is not None]
-    if not tiered:
-        return None
-    return {
-        "capacity_blocks": sum(manager.tier_shape.num_blocks for _, manager in tiered),
-        "loaded_blocks": sum(manager.num_loaded_blocks for _, manager in tiered),
-        "offloaded_blocks": sum(manager.num_offloaded_blocks for _, manager in tiered),
-        "loaded_bytes_per_rank": sum(manager.num_loaded_blocks * manager.tier_shape.bytes_per_block_per_rank
-                                     for _, manager in tiered),
-        "offloaded_bytes_per_rank": sum(manager.num_offloaded_blocks * manager.tier_shape.bytes_per_block_per_rank
-                                        for _, manager in tiered),
-        "load_seconds": sum(replica.load_seconds for replica, _ in tiered),
-        "offload_seconds": sum(replica.offload_seconds for replica, _ in tiered),
-        "exposed_copy_seconds": sum(replica.exposed_copy_seconds for replica, _ in tiered),
-        "host_evictions": sum(manager.num_host_evictions for _, manager in tiered),
-    }
-
-
-class SimAdmission:
-    """The in-process AdmissionQueue as the admission loop's port (KvAdmission's calls, without the network)."""
-
-    def __init__(self, queue: AdmissionQueue, retry_after_s: int) -> None:
-        self.queue = queue
-        self.retry_after_s = retry_after_s
-
-    async def acquire(self, request: Acquire) -> AcquireReply:
-        return await self.queue.acquire_reply(request, self.retry_after_s)
-
-    async def refused(self, ticket: str, replica_id: str, free_blocks: int) -> None:
-        self.queue.refused(ticket, replica_id, free_blocks)
-
-    async def unreachable(self, ticket: str, replica_id: str) -> None:
-        self.queue.unreachable(ticket, replica_id)
-
-
 class Simulation:
     """The app on simulated time: the admission queue, `num_replicas` SimReplicas, and the trace's clients."""
 
@@ -246,6 +160,7 @@ class Simulation:
         if not config.pools and config.autoscaling is not None:
             self.pools[DEFAULT_POOL] = SimPool(DEFAULT_POOL, config.shape, config.num_replicas,
                                                autoscaling=config.autoscaling)
+        self._shapes = {name: pool.shape for name, pool in self.pools.items()}  # the ingress' view of the pools
         ledger = GpuLedger()  # the pools' shared budget, as in Serve's controller
         self.scaling = {name: _PoolScaling(SimAutoscaler(pool.autoscaling, pool.num_replicas, name=name,
                                                          gpu_budget=config.gpu_budget, tp=pool.shape.tp,
@@ -294,25 +209,22 @@ class Simulation:
                 task.cancel()
         self._sample(now)
         self.recorder.close(now)
-        preemptions = sum(r.scheduler.num_preemptions for r in self.replicas.values())
         replicas = list(self.replicas.values())
-        queried = sum(r.block_manager.num_queried_tokens for r in replicas)
-        device_hits = sum(r.block_manager.num_hit_tokens for r in replicas)
-        host_hits = sum(r.tiered.num_host_hit_tokens for r in replicas if r.tiered is not None)
+        totals = ReplicaTotals.of(replicas)
         for replica in replicas:
             replica.stop()
         self._progress(now, final=True)
-        summary = self.recorder.summary(now, preemptions, queried, device_hits + host_hits, self.replicas_over_time)
-        summary["prefix_hit_rate_by_tier"] = {"device": device_hits / queried if queried else 0.0,
-                                              "host": host_hits / queried if queried else 0.0}
+        summary = self.recorder.summary(now, totals.num_preemptions, totals.queried_tokens, totals.hit_tokens,
+                                        self.replicas_over_time)
+        summary["prefix_hit_rate_by_tier"] = totals.hit_rate_by_tier()
         summary["host_tier"] = host_tier_summary(replicas)
         summary["admission"] = dict(sorted(self.admission_events.items()))
         summary["pool_grants"] = {f"{pool}/{reason}": n for (pool, reason), n in sorted(self.pool_grants.items())}
         summary["peak_granted_sequences"] = self.peak_granted
         waits = self.queue_waits
         summary["queue_wait_mean_s"] = sum(waits) / len(waits) if waits else 0.0
-        steps = summary["steps"] = sum(r.num_steps for r in self.replicas.values())
-        summary["step_mean_s"] = sum(r.busy_seconds for r in self.replicas.values()) / steps if steps else 0.0
+        steps = summary["steps"] = totals.num_steps
+        summary["step_mean_s"] = totals.busy_seconds / steps if steps else 0.0
         return summary
 
     def _on_admission_event(self, outcome: str, waited_s: float | None, level: object = None) -> None:
@@ -428,34 +340,14 @@ class Simulation:
         if self.config.request_latency_s:
             await asyncio.sleep(self.config.request_latency_s)
         max_tokens = trace_request.max_tokens or trace_request.output_length
-        # The need and the prompt's block names in each pool's block size (the ingress' request_need and asks).
-        per_pool: dict[str, tuple[PoolNeed, list[int]]] = {}
-        for name, pool in self.pools.items():
-            shape = pool.shape
-            tokens_per_block = shape.tokens_per_block
-            blocks = admission_blocks(shape.scheduler.admission, trace_request.input_length, max_tokens,
-                                      tokens_per_block)
-            names = trace_block_hashes(trace_request.hash_ids, trace_request.input_length,
-                                       self.config.trace_block_tokens, tokens_per_block)
-            pool_ask = None
-            if shape.enable_prefix_caching:
-                hit_limit = max_hit_blocks(trace_request.input_length, tokens_per_block)
-                pool_ask = PrefixAsk(tuple(names[:hit_limit]), tokens_per_block, b"", trace_request.input_length)
-            total = -(-(trace_request.input_length + max_tokens) // tokens_per_block)
-            per_pool[name] = (PoolNeed(blocks, pool_ask, total), names)
-        need: Need
-        if len(per_pool) == 1:
-            [(only, names)] = per_pool.values()
-            need, ask = only.blocks, only.ask
-        else:
-            need, ask = {name: pool_need for name, (pool_need, _) in per_pool.items()}, None
+        need = request_need(self._shapes, trace_request, max_tokens, self.config.trace_block_tokens)
 
         async def dispatch(grant: Granted, attempt: int) -> Dispatched[SimReplica]:
             """EngineReplica.generate on the granted SimReplica: it takes the request, or reports, then refuses."""
             replica = self.replicas[grant.replica_id]
             request = Request(ticket, PromptTokens(trace_request.input_length),  # type: ignore[arg-type]  # dcpserve.simulator.tokens: a list in all the scheduler asks
                               SamplingParams(max_tokens=max_tokens, detokenize=False), arrival_time=arrived)
-            request.block_hashes = list(per_pool[replica.pool][1])
+            request.block_hashes = list(need.block_names[replica.pool])
             try:
                 replica.accept(request, trace_request.output_length)
             except KvFull as full:
@@ -466,7 +358,7 @@ class Simulation:
             return Taken(Accepted(grant.replica_id), replica)
 
         try:
-            admitted = await admit(ticket, need, ask=ask, level=session_level(trace_request.session_id),
+            admitted = await admit(ticket, need.need, ask=need.ask, level=session_level(trace_request.session_id),
                                    arrived=arrived,
                                    admission=SimAdmission(queue, settings.retry_after_s), dispatch=dispatch,
                                    settings=AdmitSettings(settings.queue_timeout_s, settings.retry_after_s))
