@@ -45,10 +45,6 @@ from dcpserve.simulator.tokens import PromptTokens
 from dcpserve.simulator.totals import ReplicaTotals, host_tier_summary
 from dcpserve.simulator.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-# Re-exported: importers of this module's names from before the ingress' part moved to ingress.py.
-__all__ = ["SimAdmission", "ServeSettings", "SimPool", "Simulation", "SimulationConfig", "served_latencies",
-           "session_level", "sessions_of"]
-
 
 def _app_default(name: str) -> Any:
     return AppArgs.model_fields[name].default

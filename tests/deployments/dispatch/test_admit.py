@@ -39,7 +39,7 @@ from dcpserve.deployments.messages import (
     ServiceLevel,
 )
 from dcpserve.simulator.clock import run_simulated
-from dcpserve.simulator.run import SimAdmission
+from dcpserve.simulator.ingress import SimAdmission
 
 SETTINGS = AdmitSettings(queue_timeout_s=30.0, retry_after_s=7)
 
