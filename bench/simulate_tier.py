@@ -35,7 +35,7 @@ from dcpserve.cluster.published_models import model_spec
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.simulator.gpus import gpu_spec
 from dcpserve.simulator.host_tier import HostKvOption, host_tier_shape, parse_host_kv
-from dcpserve.simulator.metrics import goodput, goodput_by_turn, span_s
+from dcpserve.simulator.metrics import RequestRecord, goodput, goodput_by_turn, span_s
 from dcpserve.simulator.replica import ReplicaShape
 from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
 from dcpserve.simulator.step_time import RooflineModel
@@ -61,6 +61,7 @@ class Case:
     ttft_target_s: float
     itl_target_s: float
     admission_ttft_bound_s: float = PATIENT.admission_ttft_bound_s  # the queue's TTFT bound (0: off)
+    prefix_hold: bool = PATIENT.admission_prefix_hold  # the queue's prefix hold (replica_choice.py)
 
     @property
     def label(self) -> str:
@@ -85,7 +86,8 @@ def shape_of(case: Case) -> tuple[ReplicaShape, RooflineModel]:
 def run_case(case: Case) -> dict[str, Any]:
     shape, step_model = shape_of(case)
     replicas = case.nodes * GPUS_PER_NODE // shape.tp
-    serve = replace(PATIENT, admission_ttft_bound_s=case.admission_ttft_bound_s)
+    serve = replace(PATIENT, admission_ttft_bound_s=case.admission_ttft_bound_s,
+                    admission_prefix_hold=case.prefix_hold)
     config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve,
                               concurrency=case.concurrency_per_node * case.nodes)
     trace = generate(PRESETS["agentic"], case.requests, seed=0)
@@ -99,9 +101,21 @@ def run_case(case: Case) -> dict[str, Any]:
     wall_s = time.perf_counter() - wall
     print(f"{case.label}: {wall_s:.0f} s wall, hits {summary['prefix_hit_rate']:.1%}, goodput "
           f"{good.requests_per_s:.3f}/s", file=sys.stderr, flush=True)
-    return {"summary": summary, "goodput": good, "by_turn": by_turn, "wall_s": wall_s,
+    return {"summary": summary, "goodput": good, "by_turn": by_turn, "wall_s": wall_s, "moved": moved_turns(records),
             "kv_tokens": shape.num_blocks * shape.tokens_per_block,
             "host_kv_tokens": shape.host_tier.num_blocks * shape.tokens_per_block if shape.host_tier else 0}
+
+
+def moved_turns(records: list[RequestRecord]) -> tuple[int, int]:
+    """Later turns served by another replica than their session's previous turn, and all later turns served."""
+    served = sorted((r.session_id, r.turn, r.replica_id) for r in records
+                    if r.session_id is not None and r.replica_id is not None and r.outcome == "finished")
+    moved = later = 0
+    for (session, _, replica), (previous_session, _, previous_replica) in zip(served[1:], served, strict=False):
+        if session == previous_session:
+            later += 1
+            moved += replica != previous_replica
+    return moved, later
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admission-ttft-bound-s", type=float, default=PATIENT.admission_ttft_bound_s,
                         help="the admission queue's TTFT bound (item 4 of issue 51; 0: off; default "
                              f"{PATIENT.admission_ttft_bound_s:g}, dcpserve/simulator/run.py ServeSettings)")
+    parser.add_argument("--tier", choices=("both", "off", "on"), default="both",
+                        help="run each layout without the tier and with it (default), or only one of them")
+    parser.add_argument("--no-prefix-hold", action="store_true",
+                        help="the admission queue's prefix hold off (admission_prefix_hold: false): a request goes "
+                             "to the first replica with room, not waiting for the one that caches its prompt")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default 2)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -126,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         docs.check()
     requests = args.requests_per_client * args.concurrency * args.nodes
+    tiers = {"both": (None, args.host_kv), "off": (None,), "on": (args.host_kv,)}[args.tier]
     cases = [Case(int(dcp), tier, args.nodes, args.concurrency, requests, args.ttft_target_s, args.itl_target_s,
-                  args.admission_ttft_bound_s)
-             for dcp in args.dcp.split(",") for tier in (None, args.host_kv)]
+                  args.admission_ttft_bound_s, not args.no_prefix_hold)
+             for dcp in args.dcp.split(",") for tier in tiers]
     with ProcessPoolExecutor(max_workers=args.jobs) as executor:
         results = dict(zip(cases, executor.map(run_case, cases), strict=True))
     section = format_section(results, args, sys.argv[1:] if argv is None else argv)
@@ -136,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         docs.write(section)
     return 0
+
+
+def _moved(moved: tuple[int, int]) -> str:
+    count, later = moved
+    return f"{count / later:.0%} of {later:,}" if later else "-"
 
 
 def _pair(values: dict[str, float], fmt: str) -> str:
@@ -152,11 +177,12 @@ def format_section(results: dict[Case, dict[str, Any]], args: argparse.Namespace
              f"{next(iter(results)).requests:,} requests; host tier {args.host_kv} per node over PCIe Gen5 x16 "
              f"(51.2 GB/s per GPU each way). KV tokens per replica: {kv}. SLO: TTFT <= "
              f"{args.ttft_target_s:g} s and the request's mean ITL <= {args.itl_target_s * 1e3:g} ms. Admission TTFT "
-             f"bound: {f'{args.admission_ttft_bound_s:g} s' if args.admission_ttft_bound_s else 'off'}.", "",
-             "| layout, tier | host KV tokens / replica | prefix hits (device + host) | goodput req/s | SLO met: "
-             "first / later turns | TTFT p50 / p90 first turns | TTFT p50 / p90 later turns | ITL p50 | "
-             "output tok/s/GPU | reloaded per rank (GB, s) | copy time past compute | wall |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"bound: {f'{args.admission_ttft_bound_s:g} s' if args.admission_ttft_bound_s else 'off'}; prefix hold: "
+             f"{'off' if args.no_prefix_hold else 'on'}.", "",
+             "| layout, tier | host KV tokens / replica | prefix hits (device + host) | later turns moved | goodput "
+             "req/s | SLO met: first / later turns | TTFT p50 / p90 first turns | TTFT p50 / p90 later turns | "
+             "ITL p50 | output tok/s/GPU | reloaded per rank (GB, s) | copy time past compute | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, result in results.items():
         summary, good, by_turn = result["summary"], result["goodput"], result["by_turn"]
         tiers = summary["prefix_hit_rate_by_tier"]
@@ -164,7 +190,7 @@ def format_section(results: dict[Case, dict[str, Any]], args: argparse.Namespace
         turns = summary["turns"]
         lines.append(
             f"| {case.label} | {result['host_kv_tokens']:,} | {summary['prefix_hit_rate']:.0%} "
-            f"({tiers['device']:.0%} + {tiers['host']:.0%}) | {good.requests_per_s:.3f} | "
+            f"({tiers['device']:.0%} + {tiers['host']:.0%}) | {_moved(result['moved'])} | {good.requests_per_s:.3f} | "
             f"{by_turn['first'].fraction_met:.0%} / {by_turn['later'].fraction_met:.0%} | "
             f"{_pair(turns['first']['ttft_s'], '.2f')} s | {_pair(turns['later']['ttft_s'], '.2f')} s | "
             f"{summary['itl_s']['p50'] * 1e3:.0f} ms | {summary['output_tokens_per_s_per_gpu']:.0f} | "

@@ -146,7 +146,7 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
         sheddable_priority=args.sheddable_priority, fair_share_half_life_s=args.fair_share_half_life_s,
         fair_share_quantum_s=args.fair_share_quantum_s, fair_share_reserve=args.fair_share_reserve,
         order=args.admission_order, retry_after_s=args.retry_after_s, ttft_bound_s=args.admission_ttft_bound_s,
-        session_ttl_s=args.session_ttl_s,
+        session_ttl_s=args.session_ttl_s, prefix_hold=args.admission_prefix_hold,
         limits={name: Limits(t.max_concurrent_requests, t.tokens_per_minute) for name, t in args.tenants.items()})
     if args.pools:  # one engine deployment per pool; the ingress finds a granted replica's by its pool
         engine: Any = {pool.name: engine_deployment(args, pool).bind(args, admission, pool.name)

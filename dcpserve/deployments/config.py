@@ -283,6 +283,11 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
         "seconds does not get it while another replica would start it within the bound, or while a short wait in "
         "the queue (at most this long, never past the request's deadline) lets a backlog drain under it; when none "
         "can, it goes where it starts soonest. 0: off (KV and prefix alone decide)")
+    admission_prefix_hold: bool = Field(
+        True, description="a request whose prompt another replica caches more of, but that has no room now, waits "
+        "for it instead of prefilling its history elsewhere, for as long as that replica would still start it sooner "
+        "(the queue's estimates), and goes as soon as it has room; false: the first replica with room takes it "
+        "(needs prefix_routing)")
     session_ttl_s: float = Field(
         600.0, gt=0, description="a session (prompt_cache_key or X-Session-Id) silent this long loses its replica "
         "(its next turn is routed as a new one) and its share of its tenant")

@@ -334,9 +334,10 @@ class QueueReplicaView:
 # room and balance); and the TTFT bound's (dcpserve/deployments/admission/ttft_bound.py): backlog_rerouted (the
 # preferred replica would start it past the bound, another within it), over_bound (none would, nor would a short
 # wait: where it starts soonest), backlog_deferred (not a grant: held in the queue for a backlog to drain, counted
-# once per request).
+# once per request); prefix_deferred (not a grant: held for the replica that caches more of its prompt to have room,
+# replica_choice.py's prefix hold, counted once per request).
 DECISION_REASONS = ("session", "prefix", "start_soonest", "most_free", "only_choice", "backlog_rerouted",
-                    "over_bound", "backlog_deferred")
+                    "over_bound", "backlog_deferred", "prefix_deferred")
 
 
 @dataclass(frozen=True)

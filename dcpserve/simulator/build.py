@@ -79,7 +79,8 @@ def build(args: argparse.Namespace) -> tuple[Simulation, dict[str, Any]]:
     gpu = gpu_spec(args.gpu)
     serve = ServeSettings(max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
                           prefix_routing=not args.no_prefix_routing,
-                          admission_ttft_bound_s=args.admission_ttft_bound_s)
+                          admission_ttft_bound_s=args.admission_ttft_bound_s,
+                          admission_prefix_hold=not args.no_admission_prefix_hold)
     if args.pool:
         return _build_pools(args, spec, gpu, serve)
     tp, dcp = args.layout if args.layout is not None else (args.gpus_per_node, 1)

@@ -148,6 +148,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                        help="the app's admission_ttft_bound_s: a replica whose queued prefill would start a request "
                             "past it does not get the request while another, or a short wait, serves it sooner (0: "
                             f"off; default {AppArgs.model_fields['admission_ttft_bound_s'].default:g} s, the app's)")
+    serve.add_argument("--no-admission-prefix-hold", action="store_true",
+                       help="the app's admission_prefix_hold off: a request goes to the first replica with room, not "
+                            "waiting for the one that caches more of its prompt")
     serve.add_argument("--request-latency-s", type=float, default=0.0,
                        help="from a request's arrival to its admission: HTTP, the ingress, the hop to the queue "
                             "(default 0)")

@@ -63,6 +63,7 @@ class ServeSettings:
     grant_leak_grace_s: float = _app_default("grant_leak_grace_s")
     retry_after_s: int = _app_default("retry_after_s")
     admission_ttft_bound_s: float = _app_default("admission_ttft_bound_s")
+    admission_prefix_hold: bool = _app_default("admission_prefix_hold")
     session_ttl_s: float = _app_default("session_ttl_s")
 
 
@@ -178,7 +179,8 @@ class Simulation:
                                      clock=loop.time, prefix_routing=settings.prefix_routing,
                                      on_event=self._on_admission_event, on_pool=self._on_pool,
                                      ttft_bound_s=settings.admission_ttft_bound_s,
-                                     session_ttl_s=settings.session_ttl_s)
+                                     session_ttl_s=settings.session_ttl_s,
+                                     prefix_hold=settings.admission_prefix_hold)
         for name, pool in self.pools.items():
             scaling = self.scaling.get(name)
             initial = scaling.autoscaler.initial_replicas if scaling is not None else pool.num_replicas

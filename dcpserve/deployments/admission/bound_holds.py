@@ -1,5 +1,9 @@
-"""The TTFT bound's holds on waiting requests (dcpserve/deployments/admission/ttft_bound.py has the rule): how much
-longer each may be held back, its hold, which held requests the queue looks at again, and when.
+"""The holds on waiting requests: the TTFT bound's (dcpserve/deployments/admission/ttft_bound.py has the rule) and
+the prefix hold's (dcpserve/deployments/admission/replica_choice.py); how much longer each may be held back, its hold,
+which held requests the queue looks at again, and when.
+
+A prefix hold parks the request the same way, watching one replica for room: it wakes when its hold ends or as soon
+as that replica (grantable) has its need there free (`free_of`, looked at on every event of the queue).
 
 A request is held at most the bound from its first hold, and is let go DEFER_MARGIN_S before its deadline or its
 queue timeout would end its wait, so a hold never turns into a refusal.
@@ -50,6 +54,7 @@ class Held(Protocol):
 
 
 H = TypeVar("H", bound=Held)
+K = TypeVar("K", int, float)
 
 
 class BoundHolds(Generic[H]):
@@ -71,6 +76,8 @@ class BoundHolds(Generic[H]):
         # replica id -> (the request's own_s - bound_s, park id), a heap: the request wakes once the replica's
         # queued prefill is done by now + bound_s - own_s
         self._watch: dict[str, list[tuple[float, int]]] = {}
+        # replica id -> (the request's need there, park id), a heap: prefix holds, woken once the replica has room
+        self._room: dict[str, list[tuple[int, int]]] = {}
         self._entries = 0  # heap entries, live or not (compacted when mostly stale)
 
     def __len__(self) -> int:
@@ -101,9 +108,10 @@ class BoundHolds(Generic[H]):
         waiter.defer_until = now + wait_s
         return first
 
-    def park(self, waiter: H, own_s: Iterable[tuple[str, float]]) -> None:
+    def park(self, waiter: H, own_s: Iterable[tuple[str, float]], room: tuple[str, int] | None = None) -> None:
         """Parks a held waiter until its hold ends (defer_until) or one of the replicas in `own_s` (replica id, the
-        waiter's own prefill there, for those it could be granted to now) could start it within the bound."""
+        waiter's own prefill there, for those it could be granted to now) could start it within the bound, or
+        (`room`: a prefix hold's replica id and the waiter's need there) that replica has room for it."""
         if waiter.defer_until is None:
             raise ValueError("park() takes a held waiter: hold() it first")
         self.unpark(waiter)
@@ -112,6 +120,9 @@ class BoundHolds(Generic[H]):
         self._park_id[id(waiter)] = park_id
         heapq.heappush(self._ends, (waiter.defer_until, park_id))
         self._entries += 1
+        if room is not None:
+            heapq.heappush(self._room.setdefault(room[0], []), (room[1], park_id))
+            self._entries += 1
         for replica_id, own in own_s:
             if own < self.bound_s:  # draining never starts a prompt whose own prefill is past the bound within it
                 heapq.heappush(self._watch.setdefault(replica_id, []), (own - self.bound_s, park_id))
@@ -125,12 +136,24 @@ class BoundHolds(Generic[H]):
         if park_id is not None:
             del self._parked[park_id]
 
-    def wake(self, now: float, drained: Mapping[str, float | None]) -> list[H]:
-        """Unparks and returns, in park order, the waiters whose hold has ended and those a watched replica could now
-        start within the bound; `drained`: replica id -> replica_choice.drained_at, for the grantable replicas."""
+    def wake(self, now: float, drained: Mapping[str, float | None],
+             free_of: Callable[[str], int | None] = lambda _: None) -> list[H]:
+        """Unparks and returns, in park order, the waiters whose hold has ended, those a watched replica could now
+        start within the bound, and those whose prefix hold's replica has room for them; `drained`: replica id ->
+        replica_choice.drained_at, for the grantable replicas; `free_of`: a grantable replica's free blocks (None
+        for any other)."""
         woken: dict[int, H] = {}
         while self._ends and self._ends[0][0] <= now + BOUND_TOLERANCE_S:
             self._take(heapq.heappop(self._ends)[1], woken)
+        for replica_id in list(self._room):
+            free = free_of(replica_id)
+            if free is None:  # gone or not grantable: the queue wakes everyone when that changes
+                continue
+            room = self._room[replica_id]
+            while room and (room[0][1] not in self._parked or room[0][0] <= free):
+                self._take(heapq.heappop(room)[1], woken)
+            if not room:
+                del self._room[replica_id]
         for replica_id in list(self._watch):
             if replica_id not in drained:  # gone or not grantable: the queue wakes everyone when that changes
                 continue
@@ -152,6 +175,7 @@ class BoundHolds(Generic[H]):
         self._park_id.clear()
         self._ends.clear()
         self._watch.clear()
+        self._room.clear()
         self._entries = 0
         return woken
 
@@ -165,14 +189,20 @@ class BoundHolds(Generic[H]):
         """Drops the heap entries of waiters no longer parked (they are left behind by unpark and wake)."""
         self._ends = [entry for entry in self._ends if entry[1] in self._parked]
         heapq.heapify(self._ends)
-        for replica_id, heap in list(self._watch.items()):
-            live = [entry for entry in heap if entry[1] in self._parked]
-            if live:
-                heapq.heapify(live)
-                self._watch[replica_id] = live
-            else:
-                del self._watch[replica_id]
-        self._entries = len(self._ends) + sum(len(heap) for heap in self._watch.values())
+        self._watch = self._live(self._watch)
+        self._room = self._live(self._room)
+        self._entries = (len(self._ends) + sum(len(heap) for heap in self._watch.values())
+                         + sum(len(heap) for heap in self._room.values()))
+
+    def _live(self, watches: dict[str, list[tuple[K, int]]]) -> dict[str, list[tuple[K, int]]]:
+        """The watch heaps with only the entries of waiters still parked (empty ones dropped)."""
+        live: dict[str, list[tuple[K, int]]] = {}
+        for replica_id, heap in watches.items():
+            entries = [entry for entry in heap if entry[1] in self._parked]
+            if entries:
+                heapq.heapify(entries)
+                live[replica_id] = entries
+        return live
 
     def next_look(self, drained: Mapping[str, float | None]) -> float:
         """When the earliest parked waiter wakes if nothing else happens (inf: none is parked)."""

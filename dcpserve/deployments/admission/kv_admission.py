@@ -37,7 +37,7 @@ class KvAdmission:
                  fair_share_half_life_s: float = 60.0, fair_share_quantum_s: float = 1.0,
                  fair_share_reserve: bool = True, limits: dict[str, Limits] | None = None,
                  order: str = "service_levels", retry_after_s: int = 1, ttft_bound_s: float = 0.0,
-                 session_ttl_s: float = 600.0) -> None:
+                 session_ttl_s: float = 600.0, prefix_hold: bool = True) -> None:
         self.retry_after_s = retry_after_s  # the Retry-After of a refusal a retry may pass (the app's retry_after_s)
         self.metrics = AdmissionMetrics({tenant: (limit.max_concurrent_requests, limit.tokens_per_minute)
                                          for tenant, limit in (limits or {}).items()})
@@ -50,6 +50,7 @@ class KvAdmission:
                                     fair_share_quantum_s=fair_share_quantum_s,
                                     fair_share_reserve=fair_share_reserve, limits=TenantLimits(limits or {}),
                                     order=order, ttft_bound_s=ttft_bound_s, session_ttl_s=session_ttl_s,
+                                    prefix_hold=prefix_hold,
                                     on_decision=self.metrics.on_decision)
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
 

@@ -48,6 +48,7 @@ class PoolChoice:
     prefill_blocks: int = 0
     start_s: float = 0.0
     wait_s: float = 0.0
+    hold_for: tuple[str, int] | None = None  # a prefix hold: the replica it waits wait_s for, its need there
 
 
 def request_need(layouts: Mapping[str, int], policy: str, prompt_tokens: int, max_tokens: int) -> Need:
@@ -123,11 +124,13 @@ def gpu_seconds_per_token(replica: ReplicaKv, blocks: int, step_s: float) -> flo
 
 def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, prefix_routing: bool,
            open_pools: set[str] | None = None, *, home: str | None = None, ttft_bound_s: float = 0.0,
-           may_wait_s: float = 0.0, now: float = 0.0) -> PoolChoice | None:
+           may_wait_s: float = 0.0, now: float = 0.0, prefix_hold: tuple[float, float] | None = None
+           ) -> PoolChoice | None:
     """The pool and replica to grant now (module doc), among open_pools (None: every pool); None if no open pool
-    has room for the request. home, ttft_bound_s, may_wait_s, now: pick_replica's (the session's last replica, the
-    TTFT bound). Pools whose pick starts the request within the bound go first; when none does, the pool whose
-    backlog drains under the bound soonest (a wait), else the one where it starts soonest."""
+    has room for the request. home, ttft_bound_s, may_wait_s, now, prefix_hold: pick_replica's (the session's last
+    replica, the TTFT bound, the prefix hold). Pools whose pick starts the request within the bound go first (a
+    prefix hold's pick counts as within it); when none does, the pool whose backlog drains under the bound soonest
+    (a wait), else the one where it starts soonest."""
     by_pool: dict[str, list[ReplicaKv]] = {}
     for replica in replicas:
         by_pool.setdefault(replica.pool, []).append(replica)
@@ -138,7 +141,7 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
         if pool_need is None or pool not in holding or (open_pools is not None and pool not in open_pools):
             continue
         picked = pick_replica(members, pool_need.blocks, pool_need.ask, prefix_routing, home=home,
-                              ttft_bound_s=ttft_bound_s, may_wait_s=may_wait_s, now=now)
+                              ttft_bound_s=ttft_bound_s, may_wait_s=may_wait_s, now=now, prefix_hold=prefix_hold)
         if picked is not None:
             candidates.append((pool, picked, pool_need.ask, mean_step_s(members)))
     if not candidates:
@@ -173,4 +176,5 @@ def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, pre
 
 def _choice(pool: str, pick: Pick, ask: PrefixAsk | None, reason: str) -> PoolChoice:
     return PoolChoice(pool, pick.need, pick.replica, pick.hit_blocks, ask, reason, decision=pick.reason,
-                      prefill_blocks=pick.prefill_blocks, start_s=pick.start_s, wait_s=pick.wait_s)
+                      prefill_blocks=pick.prefill_blocks, start_s=pick.start_s, wait_s=pick.wait_s,
+                      hold_for=pick.hold_for)

@@ -30,7 +30,9 @@ cached run of the prompt's blocks among the replicas with room and in balance), 
 queue (held back, not waiting for KV: it closes no pool to those behind it) until a replica's backlog drains under the
 bound, at most the bound and never past its deadline or timeout; then it is granted where it starts soonest. A held
 request is parked out of the queue's walk until its hold ends or a replica could start it within the bound
-(bound_holds.py), so each event costs the walk the requests it can grant, not every request held.
+(bound_holds.py), so each event costs the walk the requests it can grant, not every request held. A request whose
+prompt a replica without room caches more of is held the same way for that replica (the prefix hold, replica_choice.py)
+while that would still start it sooner than where it would go now, and wakes as soon as the replica has room for it.
 
 AdmissionQueue is plain asyncio (tested without Ray); dcpserve/deployments/admission/kv_admission.py serves it as the
 one-replica KvAdmission deployment.
@@ -39,11 +41,12 @@ one-replica KvAdmission deployment.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 
-from dcpserve.deployments.admission.bound_holds import BoundHolds
+from dcpserve.deployments.admission.bound_holds import DEFER_MARGIN_S, BoundHolds
 from dcpserve.deployments.admission.errors import (
     AdmissionError,
     DeadlineExceeded,
@@ -100,6 +103,7 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
         ttft_bound_s: float = 0.0,
         session_ttl_s: float = 600.0,
         on_decision: Callable[[str], None] | None = None,
+        prefix_hold: bool = True,
     ) -> None:
         """on_event(outcome, waited_s, level), when given, hears every decision (dcpserve/deployments/metrics.py
         ADMISSION_OUTCOMES, plus "refused_by_replica"); waited_s is set for requests that waited in the queue, level
@@ -115,7 +119,9 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
         (dcpserve/deployments/admission/replica_choice.py); off: the most free KV alone. ttft_bound_s: the TTFT bound
         (dcpserve/deployments/admission/ttft_bound.py; 0: off). session_ttl_s: a session silent this long loses its
         replica and its share. on_decision(reason) hears every grant's reason and every request held back by the
-        bound (messages.DECISION_REASONS)."""
+        bound or a prefix hold (messages.DECISION_REASONS). prefix_hold: a request may wait for the replica that caches
+        more of its prompt to have room, for as long as that would still start it sooner than where it would go now
+        (dcpserve/deployments/admission/replica_choice.py, "The prefix hold"; needs prefix_routing)."""
         self.max_queued = max_queued
         self._on_event = on_event
         self._on_routed = on_routed
@@ -148,7 +154,8 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
             raise ValueError(f"admission_order must be 'service_levels' or 'fifo', got {order!r}")
         self.order = order
         self.fair_share_reserve = fair_share_reserve
-        self.holds: BoundHolds[Waiter] = BoundHolds(ttft_bound_s, self._fulfill)  # the TTFT bound's holds
+        self.holds: BoundHolds[Waiter] = BoundHolds(ttft_bound_s, self._fulfill)  # the TTFT bound's and prefix holds
+        self.prefix_hold = prefix_hold
         self._replica_set: tuple[tuple[str, bool], ...] = ()  # the grantable replicas the holds watch
         self.homes = SessionHomes(session_ttl_s)
         self.session_shares = SessionShares(fair_share_half_life_s, fair_share_quantum_s, session_ttl_s)
@@ -356,12 +363,12 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
         it within the bound. Then, under saturation (a request that is not sheddable still waits), the sheddable
         waiters that could use its pools are refused, newest first."""
         now = self._clock()
-        if self.holds.bound_s > 0:
+        if self.holds.bound_s > 0 or self.prefix_hold:
             replica_set = tuple((r.replica_id, r.grantable) for r in self.replicas.values())
             if len(self.holds):
                 # The replicas changed: what each held waiter watches no longer says when it may go.
                 self._waiters.extend(self.holds.wake_all() if replica_set != self._replica_set
-                                     else self.holds.wake(now, self._drained()))
+                                     else self.holds.wake(now, self._drained(), self._free_of))
             self._replica_set = replica_set
         if any(w.future.done() for w in self._waiters):
             self._waiters = deque(w for w in self._waiters if not w.future.done())
@@ -377,11 +384,20 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
             open_pools = usable - closed
             choice = choose(self.replicas.values(), waiter.need, waiter.ask, self.prefix_routing, open_pools,
                             home=self.homes.home(session_of(waiter.level), now), ttft_bound_s=self.holds.bound_s,
-                            may_wait_s=self.holds.may_wait(waiter, now), now=now) if open_pools else None
+                            may_wait_s=self.holds.may_wait(waiter, now), now=now,
+                            prefix_hold=self._prefix_hold(waiter, now)) if open_pools else None
             if choice is None:
                 closed |= usable
                 if closed >= pools:
                     break
+                continue
+            if choice.hold_for is not None:  # held for the replica caching its prompt: the waiters after it may go
+                if waiter.prefix_held_at is None:
+                    waiter.prefix_held_at = now
+                    self._decided("prefix_deferred")
+                waiter.defer_until = now + choice.wait_s
+                self.holds.park(waiter, (), room=choice.hold_for)
+                gone.add(id(waiter))
                 continue
             if choice.wait_s > 0:  # held back by the TTFT bound, not by KV: the waiters after it may go
                 if self.holds.hold(waiter, choice.wait_s, now):
@@ -398,6 +414,20 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
         self._shed_under_saturation()
         if len(self.holds):
             self.holds.schedule(now, self._drained())
+
+    def _prefix_hold(self, waiter: Waiter, now: float) -> tuple[float, float] | None:
+        """pick_replica's prefix_hold for the waiter: how long it has been held for a prefix, and how much longer it
+        may wait at all (let go DEFER_MARGIN_S before its deadline or queue timeout); None: prefix holds are off."""
+        if not self.prefix_hold:
+            return None
+        end = min(waiter.timeout_at, math.inf if waiter.deadline_at is None else waiter.deadline_at) - DEFER_MARGIN_S
+        held_at = waiter.prefix_held_at
+        return (0.0 if held_at is None else now - held_at, max(end - now, 0.0))
+
+    def _free_of(self, replica_id: str) -> int | None:
+        """A grantable replica's free blocks (what a prefix hold waits for); None for any other."""
+        replica = self.replicas.get(replica_id)
+        return replica.free if replica is not None and replica.grantable else None
 
     def _drained(self) -> dict[str, float | None]:
         """Each grantable replica's replica_choice.drained_at: what the held waiters watch."""

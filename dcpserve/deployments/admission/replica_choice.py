@@ -38,8 +38,20 @@ blocks come off the need), and the request's prefill there is its prompt less th
 Sessions (issue 51). Before the prefix comes the session's last replica (`home`, from
 dcpserve/deployments/admission/session_affinity.py), when it is among the replicas with room and in balance: prefix
 routing alone already sends a turn to its history while the replica reports it cached; the home keeps it there when
-the device evicted the history to the host tier, or the reports lag. A home with no room or out of balance (the
-saturation the balance rule defines) is passed over as any replica is, and the normal ranking decides.
+the device evicted the history to the host tier, or the reports lag. A home out of balance (the saturation the
+balance rule defines) is passed over as any replica is, and the normal ranking decides; one with no room, below.
+
+The prefix hold (issue 51). When every replica is full, the next one to free room took the next request in order,
+wherever its history was: a session's turn went home only if home freed room first, and otherwise computed its whole
+history again elsewhere (in the simulator, Kimi K2 at 4 x tp=8 with a host tier, 58% of later turns left their
+replica and TP8's prefix hits fell to 58%). Waiting for the replica that caches the prompt is worth up to what its
+cache saves: the request is held (`prefix_deferred`, out of the queue's walk, like the TTFT bound's holds) for the
+grantable replica without room that caches more of its prompt than the one it would get now, for the difference
+between their estimated first tokens (start_estimate, that replica's as if it had room), less what it has been held
+already; it wakes as soon as that replica has room for it, and when the hold ends it goes where it would have gone.
+So it starts no later than moving would have started it if its replica frees room within the hold, and the cluster
+prefills its history once. A replica that has not reported its step time gives no estimate and no hold; neither
+does prefix_routing off.
 
 The TTFT bound (issue 51; dcpserve/deployments/admission/ttft_bound.py). The ranking above keeps the queued prefill
 as a tie-breaker, for the reason given; the bound is what keeps a replica's backlog from delaying a first token past
@@ -56,7 +68,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dcpserve.deployments.admission.prefix_routing import ReplicaPrefix
-from dcpserve.deployments.admission.ttft_bound import StartEstimate, bound_decision
+from dcpserve.deployments.admission.ttft_bound import BOUND_TOLERANCE_S, StartEstimate, bound_decision
 from dcpserve.deployments.messages import PrefixAsk
 from dcpserve.engine.core.prefix_cache import PrefixMatch
 
@@ -237,6 +249,9 @@ class Pick:
     start_s: float = 0.0
     wait_s: float = 0.0
     within_bound: bool = True
+    # A prefix hold (prefix_hold): the replica holding the request's prefix that it waits wait_s for, and its need
+    # there; the pick's replica is where it would go now instead.
+    hold_for: tuple[str, int] | None = None
 
 
 def _whole(blocks: float) -> int:
@@ -244,11 +259,15 @@ def _whole(blocks: float) -> int:
     return max(math.ceil(blocks - 1e-9), 0)
 
 
-def _options(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
-             ) -> list[tuple[ReplicaKv, PrefixMatch, int, int]]:
+_Option = tuple[ReplicaKv, PrefixMatch, int, int]
+
+
+def _options(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None,
+             roomless: list[_Option] | None = None) -> list[_Option]:
     """The replicas a request of `need` admission blocks could be granted now: grantable, with room for its need
     there (less the cached blocks running requests there hold), in balance (module doc). Each with its reported
-    cached run, the run its grants in flight share, and its need there."""
+    cached run, the run its grants in flight share, and its need there. `roomless`, when given, gets the grantable
+    replicas without room for it now that could hold it once what they hold ends (what a prefix hold waits for)."""
     roomy = []
     for replica in replicas:
         if not replica.grantable:
@@ -257,6 +276,8 @@ def _options(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
         need_here = need - reported.pinned_blocks
         if replica.free >= need_here:
             roomy.append((replica, reported, inflight, need_here))
+        elif roomless is not None and replica.capacity - replica.headroom >= need_here:
+            roomless.append((replica, reported, inflight, need_here))
     if not roomy:
         return []
     # Load balance first: a replica running many more sequences than the least busy one is passed over, however
@@ -283,14 +304,16 @@ def option_starts(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | Non
 
 def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None, prefix_routing: bool, *,
                  home: str | None = None, ttft_bound_s: float = 0.0, may_wait_s: float = 0.0,
-                 now: float = 0.0) -> Pick | None:
+                 now: float = 0.0, prefix_hold: tuple[float, float] | None = None) -> Pick | None:
     """The grantable replica with room for a request of `need` admission blocks, in balance, ranked by: its session's
     last replica (`home`), the prefill its cached run saves (prefix_credit; neither weighed when prefix_routing is
     off), the fewest steps before its first token, the most KV free after the grant (module doc); then the TTFT
     bound (ttft_bound.bound_decision; 0: off) over that ranking, with `may_wait_s` the wait the request has left for
-    it. None if no replica has room now."""
+    it; then the prefix hold (`prefix_hold`: how long the request has been held for a prefix, and how much longer it
+    may wait in the queue at all; None: off; module doc). None if no replica has room now."""
     ranked: list[tuple[tuple[bool, float, int, int], Pick, StartEstimate]] = []
-    for replica, reported, inflight, need_here in _options(replicas, need, ask):
+    roomless: list[_Option] | None = [] if prefix_hold is not None and prefix_routing and ask is not None else None
+    for replica, reported, inflight, need_here in _options(replicas, need, ask, roomless):
         # What routing counts on there: the blocks it reported cached, or those its grants in flight (or
         # finished since its last report) are computing, whichever run is longer.
         hit_blocks = max(reported.hit_blocks, inflight)
@@ -310,8 +333,37 @@ def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
         first, second = ranked[0][0], ranked[1][0]
         reason = next((name for name, a, b in zip(RANKING_REASONS, first, second, strict=True) if a != b), "most_free")
     decision = bound_decision([estimate for *_, estimate in ranked], ttft_bound_s, may_wait_s)
-    _, pick, estimate = ranked[decision.index]
+    key, pick, estimate = ranked[decision.index]
     within = ttft_bound_s <= 0 or decision.reason in ("preferred", "backlog_rerouted")
-    return Pick(pick.need, pick.replica, pick.hit_blocks, pick.prefill_blocks,
-                reason if decision.reason == "preferred" else decision.reason, estimate.start_s, decision.wait_s,
-                within)
+    chosen = Pick(pick.need, pick.replica, pick.hit_blocks, pick.prefill_blocks,
+                  reason if decision.reason == "preferred" else decision.reason, estimate.start_s, decision.wait_s,
+                  within)
+    if roomless and prefix_hold is not None and decision.wait_s <= 0:
+        held_s, wait_left_s = prefix_hold
+        return _prefix_hold(roomless, chosen, key[1], estimate, need, ask, now, held_s, wait_left_s) or chosen
+    return chosen
+
+
+def _prefix_hold(roomless: list[_Option], chosen: Pick, chosen_credit: float, chosen_start: StartEstimate,
+                 need: int, ask: PrefixAsk | None, now: float, held_s: float, wait_left_s: float) -> Pick | None:
+    """The prefix hold (module doc): of the replicas without room that cache more of the request's prompt than the
+    chosen one, the one whose estimated first token (as if it had room now) comes soonest before the chosen one's;
+    the request waits for it the difference, less what it has been held already, at most wait_left_s. None: no hold
+    (no such replica, or the hold is used up)."""
+    prompt = prompt_blocks(need, ask)
+    best: tuple[float, ReplicaKv, int] | None = None
+    for replica, reported, inflight, need_here in roomless:
+        credit = max(prefix_credit(replica, reported), float(inflight))
+        if credit <= chosen_credit:
+            continue
+        gain = chosen_start.start_s - start_estimate(replica, max(prompt - credit, 0.0), now).start_s
+        if best is None or gain > best[0]:
+            best = (gain, replica, need_here)
+    if best is None:
+        return None
+    gain, replica, need_here = best
+    wait_s = min(gain - held_s, wait_left_s)
+    if wait_s <= BOUND_TOLERANCE_S:
+        return None
+    return Pick(chosen.need, chosen.replica, chosen.hit_blocks, chosen.prefill_blocks, "prefix_deferred",
+                chosen.start_s, wait_s, True, hold_for=(replica.replica_id, need_here))

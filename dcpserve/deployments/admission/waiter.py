@@ -1,5 +1,5 @@
 """A request waiting in the admission queue (dcpserve/deployments/admission/queue.py): what the queue's order
-(fair_share.py's `Waiting`), its TTFT holds (bound_holds.py's `Held`) and its shedding read of it."""
+(fair_share.py's `Waiting`), its holds (bound_holds.py's `Held`) and its shedding read of it."""
 
 from __future__ import annotations
 
@@ -27,3 +27,4 @@ class Waiter:
     timeout_at: float = math.inf  # when its queue timeout ends its wait (the queue's clock)
     defer_end: float | None = None  # held back by the TTFT bound: the latest it may be held (set at the first time)
     defer_until: float | None = None  # held back until then (the backlog's estimate falls under the bound)
+    prefix_held_at: float | None = None  # first held for the replica caching its prompt (replica_choice's prefix hold)
