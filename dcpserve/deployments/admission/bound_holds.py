@@ -3,7 +3,9 @@ the prefix hold's (dcpserve/deployments/admission/replica_choice.py); how much l
 which held requests the queue looks at again, and when.
 
 A prefix hold parks the request the same way, watching one replica for room: it wakes when its hold ends or as soon
-as that replica (grantable) has its need there free (`free_of`, looked at on every event of the queue).
+as that replica (grantable) has its need there free (`free_of`, looked at on every event of the queue). The requests
+waiting for one replica wake in the order they were first held, only as many as its free blocks hold (the first
+that does not fit stops the look), so a release wakes the requests it can grant, not all of them.
 
 A request is held at most the bound from its first hold, and is let go DEFER_MARGIN_S before its deadline or its
 queue timeout would end its wait, so a hold never turns into a refusal.
@@ -76,8 +78,10 @@ class BoundHolds(Generic[H]):
         # replica id -> (the request's own_s - bound_s, park id), a heap: the request wakes once the replica's
         # queued prefill is done by now + bound_s - own_s
         self._watch: dict[str, list[tuple[float, int]]] = {}
-        # replica id -> (the request's need there, park id), a heap: prefix holds, woken once the replica has room
-        self._room: dict[str, list[tuple[int, int]]] = {}
+        # replica id -> (first held at, park id), a heap: prefix holds, woken in that order once the replica has room
+        # for their need there (`_room_need`, by park id)
+        self._room: dict[str, list[tuple[float, int]]] = {}
+        self._room_need: dict[int, int] = {}
         self._entries = 0  # heap entries, live or not (compacted when mostly stale)
 
     def __len__(self) -> int:
@@ -108,10 +112,12 @@ class BoundHolds(Generic[H]):
         waiter.defer_until = now + wait_s
         return first
 
-    def park(self, waiter: H, own_s: Iterable[tuple[str, float]], room: tuple[str, int] | None = None) -> None:
+    def park(self, waiter: H, own_s: Iterable[tuple[str, float]], room: tuple[str, int] | None = None,
+             held_at: float = 0.0) -> None:
         """Parks a held waiter until its hold ends (defer_until) or one of the replicas in `own_s` (replica id, the
         waiter's own prefill there, for those it could be granted to now) could start it within the bound, or
-        (`room`: a prefix hold's replica id and the waiter's need there) that replica has room for it."""
+        (`room`: a prefix hold's replica id and the waiter's need there; `held_at`: when it was first held for it,
+        its place among those waiting for that replica) that replica has room for it."""
         if waiter.defer_until is None:
             raise ValueError("park() takes a held waiter: hold() it first")
         self.unpark(waiter)
@@ -121,7 +127,8 @@ class BoundHolds(Generic[H]):
         heapq.heappush(self._ends, (waiter.defer_until, park_id))
         self._entries += 1
         if room is not None:
-            heapq.heappush(self._room.setdefault(room[0], []), (room[1], park_id))
+            heapq.heappush(self._room.setdefault(room[0], []), (held_at, park_id))
+            self._room_need[park_id] = room[1]
             self._entries += 1
         for replica_id, own in own_s:
             if own < self.bound_s:  # draining never starts a prompt whose own prefill is past the bound within it
@@ -135,6 +142,7 @@ class BoundHolds(Generic[H]):
         park_id = self._park_id.pop(id(waiter), None)
         if park_id is not None:
             del self._parked[park_id]
+            self._room_need.pop(park_id, None)
 
     def wake(self, now: float, drained: Mapping[str, float | None],
              free_of: Callable[[str], int | None] = lambda _: None) -> list[H]:
@@ -150,8 +158,15 @@ class BoundHolds(Generic[H]):
             if free is None:  # gone or not grantable: the queue wakes everyone when that changes
                 continue
             room = self._room[replica_id]
-            while room and (room[0][1] not in self._parked or room[0][0] <= free):
-                self._take(heapq.heappop(room)[1], woken)
+            while room:
+                park_id = room[0][1]
+                need = self._room_need.get(park_id) if park_id in self._parked else None
+                if need is not None:
+                    if need > free:
+                        break
+                    free -= need
+                    self._take(park_id, woken)
+                heapq.heappop(room)
             if not room:
                 del self._room[replica_id]
         for replica_id in list(self._watch):
@@ -176,10 +191,12 @@ class BoundHolds(Generic[H]):
         self._ends.clear()
         self._watch.clear()
         self._room.clear()
+        self._room_need.clear()
         self._entries = 0
         return woken
 
     def _take(self, park_id: int, woken: dict[int, H]) -> None:
+        self._room_need.pop(park_id, None)
         waiter = self._parked.pop(park_id, None)
         if waiter is not None:
             del self._park_id[id(waiter)]

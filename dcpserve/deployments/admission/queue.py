@@ -396,7 +396,7 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
                     waiter.prefix_held_at = now
                     self._decided("prefix_deferred")
                 waiter.defer_until = now + choice.wait_s
-                self.holds.park(waiter, (), room=choice.hold_for)
+                self.holds.park(waiter, (), room=choice.hold_for, held_at=waiter.prefix_held_at)
                 gone.add(id(waiter))
                 continue
             if choice.wait_s > 0:  # held back by the TTFT bound, not by KV: the waiters after it may go

@@ -136,3 +136,49 @@ def test_pick_replica_names_the_replica_it_holds_for_and_its_need_there() -> Non
     assert pick_replica([home, other], NEED, ASK, True, prefix_hold=(GAIN_S, 10.0)).hold_for is None  # type: ignore[union-attr]
     assert pick_replica([home, other], NEED, ASK, True).hold_for is None  # type: ignore[union-attr]  # off
     assert pick_replica([home, other], NEED, ASK, False, prefix_hold=(0.0, 10.0)).hold_for is None  # type: ignore[union-attr]
+
+
+def test_room_on_the_replica_wakes_the_held_requests_it_can_grant_in_the_order_they_were_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 turns held for a full `home`, which frees room for one turn at a time, ten times: each release wakes the
+    next turn held (the first held first), not all 200 to find home full again."""
+    import dcpserve.deployments.admission.queue as admission_queue
+    from dcpserve.deployments.admission.pools import choose as real_choose
+
+    turns = 200
+    calls = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real_choose(*args, **kwargs)
+
+    monkeypatch.setattr(admission_queue, "choose", counted)
+
+    async def main() -> tuple[list[str], list[str]]:
+        loop = asyncio.get_running_loop()
+        queue = AdmissionQueue(max_queued=1000, clock=loop.time)
+        report(queue, "home", full=True, cached=True)
+        queue.report(KvReport(replica_id="other", capacity=100_000, tokens_per_block=TOKENS, held={},
+                              step_s=STEP_S, step_tokens=STEP_TOKENS))
+        home_order: list[str] = []
+
+        async def one(ticket: str) -> str:
+            replica_id = await queue.acquire(ticket, NEED, 30.0, ask=ASK)
+            if replica_id == "home":
+                home_order.append(ticket)
+            return replica_id
+
+        tasks = [loop.create_task(one(f"t{i:03d}")) for i in range(turns)]
+        await asyncio.sleep(0.01)
+        assert calls[0] == turns  # each held once, none granted
+        report(queue, "home", cached=True)  # room for one
+        for _ in range(9):
+            await asyncio.sleep(0.04)
+            queue.release(home_order[-1])  # its turn ended: room for the next
+        return [await task for task in tasks], home_order
+
+    replicas, home_order = run_simulated(main())
+    assert home_order == [f"t{i:03d}" for i in range(10)]  # the first held went first
+    assert replicas.count("home") == 10 and replicas.count("other") == turns - 10  # the rest when their hold ended
+    # held once each, ten woken and granted by the room, the others once more at their hold's end
+    assert calls[0] <= turns + 10 + (turns - 10) + 20
