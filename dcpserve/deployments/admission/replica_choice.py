@@ -43,15 +43,15 @@ balance rule defines) is passed over as any replica is, and the normal ranking d
 
 The prefix hold (issue 51). When every replica is full, the next one to free room took the next request in order,
 wherever its history was: a session's turn went home only if home freed room first, and otherwise computed its whole
-history again elsewhere (in the simulator, Kimi K2 at 4 x tp=8 with a host tier, 58% of later turns left their
-replica and TP8's prefix hits fell to 58%). Waiting for the replica that caches the prompt is worth up to what its
-cache saves: the request is held (`prefix_deferred`, out of the queue's walk, like the TTFT bound's holds) for the
-grantable replica without room that caches more of its prompt than the one it would get now, for the difference
-between their estimated first tokens (start_estimate, that replica's as if it had room), less what it has been held
-already; it wakes as soon as that replica has room for it, and when the hold ends it goes where it would have gone.
-So it starts no later than moving would have started it if its replica frees room within the hold, and the cluster
-prefills its history once. A replica that has not reported its step time gives no estimate and no hold; neither
-does prefix_routing off.
+history again elsewhere (in the simulator, Kimi K2 at 4 x tp=8 with a host tier, 71% of later turns left their
+replica and TP8's prefix hits were 58%; with the hold 33% and 84%, docs/benchmarks.md). Waiting for the replica that
+caches the prompt is worth up to what its cache saves: the request is held (`prefix_deferred`, out of the queue's
+walk, like the TTFT bound's holds) for the grantable replica without room that caches more of its prompt than the
+one it would get now, for the difference between their estimated first tokens (start_estimate, that replica's as if
+it had room), less what it has been held already; it wakes as soon as that replica has room for it, and when the
+hold ends it goes where it would have gone. So it starts no later than moving would have started it if its replica
+frees room within the hold, and the cluster prefills its history once. A replica that has not reported its step time
+gives no estimate and no hold; neither does prefix_routing off.
 
 The TTFT bound (issue 51; dcpserve/deployments/admission/ttft_bound.py). The ranking above keeps the queued prefill
 as a tie-breaker, for the reason given; the bound is what keeps a replica's backlog from delaying a first token past
