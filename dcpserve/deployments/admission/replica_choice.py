@@ -340,6 +340,7 @@ def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
                   within)
     if roomless and prefix_hold is not None and decision.wait_s <= 0:
         held_s, wait_left_s = prefix_hold
+        # key[1] is the chosen replica's credit: roomless is only gathered with prefix_routing on
         return _prefix_hold(roomless, chosen, key[1], estimate, need, ask, now, held_s, wait_left_s) or chosen
     return chosen
 
@@ -350,13 +351,12 @@ def _prefix_hold(roomless: list[_Option], chosen: Pick, chosen_credit: float, ch
     chosen one, the one whose estimated first token (as if it had room now) comes soonest before the chosen one's;
     the request waits for it the difference, less what it has been held already, at most wait_left_s. None: no hold
     (no such replica, or the hold is used up)."""
-    prompt = prompt_blocks(need, ask)
     best: tuple[float, ReplicaKv, int] | None = None
     for replica, reported, inflight, need_here in roomless:
-        credit = max(prefix_credit(replica, reported), float(inflight))
-        if credit <= chosen_credit:
+        if max(prefix_credit(replica, reported), float(inflight)) <= chosen_credit:
             continue
-        gain = chosen_start.start_s - start_estimate(replica, max(prompt - credit, 0.0), now).start_s
+        own = _own_blocks(replica, reported, inflight, need, ask)
+        gain = chosen_start.start_s - start_estimate(replica, own, now).start_s
         if best is None or gain > best[0]:
             best = (gain, replica, need_here)
     if best is None:
