@@ -146,6 +146,9 @@ class TenantArgs(BaseModel):
     tokens_per_minute: int | None = Field(
         default=None, ge=1, description="prompt + max_tokens of the sequences it may start in any 60 s; more -> 429 "
         "with Retry-After when that much has left the window (default: no limit)")
+    request_timeout_s: float | None = Field(
+        default=None, gt=0, description="longest one of its requests may take from arrival, as the app's "
+        "request_timeout_s (a 504 past it, its KV freed); the shorter of the two applies (default: the app's)")
 
     @model_validator(mode="after")
     def _min_priority(self) -> TenantArgs:
@@ -424,6 +427,12 @@ class AppArgs(EngineArgsModel):  # type: ignore[valid-type, misc]  # a base buil
     def tenant(self, name: str) -> TenantArgs:
         """The tenant's service level and limits (TenantArgs' defaults when `tenants` does not list it)."""
         return self.tenants.get(name) or TenantArgs()
+
+    def request_timeout_for(self, tenant: str) -> float:
+        """The longest a request of `tenant` may take from arrival: the app's request_timeout_s, or the tenant's
+        own when that is shorter."""
+        own = self.tenant(tenant).request_timeout_s
+        return self.request_timeout_s if own is None else min(own, self.request_timeout_s)
 
     @property
     def name(self) -> str:

@@ -356,7 +356,7 @@ def test_the_ingress_tags_latencies_with_the_pool_of_the_replica_that_served_the
         released.append((ticket, ttft_s, itl_s))
 
     sessions = object.__new__(Sessions)
-    sessions.args = cast(AppArgs, types.SimpleNamespace(queue_timeout_s=5.0, request_timeout_s=5.0,
+    sessions.args = cast(AppArgs, types.SimpleNamespace(queue_timeout_s=5.0, request_timeout_for=lambda tenant: 5.0,
                                                         dispatch_timeout_s=5.0))
     sessions.admission = types.SimpleNamespace(acquire=types.SimpleNamespace(remote=acquire),
                                                release=types.SimpleNamespace(remote=release))

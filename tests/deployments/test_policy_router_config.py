@@ -164,11 +164,20 @@ def test_a_keys_file_names_its_keys_and_the_names_are_the_tenants(tmp_path: Path
     assert open_args.resolved_tenant_keys() == [] and open_args.tenant("anonymous").priority == 3
 
 
+def test_a_tenant_request_timeout_only_shortens_the_apps(tmp_path: Path) -> None:
+    args = parse_args({"model": str(tmp_path), "request_timeout_s": 30,
+                       "tenants": {"chat": {"request_timeout_s": 5}, "batch": {"request_timeout_s": 900}}})
+    assert args.request_timeout_for("chat") == 5  # its own, the shorter
+    assert args.request_timeout_for("batch") == 30  # the app's bounds every tenant
+    assert args.request_timeout_for("nobody") == 30
+
+
 @pytest.mark.parametrize("tenants,fragment", [
     ({"a": {"max_concurrent_requests": 0}}, "tenants.a.max_concurrent_requests: Input should be greater than or "
                                             "equal to 1"),
     ({"a": {"tokens_per_minute": 0}}, "tenants.a.tokens_per_minute: Input should be greater than or equal to 1"),
     ({"a": {"weight": 0}}, "tenants.a.weight: Input should be greater than 0"),
+    ({"a": {"request_timeout_s": 0}}, "tenants.a.request_timeout_s: Input should be greater than 0"),
     ({"a": {"priority": "high"}}, "tenants.a.priority: Input should be a valid integer"),
     ({"a": {"priority": -5, "min_priority": 0}}, "priority (-5) is more urgent than min_priority (0)"),
     ({"a": {"burst": 3}}, "tenants.a.burst: Extra inputs are not permitted"),

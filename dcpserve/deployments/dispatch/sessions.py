@@ -165,13 +165,14 @@ class Sessions:
             latency_tags = {POOL_TAG: pool, **level_tags(level)}  # the pool of the replica that took it
             yield RequestDelta(ticket, [], "", finished=False, finish_reason=None,  # admitted: no tokens yet
                                num_prompt_tokens=len(token_ids), num_output_tokens=0)
-            request_deadline = arrived + self.args.request_timeout_s
+            timeout_s = self.args.request_timeout_for(level.tenant)
+            request_deadline = arrived + timeout_s
             while True:
                 try:
                     delta = await asyncio.wait_for(queue.get(), timeout=max(request_deadline - loop.time(), 0))
                 except TimeoutError:
-                    raise ApiError(504, f"the request ran past request_timeout_s={self.args.request_timeout_s:g} "
-                                   f"after {num_generated} tokens; its KV was freed", code="request_timeout") from None
+                    raise ApiError(504, f"the request ran past request_timeout_s={timeout_s:g} after "
+                                   f"{num_generated} tokens; its KV was freed", code="request_timeout") from None
                 if isinstance(delta, BaseException):  # the replica's stream failed, or the request's engine stream
                     raise delta
                 now = loop.time()
