@@ -22,6 +22,12 @@ from dcpserve.deployments.config import AppArgs, PoolArgs, parse_args
 from dcpserve.deployments.replica.engine_replica import EngineReplica, replica_bundles
 from dcpserve.engine.backends import validate_engine_args
 
+# How often a stopping replica checks whether its requests have all ended (Serve's graceful_shutdown_wait_loop_s,
+# 2 s by default, which it waits before the first check too): a replica with nothing left to finish (scale-down,
+# redeploy, delete) goes, and frees its GPUs, within this instead of 2 s, and every deployment the next one waits on
+# (the ingress' streams to the engine replicas) the same.
+DRAIN_POLL_S = 0.25
+
 
 def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
     """EngineReplica of one pool (default: the app's one pool) with its placement group, router, autoscaling policy
@@ -45,6 +51,7 @@ def engine_deployment(args: AppArgs, pool: PoolArgs | None = None) -> Any:
         # A stopped replica (scale-down mid-burst, redeploy) keeps streaming its running requests instead of
         # cutting them off; the admission queue stops granting it as soon as Serve stops probing it.
         graceful_shutdown_timeout_s=args.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         request_router_config=RequestRouterConfig(
             # Ray annotates RequestRouterConfig's **kwargs as dict[str, Any] values (each keyword its own error).
             request_router_class="dcpserve.deployments.dispatch.router:KvAwareRouter",  # type: ignore[arg-type]  # see above
@@ -141,7 +148,7 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
         validate_engine_args(args.pool_engine_args(pool), device)
     check_pools_hold_a_whole_request(args, device)
     check_cluster_fits(args)
-    admission = KvAdmission.options(name="KvAdmission").bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
+    admission = KvAdmission.options(name="KvAdmission", graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind(  # type: ignore[attr-defined]  # mypy ignores class decorators: @serve.deployment made it a Deployment
         args.max_queued_requests, prefix_routing=args.prefix_routing, leak_grace_s=args.grant_leak_grace_s,
         sheddable_priority=args.sheddable_priority, fair_share_half_life_s=args.fair_share_half_life_s,
         fair_share_quantum_s=args.fair_share_quantum_s, fair_share_reserve=args.fair_share_reserve,
@@ -158,5 +165,6 @@ def build_app(raw_args: dict[str, Any] | AppArgs) -> serve.Application:
         num_replicas=args.num_ingress_replicas,
         ray_actor_options={"num_cpus": 0.5},
         max_ongoing_requests=max(args.max_queued_requests * 2, 256),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )(OpenAIIngress)
     return ingress.bind(args, engine, admission)
