@@ -19,7 +19,7 @@ from dcpserve.kernels.exchange import DcpAttentionExchange, PcpAttentionExchange
 from dcpserve.kernels.fp8_gemm import dequantize_fp8_block, fp8_block_gemm, fp8_block_gemm_ref
 from dcpserve.kernels.layout import dcp_local_seq_lens, dcp_slot_mapping, dcp_token_owner
 from dcpserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from dcpserve.kernels.store_kv import store_kv, store_kv_ref
+from dcpserve.kernels.store_kv import StorePlan, store_kv, store_kv_planned, store_kv_ref
 
 __all__ = [
     "CpuDecodePlan",
@@ -43,6 +43,8 @@ __all__ = [
     "paged_prefill_attention_cpu",
     "paged_prefill_attention_ref",
     "plan_decode_cpu",
+    "StorePlan",
     "store_kv",
+    "store_kv_planned",
     "store_kv_ref",
 ]

@@ -82,6 +82,58 @@ def store_kv_ref(
             cache[slots // block_size, slots % block_size] = rows
 
 
+class StorePlan:
+    """Which rows of a step's new K/V this rank stores, and where: derived from the step's slot_mapping once and
+    reused by every layer (store_kv_planned), where store_kv_ref looks for the unowned slots (-1) again in each one.
+    `slots` are the stored rows' flat cache slots (int64), None when this rank owns none of the step's tokens (at
+    DCP, a batch-1 decode on every rank but its owner); `rows` the stored rows' indices, None when it owns them
+    all."""
+
+    __slots__ = ("slots", "rows")
+
+    def __init__(self, slot_mapping: torch.Tensor, all_owned: bool = False) -> None:
+        if slot_mapping.dim() != 1:
+            raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
+        if slot_mapping.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+        slots = slot_mapping.to(torch.int64)
+        self.slots: torch.Tensor | None = slots
+        self.rows: torch.Tensor | None = None
+        if all_owned:
+            return
+        keep = slots >= 0
+        owned = int(keep.sum())
+        if owned == 0:
+            self.slots = None
+        elif owned < slots.numel():  # DCP: tokens another rank owns
+            self.rows = keep.nonzero().squeeze(1)
+            self.slots = slots.index_select(0, self.rows)
+
+
+def store_kv_planned(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    plan: StorePlan,
+) -> None:
+    """store_kv_ref's result with the step's StorePlan (made from this slot_mapping): the owned rows' one
+    index_copy_ per cache, and nothing at all where this rank owns none of the tokens."""
+    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    if plan.slots is None:
+        return
+    caches = [(key, k_cache)] + ([(value, v_cache)] if value is not None and v_cache is not None else [])
+    block_size = k_cache.shape[1]
+    for rows, cache in caches:
+        if plan.rows is not None:
+            rows = rows.index_select(0, plan.rows)
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, plan.slots, rows.to(cache.dtype))
+        else:
+            cache[plan.slots // block_size, plan.slots % block_size] = rows
+
+
 @jit
 def _store_kv_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its arguments are typed by Triton at launch
     key_ptr,

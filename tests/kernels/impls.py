@@ -1,6 +1,6 @@
 """The implementations of every kernel, by name, so each test runs against all of them.
 
-"cpu" is the engine's CPU path: the fused-SDPA attention kernels, the (vectorized) store reference and the lean
+"cpu" is the engine's CPU path: the fused-SDPA attention kernels, the store with its per-step plan and the lean
 combine (combine_lse_cpu, bit for bit the reference's); its tests run on CPU tensors whatever the test device
 (tests/kernels/conftest.py)."""
 
@@ -29,7 +29,8 @@ IMPLS: dict[str, dict[str, Callable[..., Any]]] = {
         "combine": kernels.combine_lse,
     },
     "cpu": {
-        "store_kv": kernels.store_kv_ref,
+        "store_kv": lambda key, value, k_cache, v_cache, slot_mapping, all_owned=False: kernels.store_kv_planned(
+            key, value, k_cache, v_cache, slot_mapping, kernels.StorePlan(slot_mapping, all_owned)),
         "decode": kernels.paged_decode_attention_cpu,
         "prefill": kernels.paged_prefill_attention_cpu,
         "combine": kernels.combine_lse_cpu,

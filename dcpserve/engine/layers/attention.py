@@ -55,8 +55,10 @@ from dcpserve.kernels import (
     paged_prefill_attention_ref,
     plan_decode_cpu,
     store_kv,
+    store_kv_planned,
     store_kv_ref,
 )
+from dcpserve.kernels.store_kv import StorePlan
 
 # Which attention kernels a layer runs: "triton" (CUDA, or Triton's CPU interpreter in tests), "cpu" (torch's fused
 # CPU attention, batched: the engine's choice off CUDA), "ref" (the exact torch references, for tests).
@@ -155,10 +157,24 @@ class Attention(EngineModule):
             raise ValueError(f"num_decode_tokens={num_decodes} must be in [0, num_tokens={num_tokens}]")
         if self.parallel.pcp_size > 1:
             return self._forward_pcp(q, k, v, k_cache, v_cache, metadata)
-        self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=metadata.all_slots_owned)
+        self._store(k, v, k_cache, v_cache, metadata, "step", metadata.slot_mapping, metadata.all_slots_owned)
         if self.exchange is None:
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)
         return self._forward_dcp(q, k, v, k_cache, v_cache, metadata)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+               metadata: AttentionMetadata, which: str, slot_mapping: torch.Tensor, all_owned: bool) -> None:
+        """The step's new K/V into this rank's cache at slot_mapping (`which` of the step's mappings: its own, or
+        with PCP the gathered rows'). The CPU kernels find the rows this rank owns once per step (a StorePlan, like
+        the decode plan) and every layer reuses it; at DCP that search was most of a layer's store."""
+        if self.kernels != "cpu":
+            self.store(k, v, k_cache, v_cache, slot_mapping, all_owned=all_owned)
+            return
+        key = ("cpu_store", which)
+        plan = metadata.kernel_plans.get(key)
+        if plan is None:
+            plan = metadata.kernel_plans[key] = StorePlan(slot_mapping, all_owned)
+        store_kv_planned(k, v, k_cache, v_cache, slot_mapping, plan)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, metadata: AttentionMetadata,
                 out: torch.Tensor, lse_out: torch.Tensor | None = None) -> None:
@@ -293,13 +309,13 @@ class Attention(EngineModule):
         num_decodes = metadata.num_decode_tokens
         if pcp is None:  # decodes only: every PCP group has the same rows
             rows_max = 0
-            self.store(k, v, k_cache, v_cache, metadata.slot_mapping, all_owned=False)
+            self._store(k, v, k_cache, v_cache, metadata, "step", metadata.slot_mapping, False)
         else:
             rows_max = pcp.rows_max
             k_all = gather_prefill_rows(k, num_decodes, rows_max, parallel.pcp_comm, parallel.pcp_size)
             v_all = (gather_prefill_rows(v, num_decodes, rows_max, parallel.pcp_comm, parallel.pcp_size)
                      if v is not None else None)
-            self.store(k_all, v_all, k_cache, v_cache, pcp.gathered_slot_mapping, all_owned=False)
+            self._store(k_all, v_all, k_cache, v_cache, metadata, "pcp_gathered", pcp.gathered_slot_mapping, False)
         if self.pcp_exchange is None:  # dcp = 1: whole sequences here; each segment's context includes its chunk's
             return self._forward_local(q, k, v, k_cache, v_cache, metadata)  # earlier parts, stored above
         timer = metadata.exchange_timer
