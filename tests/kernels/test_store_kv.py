@@ -88,7 +88,8 @@ def test_a_step_store_plan_gives_the_reference_bits_in_every_layer(num_tokens, d
         for layer in range(3):
             key = torch.randn(num_tokens, heads, dim, generator=gen)
             value = None if key_only else torch.randn(num_tokens, heads, dim, generator=gen)
-            got, want = [], []
+            got: list[torch.Tensor] = []
+            want: list[torch.Tensor] = []
             for store, out in ((store_kv_ref, want), (None, got)):
                 shape = (num_pages, block_size, heads, dim)
                 caches = [torch.full(shape, float("nan")) for _ in range(1 if key_only else 2)]
