@@ -4,8 +4,8 @@ trip takes and what the ranks cost while they wait for the next step.
 Three transports, measured in alternating rounds on one local Ray instance so load spikes hit all of them:
 - ray.put + one actor task per rank per step (the worker group's transport before the step channel),
 - a Ray compiled graph (ray.dag InputNode -> one bind per rank -> MultiOutputNode, experimental_compile()),
-- the step channel the worker group uses (dcpserve.engine.worker.rank_channel: one authenticated TCP connection per
-  rank).
+- the step channel the worker group uses (dcpserve.engine.worker.rank_channel: one authenticated connection per
+  rank), over TCP and over the Unix socket a rank on the driver's host takes.
 Each step is a pickled stand-in of a SchedulerOutput (per sequence: an id, one new token, its position, its block
 table and a dict of sampling parameters); rank 0 replies with one sampled token per sequence, the others with None.
 
@@ -40,7 +40,7 @@ from dcpserve.local.tls import local_ray_tls
 STEPS = [("decode, batch 8", 8, 4), ("decode, batch 64", 64, 4), ("batch 64, 4096 blocks each", 64, 4096)]
 
 
-@ray.remote(concurrency_groups={"steps": 1})  # type: ignore[call-overload]  # Ray's overloads of remote() omit concurrency_groups
+@ray.remote(concurrency_groups={"steps": 2})  # type: ignore[call-overload]  # Ray's overloads of remote() omit concurrency_groups
 class EchoRank:
     """A rank that unpickles the step and replies like a RankWorker, without a model."""
 
@@ -55,8 +55,8 @@ class EchoRank:
         return pickle.dumps(({row[0]: 1 for row in rows} if self.rank == 0 else None, 0.0))
 
     @ray.method(concurrency_group="steps")
-    def serve_steps(self, address: tuple[str, int], authkey: bytes) -> None:
-        channel = connect_rank(address, authkey, self.rank, timeout_s=60)
+    def serve_steps(self, address: tuple[str, int], authkey: bytes, local_address: str | None) -> None:
+        channel = connect_rank(address, authkey, self.rank, timeout_s=60, local_address=local_address)
         try:
             while True:
                 try:
@@ -83,11 +83,17 @@ class Transports:
         with InputNode() as step:
             graph = MultiOutputNode([rank.execute.bind(step) for rank in self.ranks])
         self.graph = graph.experimental_compile(_max_inflight_executions=1)
-        listener = ChannelListener(ray.util.get_node_ip_address())
-        self.loops = [rank.serve_steps.remote(listener.address, listener.authkey) for rank in self.ranks]
-        connected = dict(accepted for accepted in (listener.accept(tp, 60) for _ in range(tp)) if accepted)
-        listener.close()
-        self.channels: list[FrameSocket] = [connected[rank] for rank in range(tp)]
+        self.loops: list[Any] = []
+        self.channels: dict[str, list[FrameSocket]] = {}
+        for transport, local in (("tcp", False), ("unix", True)):
+            listener = ChannelListener(ray.util.get_node_ip_address(), local=local)
+            self.loops += [rank.serve_steps.remote(listener.address, listener.authkey, listener.local_address)
+                           for rank in self.ranks]
+            connected = dict(accepted for accepted in (listener.accept(tp, 60) for _ in range(tp)) if accepted)
+            listener.close()
+            self.channels[transport] = [connected[rank] for rank in range(tp)]
+            if {channel.transport for channel in self.channels[transport]} != {transport}:
+                raise RuntimeError(f"the {transport} step channels connected over another transport")
 
     def tasks(self, step: bytes) -> list[Any]:
         ref = ray.put(step)
@@ -101,19 +107,20 @@ class Transports:
     def compiled_graph(self, step: bytes) -> list[Any]:
         return [pickle.loads(reply) for reply in ray.get(self.graph.execute(step), timeout=-1)]
 
-    def step_channel(self, step: bytes) -> list[Any]:
+    def step_channel(self, step: bytes, transport: str = "unix") -> list[Any]:
         import selectors
 
-        for channel in self.channels:
+        channels = self.channels[transport]
+        for channel in channels:
             channel.send(step)
         replies: dict[int, Any] = {}
         with selectors.DefaultSelector() as selector:
-            for rank, channel in enumerate(self.channels):
+            for rank, channel in enumerate(channels):
                 selector.register(channel, selectors.EVENT_READ, rank)
-            while len(replies) < len(self.channels):
+            while len(replies) < len(channels):
                 for key, _ in selector.select():
-                    replies[key.data] = pickle.loads(self.channels[key.data].recv())
-        return [replies[rank] for rank in range(len(self.channels))]
+                    replies[key.data] = pickle.loads(channels[key.data].recv())
+        return [replies[rank] for rank in range(len(channels))]
 
     def idle_cores(self, seconds: float = 3.0) -> list[float]:
         """CPU cores each rank process uses over `seconds` in which no step is sent."""
@@ -123,8 +130,9 @@ class Transports:
 
     def close(self) -> None:
         self.graph.teardown()
-        for channel in self.channels:
-            channel.close()
+        for channels in self.channels.values():
+            for channel in channels:
+                channel.close()
         ray.get(self.loops, timeout=30)
 
 
@@ -162,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, Callable[[bytes], list[Any]]] = {
             "ray.put + task per rank": transports.tasks,
             "compiled graph": transports.compiled_graph,
-            "step channel": transports.step_channel,
+            "step channel, TCP": lambda step: transports.step_channel(step, "tcp"),
+            "step channel, Unix socket": transports.step_channel,
         }
         print(f"tp={args.tp} echo ranks, {os.cpu_count()} cores, ray {ray.__version__}; round trip ms (p50 p90)")
         for label, sequences, blocks in STEPS:

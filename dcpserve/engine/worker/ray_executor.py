@@ -135,12 +135,13 @@ class RankWorker:
         self.runner.capture_decode_graphs()
 
     @ray.method(concurrency_group="steps")
-    def serve_steps(self, address: tuple[str, int], authkey: bytes, connect_timeout_s: float) -> None:
+    def serve_steps(self, address: tuple[str, int], authkey: bytes, connect_timeout_s: float,
+                    local_address: str | None = None) -> None:
         """The rank's step loop for the group's whole life: connect the step channel, then for each step received
         run it and reply (a RankReply). Returns when the driver closes the channel."""
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)  # the current device is per thread
-        channel = connect_rank(address, authkey, self.rank, connect_timeout_s)
+        channel = connect_rank(address, authkey, self.rank, connect_timeout_s, local_address)
         try:
             while True:
                 try:
@@ -260,7 +261,8 @@ class RayWorkerGroup:
         listener = ChannelListener(ray.util.get_node_ip_address())
         connected: dict[int, FrameSocket] = {}
         try:
-            self._loops = [w.serve_steps.remote(listener.address, listener.authkey, timeout_s) for w in self.workers]
+            self._loops = [w.serve_steps.remote(listener.address, listener.authkey, timeout_s, listener.local_address)
+                           for w in self.workers]
             deadline = time.monotonic() + timeout_s
             while len(connected) < tp:
                 ended, _ = ray.wait(self._loops, num_returns=tp, timeout=0)
