@@ -65,21 +65,10 @@ def store_kv_ref(
     all_owned: bool = False,
 ) -> None:
     """Torch reference of store_kv: k_cache[slot // B, slot % B] = key (and v_cache = value) for every slot >= 0.
-    all_owned: the caller knows no slot is -1 (no DCP: every token is this rank's), which skips looking for them
-    (two ops and a read back in every layer)."""
+    all_owned: the caller knows no slot is -1 (no DCP: every token is this rank's), which skips looking for them.
+    It finds the owned rows in every call; the CPU engine finds them once per step (StorePlan, store_kv_planned)."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
-    slots = slot_mapping.to(torch.int64)
-    keep = None if all_owned else slots >= 0
-    if keep is not None and not bool(keep.all()):  # DCP: tokens this rank does not own
-        slots, key = slots[keep], key[keep]
-        value = value[keep] if value is not None else None
-    caches = [(key, k_cache)] + ([(value, v_cache)] if value is not None and v_cache is not None else [])
-    for rows, cache in caches:
-        if cache.is_contiguous():  # the engine's caches: one flat index_copy_ each
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
-        else:
-            cache[slots // block_size, slots % block_size] = rows
+    store_kv_planned(key, value, k_cache, v_cache, slot_mapping, StorePlan(slot_mapping, all_owned))
 
 
 class StorePlan:
