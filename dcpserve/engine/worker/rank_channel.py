@@ -32,7 +32,7 @@ class ChannelAuthError(ConnectionError):
 
 
 class FrameSocket:
-    """Length-prefixed frames over a connected TCP socket."""
+    """Length-prefixed frames over a connected stream socket (TCP, or Unix on the driver's host: `transport`)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.transport = "unix" if sock.family == socket.AF_UNIX else "tcp"
