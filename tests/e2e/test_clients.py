@@ -15,9 +15,11 @@ import json
 import math
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -88,8 +90,6 @@ def test_the_choices_of_concurrent_requests_are_all_delivered(cluster: ServeClus
     holds the mechanism)."""
     import asyncio
 
-    import httpx
-
     async def one(i: int) -> int:
         body = {"model": MODEL, "prompt": [[10 + i, 11, 12, 13]] * 4, "n": 2, "max_tokens": 2, "echo": True,
                 "logprobs": 1}
@@ -159,6 +159,9 @@ def test_sdk_penalties_bias_and_bad_values(cluster: ServeCluster) -> None:
 # ---- guidellm ------------------------------------------------------------------------------------------------------
 
 
+STREAMS = 4  # guidellm's concurrent streams
+
+
 @pytest.mark.parametrize("request_format", ["/v1/chat/completions", "/v1/completions"])
 def test_guidellm_streams_a_concurrent_profile_without_errors(cluster: ServeCluster, tmp_path: Path,
                                                              request_format: str) -> None:
@@ -170,7 +173,7 @@ def test_guidellm_streams_a_concurrent_profile_without_errors(cluster: ServeClus
         "--backend", f"kind=openai_http,target={cluster.url},model={MODEL},request_format={request_format}",
         "--tokenizer", f"kind=hf_auto,model={cluster.model_dir}",
         "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
-        "--profile", "kind=concurrent,streams=4",
+        "--profile", f"kind=concurrent,streams={STREAMS}",
         "--constraint", "kind=max_requests,count=16",
         "--disable-console-interactive",
         "--output", f"kind=json,path={out}",
@@ -184,11 +187,18 @@ def test_guidellm_streams_a_concurrent_profile_without_errors(cluster: ServeClus
     # or did not take it in time).
     served = ((after.num_granted - before.num_granted) - (after.num_refusals - before.num_refusals)
               - (after.num_unreachable - before.num_unreachable))
-    # What the server controls: no error, nothing cut off, and every request the app served counted as a success.
-    # How many guidellm sends before its max_requests constraint stops it is guidellm's own accounting.
+    # What the server controls: no error, nothing cut off, every request guidellm counted was one the app served, and
+    # no KV held once guidellm is gone. How many requests guidellm sends before its max_requests constraint stops it,
+    # and which of those it reports, is its own accounting: when the constraint hits it drops a stream's request in
+    # flight, which the app served (or was serving) and guidellm does not count, so the app may have served up to one
+    # more per stream than guidellm reports (a CI run: 15 successful of 16 served).
     print(f"guidellm {request_format}: {totals}; the app granted {served} requests")
     assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
-    assert 1 <= totals["successful"] == served, (totals, served)
+    assert 1 <= totals["successful"] <= served <= totals["successful"] + STREAMS, (totals, served)
+    deadline = time.monotonic() + 60
+    while (health := httpx.get(f"{cluster.url}/health", timeout=10).json())["kv_granted_blocks"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.25)
 
 
 # ---- lm-evaluation-harness ---------------------------------------------------------------------------------------
