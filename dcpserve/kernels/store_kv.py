@@ -66,8 +66,8 @@ def store_kv_ref(
 ) -> None:
     """Torch reference of store_kv: k_cache[slot // B, slot % B] = key (and v_cache = value) for every slot >= 0.
     all_owned: the caller knows no slot is -1 (no DCP: every token is this rank's), which skips looking for them.
-    It finds the owned rows in every call; the CPU engine finds them once per step (StorePlan, store_kv_planned)."""
-    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    It finds the owned rows in every call; the CPU engine finds them once per step (StorePlan, store_kv_planned).
+    The arguments are checked there (StorePlan checks slot_mapping's own shape and dtype first)."""
     store_kv_planned(key, value, k_cache, v_cache, slot_mapping, StorePlan(slot_mapping, all_owned))
 
 

@@ -44,6 +44,7 @@ from dcpserve.engine.worker.pcp import gather_prefill_rows
 from dcpserve.kernels import (
     DcpAttentionExchange,
     PcpAttentionExchange,
+    StorePlan,
     combine_lse,
     combine_lse_cpu_finite,
     combine_lse_ref,
@@ -58,7 +59,6 @@ from dcpserve.kernels import (
     store_kv_planned,
     store_kv_ref,
 )
-from dcpserve.kernels.store_kv import StorePlan
 
 # Which attention kernels a layer runs: "triton" (CUDA, or Triton's CPU interpreter in tests), "cpu" (torch's fused
 # CPU attention, batched: the engine's choice off CUDA), "ref" (the exact torch references, for tests).
