@@ -205,6 +205,20 @@ class Recorder:
         record.num_output_tokens += 1
         self.num_output_tokens += 1
 
+    def lane_tokens(self, count: int, gap_s: float) -> None:
+        """`count` requests of a replica's decode lane each sampled a token, gap_s after their previous one (what
+        `token` counts, without their records: `lane_left` brings those up to date)."""
+        self.itl_counts[gap_s] += count
+        self.num_output_tokens += count
+
+    @staticmethod
+    def lane_left(record: RequestRecord, count: int, last_token_at: float) -> None:
+        """The request left its replica's decode lane having sampled `count` tokens there, the last at
+        last_token_at (each one already counted by lane_tokens)."""
+        if count:
+            record.num_output_tokens += count
+            record.last_token_at = last_token_at
+
     def finished(self, record: RequestRecord, now: float, held_kv: bool) -> None:
         """The request ended after a replica accepted it (held_kv) or without ever being accepted."""
         if held_kv:

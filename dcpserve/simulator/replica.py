@@ -21,8 +21,8 @@ replica's delta stream batching (tokens reach the client at the end of the step 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.messages import DEFAULT_POOL, KvReport
@@ -31,6 +31,7 @@ from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
 from dcpserve.engine.core.request import Request
 from dcpserve.engine.core.scheduler import Scheduler, TokenUpdate
+from dcpserve.simulator.decode_lane import LaneScheduler
 from dcpserve.simulator.host_tier import HostTierShape, TieredBlockManager
 from dcpserve.simulator.step_time import StepTimeModel, StepWork
 
@@ -65,12 +66,26 @@ class ReplicaShape:
         return self.tp
 
 
+class TokenSink(Protocol):
+    """Where a replica's tokens go (the simulation's recorder)."""
+
+    def tokens(self, updates: list[TokenUpdate], now: float) -> None:
+        """A step's sampled tokens, applied one by one by the scheduler, at the step's end."""
+
+    def lane_tokens(self, count: int, gap_s: float) -> None:
+        """A step's tokens of the decode lane: `count` requests that each sampled one, gap_s after their last."""
+
+    def lane_left(self, request_id: str, count: int, last_token_at: float) -> None:
+        """A request left the decode lane having sampled `count` tokens there, the last at last_token_at."""
+
+
 class SimReplica:
-    """One replica: the real scheduler and block manager, stepping on simulated time."""
+    """One replica: the real scheduler and block manager, stepping on simulated time. With decode_lane (the
+    default) the scheduler is dcpserve.simulator.decode_lane's LaneScheduler: the same steps and state, with the
+    decodes nothing can change advanced in bulk."""
 
     def __init__(self, replica_id: str, shape: ReplicaShape, step_model: StepTimeModel, queue: AdmissionQueue,
-                 report_period_s: float, on_tokens: Callable[[list[TokenUpdate], float], None],
-                 pool: str = DEFAULT_POOL) -> None:
+                 report_period_s: float, sink: TokenSink, pool: str = DEFAULT_POOL, decode_lane: bool = True) -> None:
         self.replica_id = replica_id
         self.pool = pool
         self.step_s = 0.0  # recent mean step (EngineReplica's exponential average), reported to the queue
@@ -79,7 +94,7 @@ class SimReplica:
         self.step_model = step_model
         self.queue = queue
         self.report_period_s = report_period_s
-        self._on_tokens = on_tokens
+        self._sink = sink
         self.tiered: TieredBlockManager | None = None  # the block manager, when it has a host tier
         if shape.host_tier is None:
             self.block_manager = BlockManager(shape.num_blocks, shape.block_size, shape.dcp,
@@ -87,8 +102,15 @@ class SimReplica:
         else:
             self.block_manager = self.tiered = TieredBlockManager(shape.num_blocks, shape.block_size, shape.dcp,
                                                                   shape.host_tier)
-        self.scheduler = Scheduler(shape.scheduler, self.block_manager, frozenset({EOS_TOKEN}))
         self.output_lengths: dict[str, int] = {}  # request id -> the trace's output length
+        self.lane: LaneScheduler | None = None
+        self.scheduler: Scheduler
+        if decode_lane:
+            self.scheduler = self.lane = LaneScheduler(shape.scheduler, self.block_manager, frozenset({EOS_TOKEN}),
+                                                       self.output_lengths, FILLER_TOKEN)
+        else:
+            self.scheduler = Scheduler(shape.scheduler, self.block_manager, frozenset({EOS_TOKEN}))
+        self._last_step_end = 0.0  # when the last step ended: the lane's tokens' previous token
         self._work = asyncio.Event()
         self._prefix_position: tuple[str | None, int] = (None, 0)
         self.probes = 1  # Serve's controller has probed it: grantable from its first report
@@ -130,6 +152,14 @@ class SimReplica:
         self.output_lengths.pop(request_id, None)
         if self.scheduler.abort_request(request_id):
             self._work.set()
+        self._lane_left()
+
+    def _lane_left(self) -> None:
+        """The requests that left the decode lane: their tokens there, to the sink (the last one at the end of the
+        last step: a request leaves the lane before a step, or during one that it is then not part of)."""
+        if self.lane is not None and self.lane.lane_left:
+            for request, count in self.lane.drain_left():
+                self._sink.lane_left(request.request_id, count, self._last_step_end)
 
     @property
     def num_sequences(self) -> int:
@@ -141,18 +171,24 @@ class SimReplica:
         loop = asyncio.get_running_loop()
         scheduler = self.scheduler
         output_lengths = self.output_lengths
-        tiered = self.tiered
+        tiered, lane, sink = self.tiered, self.lane, self._sink
         while True:
             if not scheduler.has_unfinished:
                 self._work.clear()
                 await self._work.wait()
             output = scheduler.schedule()
-            if output.is_empty:
+            lane_rows = 0
+            if lane is not None:
+                self._lane_left()
+                lane_rows = lane.lane_rows
+            if output.is_empty and not lane_rows:
                 # Waiting requests that no KV or seat can take now: only an add, abort or finish changes that.
                 self._work.clear()
                 await self._work.wait()
                 continue
             work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
+            if lane_rows:
+                work = work.with_decodes(lane_rows, lane.lane_context_tokens)  # type: ignore[union-attr]  # lane_rows > 0
             seconds = self.step_model.step_seconds(work)
             if tiered is not None:
                 loaded, offloaded = tiered.take_copies()
@@ -179,8 +215,12 @@ class SimReplica:
             for update in updates:
                 if update.finished:
                     output_lengths.pop(update.request.request_id, None)
+            now = loop.time()
+            if lane is not None and lane.lane_tokens:
+                sink.lane_tokens(lane.lane_tokens, now - self._last_step_end)
+            self._last_step_end = now
             if updates:
-                self._on_tokens(updates, loop.time())
+                sink.tokens(updates, now)
 
     async def _report_loop(self) -> None:
         while True:

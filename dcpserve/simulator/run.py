@@ -100,6 +100,9 @@ class SimulationConfig:
     # autoscaling above are then unused); empty: one pool of `shape`, the app without pools.
     pools: tuple[SimPool, ...] = ()
     gpu_budget: int | None = None  # GPUs the pools' autoscaling shares (deployments/autoscaling.py's GpuLedger)
+    # The replicas' decode lane (dcpserve/simulator/decode_lane.py): the same run, most decodes advanced in bulk.
+    # False: the real scheduler row by row (slower; the tests compare the two).
+    decode_lane: bool = True
 
     def __post_init__(self) -> None:
         if self.pools and self.autoscaling is not None:
@@ -240,7 +243,8 @@ class Simulation:
         self._next_replica += 1
         spec = self.pools[pool]
         replica = SimReplica(replica_id, spec.shape, spec.step_model or self.step_model, self.queue,
-                             self.config.serve.kv_report_period_s, self._on_tokens, pool=pool)
+                             self.config.serve.kv_report_period_s, self, pool=pool,
+                             decode_lane=self.config.decode_lane)
         self.replicas[replica_id] = replica
         replica.start()
         self._replicas_changed()
@@ -380,7 +384,9 @@ class Simulation:
             self._records.pop(ticket, None)
             queue.release(ticket, *served_latencies(record))
 
-    def _on_tokens(self, updates: list[TokenUpdate], now: float) -> None:
+    # ---- tokens (the replicas' TokenSink) ---------------------------------------------------------------------
+
+    def tokens(self, updates: list[TokenUpdate], now: float) -> None:
         records, token = self._records, self.recorder.token
         for update in updates:
             request_id = update.request.request_id
@@ -392,6 +398,14 @@ class Simulation:
                 done = self._finishing.get(request_id)
                 if done is not None and not done.done():
                     done.set_result(None)
+
+    def lane_tokens(self, count: int, gap_s: float) -> None:
+        self.recorder.lane_tokens(count, gap_s)
+
+    def lane_left(self, request_id: str, count: int, last_token_at: float) -> None:
+        record = self._records.get(request_id)
+        if record is not None:
+            self.recorder.lane_left(record, count, last_token_at)
 
     # ---- samples and progress ---------------------------------------------------------------------------------
 

@@ -127,6 +127,13 @@ class StepWork:
                 prefill_context_queries += new
         return cls(num_seqs, num_tokens, num_decode, context, pairs, decode_context, prefill_context_queries)
 
+    def with_decodes(self, rows: int, context_tokens: int) -> StepWork:
+        """This work plus `rows` decode rows whose context after the step (start + 1) sums to context_tokens: what
+        from_rows gives with those rows added (a decode's query-key pairs are its context)."""
+        return StepWork(self.num_seqs + rows, self.num_tokens + rows, self.num_decode + rows,
+                        self.context_tokens + context_tokens, self.attention_pairs + context_tokens,
+                        self.decode_context_tokens + context_tokens, self.prefill_context_queries)
+
 
 class StepTimeModel(Protocol):
     """What the simulator asks of a step-time model."""

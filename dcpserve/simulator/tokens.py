@@ -72,6 +72,9 @@ class SequenceTokens(Sequence[int]):
     def append(self, token_id: int) -> None:
         self.outputs.append(token_id)
 
+    def extend(self, token_ids: list[int]) -> None:
+        self.outputs.extend(token_ids)
+
 
 class PromptTokens(SequenceTokens):
     """A prompt of n tokens: `prompt + outputs` (how Request builds its whole sequence) gives its SequenceTokens."""

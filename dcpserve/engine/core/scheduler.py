@@ -119,26 +119,9 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        tokens_per_block = self.block_manager.tokens_per_block
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
-            if count <= 0:
-                continue
-            # Most steps' tokens fit the blocks the request holds (a decode needs a new one every tokens_per_block
-            # steps): the allocation is then a no-op, skipped without its calls.
-            if (request.num_computed_tokens + count > len(request.block_ids) * tokens_per_block
-                    and not self._allocate_or_preempt(request, request.num_computed_tokens + count, preempted)):
-                continue
-            scheduled.append(self._entry(request, count))
-            budget -= count
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
 
         # Admission: FIFO, head-of-line blocking (no starvation); none after a preemption this step.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
@@ -184,6 +167,33 @@ class Scheduler:
         if copies is not None:
             output.swap_out, output.swap_in = copies.swap_out, copies.swap_in
         return output
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+        """Schedules the running requests; returns the budget left. (The simulator's decode lane,
+        dcpserve/simulator/decode_lane.py, advances most decodes in bulk instead.)"""
+        return self._schedule_requests(list(self.running), budget, scheduled, preempted)
+
+    def _schedule_requests(self, requests: list[Request], budget: int, scheduled: list[ScheduledRequest],
+                           preempted: list[str]) -> int:
+        """Schedules running requests in the given (oldest first) order, each min(its uncomputed tokens, the budget
+        left), allocating or preempting as it goes; returns the budget left."""
+        tokens_per_block = self.block_manager.tokens_per_block
+        for request in requests:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if count <= 0:
+                continue
+            # Most steps' tokens fit the blocks the request holds (a decode needs a new one every tokens_per_block
+            # steps): the allocation is then a no-op, skipped without its calls.
+            if (request.num_computed_tokens + count > len(request.block_ids) * tokens_per_block
+                    and not self._allocate_or_preempt(request, request.num_computed_tokens + count, preempted)):
+                continue
+            scheduled.append(self._entry(request, count))
+            budget -= count
+        return budget
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Blocks for num_tokens tokens of a running request, preempting the newest requests if needed.
