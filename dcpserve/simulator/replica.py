@@ -186,9 +186,13 @@ class SimReplica:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
-            if lane_rows:
-                work = work.with_decodes(lane_rows, lane.lane_context_tokens)  # type: ignore[union-attr]  # lane_rows > 0
+            if not lane_rows:
+                work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
+            elif output.is_empty:
+                work = StepWork.decodes(lane_rows, lane.lane_context_tokens)  # type: ignore[union-attr]  # lane_rows > 0
+            else:
+                work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled
+                                          ).with_decodes(lane_rows, lane.lane_context_tokens)  # type: ignore[union-attr]
             seconds = self.step_model.step_seconds(work)
             if tiered is not None:
                 loaded, offloaded = tiered.take_copies()

@@ -87,11 +87,22 @@ class StepWork:
     prefill_context_queries: int  # new tokens of prefill rows (> 1 token) after cached context (start > 0)
 
     def __post_init__(self) -> None:
+        # Checked on every simulated step: the common case (all consistent) is one expression, the message only
+        # when it fails.
+        values = (self.num_seqs, self.num_tokens, self.num_decode, self.context_tokens, self.attention_pairs,
+                  self.decode_context_tokens, self.prefill_context_queries)
+        prefill_rows, prefill_tokens = self.num_seqs - self.num_decode, self.num_tokens - self.num_decode
+        if (all(type(value) is int and value >= 0 for value in values) and self.num_decode <= self.num_seqs
+                and prefill_tokens >= 2 * prefill_rows
+                and self.num_decode <= self.decode_context_tokens <= self.context_tokens
+                and self.context_tokens - self.decode_context_tokens >= prefill_tokens
+                and self.decode_context_tokens <= self.attention_pairs
+                and self.prefill_context_queries <= prefill_tokens):
+            return
         for field in fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"StepWork.{field.name} must be a non-negative integer, got {value!r}")
-        prefill_rows, prefill_tokens = self.num_seqs - self.num_decode, self.num_tokens - self.num_decode
         # Each decode row attends to at least its own token, each prefill row computes >= 2 tokens and attends to them.
         checks = (
             (self.num_decode <= self.num_seqs, "num_decode <= num_seqs"),
@@ -126,6 +137,11 @@ class StepWork:
             elif start > 0:
                 prefill_context_queries += new
         return cls(num_seqs, num_tokens, num_decode, context, pairs, decode_context, prefill_context_queries)
+
+    @classmethod
+    def decodes(cls, rows: int, context_tokens: int) -> StepWork:
+        """The work of `rows` decode rows whose context after the step (start + 1) sums to context_tokens."""
+        return cls(rows, rows, rows, context_tokens, context_tokens, context_tokens, 0)
 
     def with_decodes(self, rows: int, context_tokens: int) -> StepWork:
         """This work plus `rows` decode rows whose context after the step (start + 1) sums to context_tokens: what
