@@ -248,6 +248,13 @@ class BlockManager:
         """Of the request's cached run, the blocks other requests reference now (taking them adds no KV)."""
         return sum(1 for block_id in self.find_cached(request) if self._ref_count[block_id] > 0)
 
+    def cached_run(self, request: Request) -> tuple[int, int]:
+        """(hit_blocks, pinned_hits) from one walk of the cache: what a waiting request's ledger entry needs."""
+        hits = self.find_cached(request)
+        ref_count = self._ref_count
+        pinned = sum(1 for block_id in hits if ref_count[block_id] > 0)
+        return len(hits) + len(self.find_hosted(request, len(hits))), pinned
+
     def _take(self, request: Request, block_id: int) -> None:
         if self._ref_count[block_id] == 0:
             self._evictable.pop(block_id, None)

@@ -307,8 +307,20 @@ class Scheduler:
         return headroom_blocks(self.config.admission, self.config.kv_headroom, self.block_manager.num_blocks, count)
 
     def kv_ledger(self) -> KvLedger:
-        """The KV ledger over the unfinished requests: what the replica accepts, refuses and reports with."""
-        per_request = {r.request_id: self.committed_blocks(r) for r in self.requests.values()}
+        """The KV ledger over the unfinished requests: what the replica accepts, refuses and reports with. A waiting
+        request's cached run is looked up once for both its blocks and its prefill (the replica builds a ledger at
+        every report and accept, over every request it holds)."""
+        per_request: dict[str, int] = {}
+        prefill_tokens = 0
+        running = RequestStatus.RUNNING
+        for request in self.requests.values():
+            if request.status is running:
+                per_request[request.request_id] = self.committed_blocks(request)
+                prefill_tokens += self._prefill_left(request)
+            else:
+                hits, pinned = self.block_manager.cached_run(request)
+                per_request[request.request_id] = self.committed_blocks(request, pinned)
+                prefill_tokens += self._prefill_left(request, hits)
         return KvLedger(
             admission=self.config.admission,
             capacity_blocks=self.block_manager.num_blocks,
@@ -317,25 +329,29 @@ class Scheduler:
             committed_blocks=sum(per_request.values()),
             headroom_blocks=self.headroom_blocks(num_sequences=len(per_request)),
             per_request=per_request,
-            prefill_tokens=sum(self._prefill_left(r) for r in self.requests.values()),
+            prefill_tokens=prefill_tokens,
         )
 
-    def _prefill_left(self, request: Request) -> int:
+    def _prefill_left(self, request: Request, hit_blocks: int | None = None) -> int:
         """Prompt tokens the request has still to compute: a waiting one's cached prefix (on device or in the host
-        tier) is not computed again."""
+        tier, hit_blocks when the caller looked it up) is not computed again."""
         left = request.num_prompt_tokens - request.num_computed_tokens
         if left > 0 and request.num_computed_tokens == 0:
-            left -= self.block_manager.hit_blocks(request) * self.block_manager.tokens_per_block
+            hits = self.block_manager.hit_blocks(request) if hit_blocks is None else hit_blocks
+            left -= hits * self.block_manager.tokens_per_block
         return max(left, 0)
 
-    def committed_blocks(self, request: Request) -> int:
+    def committed_blocks(self, request: Request, pinned_hits: int | None = None) -> int:
         """The blocks the admission policy counts for an unfinished request: "full" its prompt + max_tokens; "usage"
         what it holds, or (waiting) what it needs to start: its prompt plus outputs so far. Less, with prefix
         caching, the cached blocks it shares: a running request those charged to another holder, a waiting one those
         of its cached prefix that running requests hold now (the blocks it would add, not the ones it would share)."""
         manager = self.block_manager
         running = request.status == RequestStatus.RUNNING
-        shared = manager.shared_blocks(request) if running else manager.pinned_hits(request)
+        if running:
+            shared = manager.shared_blocks(request)
+        else:  # pinned_hits: the caller looked the cache up already
+            shared = manager.pinned_hits(request) if pinned_hits is None else pinned_hits
         if self.config.admission == "full":
             return manager.blocks_for(request.max_total_tokens) - shared
         held = max(request.reserved_blocks, len(request.block_ids))
