@@ -145,6 +145,12 @@ class BlockManager:
             raise ValueError("a host KV tier holds the prefix cache's evicted blocks: enable prefix caching to use one")
         self.host_tier = host_tier
         self.num_host_hit_tokens = 0  # of num_hit_tokens, tokens reloaded from the host tier
+        # Waiting requests' cached runs, as the ledger last looked them up (cached_run): request id -> (its tokens,
+        # hit blocks, pinned hits, the hashes it read: the run and the first miss), and hash -> the requests that read
+        # it. A change of a block's state (`_report`: cached, pinned, unpinned, hosted, evicted) forgets the runs that
+        # read it, so a run is looked up again only when something in it changed.
+        self._runs: dict[str, tuple[int, int, int, list[int]]] = {}
+        self._readers: dict[int, set[str]] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -249,18 +255,58 @@ class BlockManager:
         return sum(1 for block_id in self.find_cached(request) if self._ref_count[block_id] > 0)
 
     def cached_run(self, request: Request) -> tuple[int, int]:
-        """(hit_blocks, pinned_hits) from one walk of the cache: what a waiting request's ledger entry needs."""
+        """(hit_blocks, pinned_hits) of a waiting request: what its ledger entry needs. The ledger is built after
+        every step over every request the replica holds; a waiting request's run is walked again only when a block
+        it read changed state since (`_runs`), not at every step."""
+        request_id = request.request_id
+        run = self._runs.get(request_id)
+        if run is not None and run[0] == request.num_tokens:
+            return run[1], run[2]
+        if run is not None:
+            self._forget_run(request_id)
         hits = self.find_cached(request)
         ref_count = self._ref_count
         pinned = sum(1 for block_id in hits if ref_count[block_id] > 0)
-        return len(hits) + len(self.find_hosted(request, len(hits))), pinned
+        hit_blocks = len(hits) + len(self.find_hosted(request, len(hits)))
+        if self.enable_prefix_caching:
+            read = request.block_hashes[:hit_blocks + 1]
+            self._runs[request_id] = (request.num_tokens, hit_blocks, pinned, read)
+            readers = self._readers
+            for block in read:
+                holders = readers.get(block)
+                if holders is None:
+                    readers[block] = {request_id}
+                else:
+                    holders.add(request_id)
+        return hit_blocks, pinned
+
+    def _forget_run(self, request_id: str) -> None:
+        run = self._runs.pop(request_id, None)
+        if run is None:
+            return
+        readers = self._readers
+        for block in run[3]:
+            holders = readers.get(block)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del readers[block]
+
+    def _report(self, block: int, state: int) -> None:
+        """A cached block changed state: to the reporter, and the waiting runs that read it are looked up again."""
+        holders = self._readers.pop(block, None)
+        if holders:
+            for request_id in holders:
+                self._forget_run(request_id)
+        if self.reporter is not None:
+            self.reporter.set(block, state)
 
     def _take(self, request: Request, block_id: int) -> None:
         if self._ref_count[block_id] == 0:
             self._evictable.pop(block_id, None)
             request.num_charged_blocks += 1
-            if self.reporter is not None and block_id in self._block_hash:
-                self.reporter.set(self._block_hash[block_id], PINNED)
+            if block_id in self._block_hash:
+                self._report(self._block_hash[block_id], PINNED)
         self._ref_count[block_id] += 1
         self._holders[block_id][request.request_id] = request
         request.block_ids.append(block_id)
@@ -283,8 +329,7 @@ class BlockManager:
             if self.verify_hits:
                 start = index * self.tokens_per_block
                 self._block_tokens[block_id] = tuple(request.all_token_ids[start:start + self.tokens_per_block])
-            if self.reporter is not None:
-                self.reporter.set(block, PINNED)
+            self._report(block, PINNED)
         request.num_cached_blocks = full
 
     def _pop_free(self) -> int:
@@ -300,10 +345,9 @@ class BlockManager:
         if self.host_tier is not None:
             kept, dropped = self.host_tier.store(block, block_id, tokens)
             state = HOSTED if kept else EVICTED
-        if self.reporter is not None:
-            self.reporter.set(block, state)
-            if dropped is not None and dropped not in self._cached:  # a block reloaded earlier stays on device
-                self.reporter.set(dropped, EVICTED)
+        self._report(block, state)
+        if dropped is not None and dropped not in self._cached:  # a block reloaded earlier stays on device
+            self._report(dropped, EVICTED)
         return block_id
 
     # ---- admission and allocation ---------------------------------------------------------------------------
@@ -330,6 +374,8 @@ class BlockManager:
         """Admission of a waiting request: takes the longest cached run of its blocks (its computed tokens start
         after them) and promises blocks for reserve_tokens tokens, leaving keep_free blocks unpromised. False,
         changing nothing, if that does not fit; cached blocks nobody references cost as much as free ones."""
+        if self._runs:
+            self._forget_run(request.request_id)
         looked_up = self._can_look_up(request)
         hits = self.find_cached(request)
         hosted = self.find_hosted(request, len(hits))
@@ -374,8 +420,7 @@ class BlockManager:
             tokens = tier.tokens(block)
             if tokens is not None:
                 self._block_tokens[block_id] = tokens
-            if self.reporter is not None:
-                self.reporter.set(block, PINNED)
+            self._report(block, PINNED)
         return True
 
     def drain_copies(self) -> StepCopies | None:
@@ -403,6 +448,8 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Returns every block the request holds or was promised. Cached blocks nobody else holds stay cached and
         evictable, the end of the request's run first in line for eviction (its start is the likelier hit)."""
+        if self._runs:
+            self._forget_run(request.request_id)
         self._promised -= self._outstanding(request)
         for block_id in reversed(request.block_ids):
             holders = self._holders[block_id]
@@ -418,15 +465,13 @@ class BlockManager:
                 # Given back before the step that would have filled it ran: not a cached block after all.
                 del self._cached[block], self._block_hash[block_id]
                 self._block_tokens.pop(block_id, None)
-                if self.reporter is not None:
-                    self.reporter.set(block, HOSTED)
+                self._report(block, HOSTED)
                 block = None
             if block is None:
                 self._free_block_ids.append(block_id)
             else:
                 self._evictable[block_id] = None
-                if self.reporter is not None:
-                    self.reporter.set(block, CACHED)
+                self._report(block, CACHED)
         request.block_ids = []
         request.num_charged_blocks = 0
         request.num_cached_blocks = 0
