@@ -172,6 +172,8 @@ class LaneScheduler(Scheduler):
         for member in self._exits.pop(step, ()):
             if lane.get(member.request.request_id) is member:
                 self._leave(member, step)
+        # The members that allocate this step (popped whether or not the lane has members left: no stale steps kept).
+        allocating = [m for m in self._allocs.pop(step, ()) if lane.get(m.request.request_id) is m]
         outside = sorted(self._outside.values(), key=lambda r: seq[r.request_id])
         decodes = [r for r in outside if r.num_tokens - r.num_computed_tokens <= 1]
         chunks = [r for r in outside if r.num_tokens - r.num_computed_tokens > 1]
@@ -185,7 +187,6 @@ class LaneScheduler(Scheduler):
             self._num_running = len(self.running)
             return budget
         # The decodes that do something this step (allocate), the lane's and the others', in the running order.
-        allocating = [m for m in self._allocs.pop(step, ()) if lane.get(m.request.request_id) is m]
         actors: list[tuple[int, _Member | Request]] = [(m.seq, m) for m in allocating]
         actors += [(seq[r.request_id], r) for r in decodes]
         actors.sort(key=lambda actor: actor[0])
