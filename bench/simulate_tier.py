@@ -12,12 +12,13 @@ of the run (dcpserve/simulator/metrics.py `goodput`), also split by first and la
 
     python -m bench simulate_tier --nodes 1                     # one node (minutes on 2 cores)
     python -m bench simulate_tier --nodes 4 --requests-per-client 20 --admission-ttft-bound-s 0 --write-docs
-    python -m bench simulate_tier --nodes 64 --requests-per-client 20   # 512 GPUs: tens of CPU-hours, below
+    python -m bench simulate_tier --nodes 64 --concurrency 512 --dcp 8   # 512 GPUs: hours, below
 
-Cost: 40-55 ms of CPU per request for TP8 and 6-12 ms for TP8 + DCP8 at 256 clients per node, about flat from 1 to 4
-nodes (docs/benchmarks.md): 64 nodes x 256 clients x 20 requests is 327,680 requests per case, 4-5 hours per TP8
-case before the admission queue's per-grant look at every replica grows with them. Most of it is the real engine's
-per-block and per-token work (prefix cache, block manager, scheduler), which the simulator runs unchanged.
+Cost (docs/benchmarks.md): one node at 512 clients x 40 requests (TP8 + DCP8) takes 107 s without the tier and 62-68 s
+with it on this machine's CPU, 5 and 3 ms per request (1,957 and 580 s before the simulator's decode lane and the
+ledger's remembered runs); the per-request cost grows with the nodes as the admission queue looks at more replicas
+per grant. TP8 costs more per request: its 64-token blocks make every prompt ~1,000 blocks of per-block work (prefix
+cache, block manager, reports), which the simulator runs unchanged.
 --write-docs writes one section per node count (the one-node section is the bench's first).
 """
 
