@@ -177,22 +177,21 @@ class SimReplica:
                 self._work.clear()
                 await self._work.wait()
             output = scheduler.schedule()
-            lane_rows = 0
+            lane_rows = lane_context = 0
             if lane is not None:
                 self._lane_left()
-                lane_rows = lane.lane_rows
+                lane_rows, lane_context = lane.lane_rows, lane.lane_context_tokens
             if output.is_empty and not lane_rows:
                 # Waiting requests that no KV or seat can take now: only an add, abort or finish changes that.
                 self._work.clear()
                 await self._work.wait()
                 continue
-            if not lane_rows:
-                work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
-            elif output.is_empty:
-                work = StepWork.decodes(lane_rows, lane.lane_context_tokens)  # type: ignore[union-attr]  # lane_rows > 0
+            if output.is_empty:  # the lane's decodes only
+                work = StepWork.decodes(lane_rows, lane_context)
             else:
-                work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled
-                                          ).with_decodes(lane_rows, lane.lane_context_tokens)  # type: ignore[union-attr]
+                work = StepWork.from_rows((entry.start_position, len(entry.token_ids)) for entry in output.scheduled)
+                if lane_rows:
+                    work = work.with_decodes(lane_rows, lane_context)
             seconds = self.step_model.step_seconds(work)
             if tiered is not None:
                 loaded, offloaded = tiered.take_copies()

@@ -87,22 +87,9 @@ class StepWork:
     prefill_context_queries: int  # new tokens of prefill rows (> 1 token) after cached context (start > 0)
 
     def __post_init__(self) -> None:
-        # Checked on every simulated step: the common case (all consistent) is one expression, the message only
-        # when it fails.
         values = (self.num_seqs, self.num_tokens, self.num_decode, self.context_tokens, self.attention_pairs,
                   self.decode_context_tokens, self.prefill_context_queries)
         prefill_rows, prefill_tokens = self.num_seqs - self.num_decode, self.num_tokens - self.num_decode
-        if (all(type(value) is int and value >= 0 for value in values) and self.num_decode <= self.num_seqs
-                and prefill_tokens >= 2 * prefill_rows
-                and self.num_decode <= self.decode_context_tokens <= self.context_tokens
-                and self.context_tokens - self.decode_context_tokens >= prefill_tokens
-                and self.decode_context_tokens <= self.attention_pairs
-                and self.prefill_context_queries <= prefill_tokens):
-            return
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"StepWork.{field.name} must be a non-negative integer, got {value!r}")
         # Each decode row attends to at least its own token, each prefill row computes >= 2 tokens and attends to them.
         checks = (
             (self.num_decode <= self.num_seqs, "num_decode <= num_seqs"),
@@ -114,6 +101,13 @@ class StepWork:
             (self.decode_context_tokens <= self.attention_pairs, "decode_context_tokens <= attention_pairs"),
             (self.prefill_context_queries <= prefill_tokens, "prefill_context_queries <= num_tokens - num_decode"),
         )
+        # Checked on every simulated step: the consistent case returns here, without naming fields.
+        if all(type(value) is int and value >= 0 for value in values) and all(holds for holds, _ in checks):
+            return
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"StepWork.{field.name} must be a non-negative integer, got {value!r}")
         for holds, rule in checks:
             if not holds:
                 raise ValueError(f"inconsistent StepWork ({rule} does not hold): {self}; build it with from_rows")
