@@ -75,8 +75,7 @@ class ReplicaLedger:
             self._release_shares(grant)
         replica = self.replicas.get(replica_id) if replica_id is not None else None
         if replica is not None:
-            replica.grants.pop(ticket, None)
-            replica.grant_prefill.pop(ticket, None)
+            replica.drop_grant(ticket)
             if finished:
                 replica.prefix.retire(ticket)
             else:
@@ -154,8 +153,7 @@ class ReplicaLedger:
         replica.routable = report.routable
         replica.probes = report.probes
         replica.headroom = report.headroom
-        replica.held = dict(held)
-        replica.released.intersection_update(held)
+        replica.set_held(held)
         replica.last_report = now
         if prefix is not None:
             replica.prefix.index.apply(prefix)
@@ -166,8 +164,7 @@ class ReplicaLedger:
                 self.num_leaked += 1
         # Released tickets the report still names were freed before their release (a finished request's KV at its
         # end, an unfinished one's abort completes first): the report was made before it, and is stale for them.
-        replica.external = sum(blocks for ticket, blocks in held.items()
-                               if ticket not in replica.grants and ticket not in replica.released)
+        replica.external = replica.unclaimed_blocks()
         self._fulfill()
 
     def remove_replica(self, replica_id: str) -> None:

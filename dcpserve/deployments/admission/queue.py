@@ -183,8 +183,8 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
         now = self._clock()
         try:
             # A request back after a grant (front) passed its tenant's limits then: it is not counted again.
-            exceeded = None if front else self.limits.check(level.tenant, level.tokens, self.in_flight(level.tenant),
-                                                            now)
+            exceeded = None if front else self.limits.check(
+                level.tenant, level.tokens, lambda: self.in_flight(level.tenant), now)
             if exceeded is not None:
                 raise LimitExceeded(exceeded)
             if self.replicas and not self._healthy_replicas():
@@ -300,18 +300,17 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
         granted_on = self._drop_grant(ticket, finished=True)
         for replica in self.replicas.values():
             if replica is granted_on or ticket in replica.held:
-                replica.released.add(ticket)
+                replica.mark_released(ticket)
         self._fulfill()
 
     def _grant(self, ticket: str, choice: PoolChoice, level: ServiceLevel) -> str:
         replica, need, hit_blocks, ask = choice.replica, choice.need, choice.hit_blocks, choice.ask
         now = self._clock()
-        replica.grants[ticket] = (need, now)
+        replica.add_grant(ticket, need, now, choice.prefill_blocks)
         tokens = need * replica.tokens_per_block
         self.shares.grant(level.tenant, tokens, now)
         self.session_shares.grant(session_of(level), tokens, now)
         self.homes.record(session_of(level), replica.replica_id, now)
-        replica.grant_prefill[ticket] = choice.prefill_blocks
         replica.prefix.add(ticket, ask)
         self._ticket_replica[ticket] = replica.replica_id
         self._grants[ticket] = Grant(replica.replica_id, need, hit_blocks, pool=replica.pool, level=level,

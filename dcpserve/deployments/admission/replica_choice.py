@@ -64,8 +64,10 @@ soonest. Every pick says why (`Pick.reason`, messages.DECISION_REASONS).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from dcpserve.deployments.admission.prefix_routing import ReplicaPrefix
 from dcpserve.deployments.admission.ttft_bound import BOUND_TOLERANCE_S, StartEstimate, bound_decision
@@ -106,14 +108,7 @@ class ReplicaKv:
     step_tokens: int = 0  # the tokens one of its steps takes (max_num_batched_tokens); 0: not reported
     reload_s_per_block: float = 0.0  # its measured host -> device copy of one block; 0: not measured
     prefill_s_per_token: float = 0.0  # its measured prefill price (KvReport.prefill_s_per_token); 0: not measured
-    grants: dict[str, tuple[int, float]] = field(default_factory=dict)  # ticket -> (blocks, granted at)
-    grant_prefill: dict[str, int] = field(default_factory=dict)  # ticket -> blocks its grant has to prefill there
     num_granted: int = 0  # grants ever made to it (a replica that joined is seen taking traffic)
-    held: dict[str, int] = field(default_factory=dict)  # ticket -> blocks the replica's ledger last reported
-    # Tickets released here that its last report may still name (a report made before they ended): not counted as
-    # sequences nor as external blocks. Each report keeps only the tickets it names, so the set never outgrows `held`
-    # past the next one.
-    released: set[str] = field(default_factory=set)
     external: int = 0  # blocks the replica holds for tickets not granted here
     headroom: int = 0  # blocks the replica's "usage" admission keeps free as growth room
     healthy: bool = True
@@ -122,21 +117,100 @@ class ReplicaKv:
     unreachable_at_probe: int | None = None  # a caller could not reach it when it had seen this many probes
     last_report: float = 0.0
     prefix: ReplicaPrefix = field(default_factory=ReplicaPrefix)  # its cached prefixes, and grants in flight
+    # The tickets, changed only through add_grant / drop_grant / set_held / mark_released, which keep the totals below
+    # (read as `grants`, `grant_prefill`, `held`, `released`):
+    _grants: dict[str, tuple[int, float]] = field(default_factory=dict, init=False, repr=False)  # -> (blocks, at)
+    _grant_prefill: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # -> blocks to prefill there
+    _held: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # -> blocks its last report counted
+    # Tickets released here that its last report may still name (a report made before they ended): not counted as
+    # sequences nor as external blocks. Each report keeps only the tickets it names, so the set never outgrows `held`
+    # past the next one.
+    _released: set[str] = field(default_factory=set, init=False, repr=False)
+    # Running totals of the sums the queue reads at every grant, for every replica (`granted`, `prefill_ahead`,
+    # `num_sequences`): summed there, one grant cost O(replicas x grants per replica), the cluster's size squared
+    # (docs/benchmarks.md, the simulator at 16 nodes). Each change of a ticket moves them by its own blocks; a report
+    # (set_held) sums them again, once.
+    _granted: int = field(default=0, init=False, repr=False)  # sum over grants of max(blocks, held)
+    _prefill_since: int = field(default=0, init=False, repr=False)  # grant_prefill of the tickets `held` lacks
+    _held_only: int = field(default=0, init=False, repr=False)  # tickets in `held`, neither granted nor released
+
+    @property
+    def grants(self) -> Mapping[str, tuple[int, float]]:
+        """Granted tickets -> (blocks counted, granted at)."""
+        return MappingProxyType(self._grants)
+
+    @property
+    def grant_prefill(self) -> Mapping[str, int]:
+        """Granted tickets -> the blocks each has to prefill there (its prompt less the cached run it hits)."""
+        return MappingProxyType(self._grant_prefill)
+
+    @property
+    def held(self) -> Mapping[str, int]:
+        """Tickets -> blocks the replica's ledger counted at its last report."""
+        return MappingProxyType(self._held)
+
+    @property
+    def released(self) -> AbstractSet[str]:
+        """Tickets released here that the last report still names."""
+        return self._released
+
+    def unclaimed_blocks(self) -> int:
+        """Blocks the last report counts for tickets neither granted nor released here (`external`'s reported part)."""
+        return sum(blocks for ticket, blocks in self._held.items()
+                   if ticket not in self._grants and ticket not in self._released)
+
+    def add_grant(self, ticket: str, blocks: int, at: float, prefill_blocks: int) -> None:
+        """The queue granted the ticket `blocks` here at `at`, with `prefill_blocks` of its prompt to compute."""
+        self.drop_grant(ticket)
+        self._grants[ticket] = (blocks, at)
+        self._grant_prefill[ticket] = prefill_blocks
+        self._granted += max(blocks, self._held.get(ticket, 0))
+        if ticket not in self._held:
+            self._prefill_since += prefill_blocks
+        elif ticket not in self._released:
+            self._held_only -= 1
+
+    def drop_grant(self, ticket: str) -> None:
+        """The ticket no longer holds a grant here (released, given back, leaked); unknown tickets are ignored."""
+        entry = self._grants.pop(ticket, None)
+        if entry is not None:
+            self._granted -= max(entry[0], self._held.get(ticket, 0))
+            if ticket in self._held and ticket not in self._released:
+                self._held_only += 1
+        prefill = self._grant_prefill.pop(ticket, None)
+        if prefill is not None and ticket not in self._held:
+            self._prefill_since -= prefill
+
+    def mark_released(self, ticket: str) -> None:
+        """The ticket ended here, though the replica's last report may still name it."""
+        if ticket in self._released:
+            return
+        self._released.add(ticket)
+        if ticket in self._held and ticket not in self._grants:
+            self._held_only -= 1
+
+    def set_held(self, held: Mapping[str, int]) -> None:
+        """A report's blocks per ticket: replaces the last one's, keeps only the released tickets it names, and sums
+        the totals again."""
+        self._held = dict(held)
+        self._released.intersection_update(self._held)
+        self._granted = sum(max(blocks, self._held.get(ticket, 0)) for ticket, (blocks, _) in self._grants.items())
+        self._prefill_since = sum(blocks for ticket, blocks in self._grant_prefill.items() if ticket not in self._held)
+        self._held_only = sum(1 for ticket in self._held if ticket not in self._grants and ticket not in self._released)
 
     @property
     def num_sequences(self) -> int:
         """Requests it runs or was granted: the granted tickets and the ones it reports holding, less those released
         since (a finished turn must not count against its replica when the conversation's next turn comes before
         the replica's next report)."""
-        return len(self.grants) + sum(1 for ticket in self.held
-                                      if ticket not in self.grants and ticket not in self.released)
+        return len(self._grants) + self._held_only
 
     @property
     def prefill_ahead(self) -> int:
         """Blocks of prompt it has still to compute before a request granted now starts: what its last report
         counted, and the grants since that the report does not name (each its prompt less the cached run it hits)."""
         reported = -(-self.prefill_tokens // max(self.tokens_per_block, 1))
-        return reported + sum(blocks for ticket, blocks in self.grant_prefill.items() if ticket not in self.held)
+        return reported + self._prefill_since
 
     @property
     def grantable(self) -> bool:
@@ -148,7 +222,7 @@ class ReplicaKv:
     @property
     def granted(self) -> int:
         """Blocks of the granted tickets: each the larger of its grant and what the replica holds for it."""
-        return sum(max(blocks, self.held.get(ticket, 0)) for ticket, (blocks, _) in self.grants.items())
+        return self._granted
 
     @property
     def free(self) -> int:

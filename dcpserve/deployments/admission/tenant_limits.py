@@ -10,6 +10,7 @@ a sliding 60 s window; a request refused by the queue after the check gives its 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 WINDOW_S = 60.0
@@ -45,11 +46,13 @@ class TenantLimits:
             window.popleft()
         return window
 
-    def check(self, tenant: str, tokens: int, in_flight: int, now: float) -> Exceeded | None:
-        """Whether a request of `tokens` may start now, the tenant having `in_flight` sequences waiting or running."""
+    def check(self, tenant: str, tokens: int, count_in_flight: Callable[[], int], now: float) -> Exceeded | None:
+        """Whether a request of `tokens` may start now, the tenant having `count_in_flight()` sequences waiting or
+        running: counted only for a tenant with a concurrency limit (it walks the queue's grants and waiters)."""
         limit = self.limits.get(tenant)
         if limit is None:
             return None
+        in_flight = 0 if limit.max_concurrent_requests is None else count_in_flight()
         if limit.max_concurrent_requests is not None and in_flight >= limit.max_concurrent_requests:
             return Exceeded("max_concurrent_requests", (
                 f"tenant {tenant!r} has {in_flight} requests waiting or running, its max_concurrent_requests="

@@ -65,7 +65,7 @@ def test_the_rule_needs_an_option() -> None:
 def test_the_estimate_drains_the_backlog_one_step_per_step_time_since_the_report() -> None:
     replica = ReplicaKv("r", capacity=100, tokens_per_block=TOKENS, step_s=STEP_S, step_tokens=STEP_TOKENS,
                         prefill_tokens=40 * TOKENS, last_report=10.0)
-    replica.grant_prefill["since"] = 8  # a grant the report does not name yet
+    replica.add_grant("since", 8, 10.0, prefill_blocks=8)  # a grant the report does not name yet
     now = start_estimate(replica, 4, 10.0)
     assert (now.ahead_s, now.own_s) == (pytest.approx(48 * BLOCK_S), pytest.approx(4 * BLOCK_S))
     assert start_estimate(replica, 4, 10.5).ahead_s == pytest.approx(48 * BLOCK_S - 0.5)
