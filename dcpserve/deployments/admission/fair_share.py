@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 from dcpserve.deployments.messages import ServiceLevel
@@ -147,7 +147,16 @@ def admission_order(waiters: Sequence[W], shares: TenantShares, now: float,
                     sessions: SessionMeasure | None = None) -> list[W]:
     """The order the queue grants waiting requests in (module doc): the head is granted first when it fits. Without
     `sessions` every request is a session of its own."""
-    order = sorted((w for w in waiters if w.front), key=lambda w: w.seq)
+    return list(iter_admission_order(waiters, shares, now, sessions))
+
+
+def iter_admission_order(waiters: Sequence[W], shares: TenantShares, now: float,
+                         sessions: SessionMeasure | None = None) -> Iterator[W]:
+    """admission_order one request at a time, for a walk that stops early (the queue's, at the first request that
+    finds no room in a single pool: with thousands waiting it takes one or a few, and placing all of them at every
+    report and release cost O(waiters) each). What the order reads of the shares is read before the first request
+    is yielded, so grants made during the walk do not change it."""
+    front = sorted((w for w in waiters if w.front), key=lambda w: w.seq)
     # priority -> tenant -> session -> its waiters, the next one last
     bands: dict[int, dict[str, dict[object, list[W]]]] = {}
     for waiter in waiters:
@@ -157,28 +166,15 @@ def admission_order(waiters: Sequence[W], shares: TenantShares, now: float,
                 session, []).append(waiter)
     by_deadline: Callable[[W], tuple[float, int]] = lambda w: (  # noqa: E731 - a sort key
         w.deadline_at if w.deadline_at is not None else math.inf, w.seq)
-    for priority in sorted(bands):
-        tenants = bands[priority]
-        spent: dict[str, dict[object, float]] = {}  # tenant -> session -> its attained + what the order placed
-        for tenant, lines in tenants.items():
-            for session, line in lines.items():
-                line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
-                spent.setdefault(tenant, {})[session] = (sessions.attained((tenant, session), now)
-                                                         if sessions is not None and isinstance(session, str) else 0.0)
-        # Per tenant, a heap of its sessions keyed by (spent, the next request's deadline and seq): the next session
-        # is its top, and only the session just served changes its key, so the order costs O(n log n), not the
-        # O(n^2) of scanning every session for each request (unkeyed requests are each a session of their own).
-        heaps = {t: [_session_key(session, line, spent[t][session], by_deadline) for session, line in lines.items()]
-                 for t, lines in tenants.items()}
-        for heap in heaps.values():
-            heapq.heapify(heap)
-        projected = {t: shares.attained(t, now) / tenants[t][heaps[t][0][-1]][-1].level.weight for t in tenants}
+    started = [_start_band(bands[priority], shares, now, sessions, by_deadline) for priority in sorted(bands)]
+    yield from front
+    for tenants, spent, heaps, projected in started:
         while tenants:
             tenant = min(tenants, key=lambda t: (projected[t], tenants[t][heaps[t][0][-1]][-1].seq))
             lines, heap = tenants[tenant], heaps[tenant]
             session = heapq.heappop(heap)[-1]
             waiter = lines[session].pop()
-            order.append(waiter)
+            yield waiter
             projected[tenant] += waiter.tokens * shares.quantum_s / waiter.level.weight
             spent[tenant][session] += waiter.tokens * (sessions.quantum_s if sessions is not None else 0.0)
             if lines[session]:
@@ -187,7 +183,33 @@ def admission_order(waiters: Sequence[W], shares: TenantShares, now: float,
                 del lines[session]
             if not lines:
                 del tenants[tenant], heaps[tenant]
-    return order
+
+
+# A band before its first request is placed: tenant -> session -> its line; tenant -> session -> spent; tenant -> its
+# heap of sessions (_session_key); tenant -> its projected share.
+_Band = tuple[dict[str, dict[object, list[W]]], dict[str, dict[object, float]],
+              dict[str, list[tuple[float, float, int, object]]], dict[str, float]]
+
+
+def _start_band(tenants: dict[str, dict[object, list[W]]], shares: TenantShares, now: float,
+                sessions: SessionMeasure | None, by_deadline: Callable[[W], tuple[float, int]]) -> _Band[W]:
+    """A priority band's state before its first request is placed: each session's line (the next one last), what
+    each session attained, each tenant's heap of sessions and its projected share."""
+    spent: dict[str, dict[object, float]] = {}  # tenant -> session -> its attained + what the order placed
+    for tenant, lines in tenants.items():
+        for session, line in lines.items():
+            line.sort(key=by_deadline, reverse=True)  # the next one last: pop() takes it
+            spent.setdefault(tenant, {})[session] = (sessions.attained((tenant, session), now)
+                                                     if sessions is not None and isinstance(session, str) else 0.0)
+    # Per tenant, a heap of its sessions keyed by (spent, the next request's deadline and seq): the next session is
+    # its top, and only the session just served changes its key, so the order costs O(n log n), not the O(n^2) of
+    # scanning every session for each request (unkeyed requests are each a session of their own).
+    heaps = {t: [_session_key(session, line, spent[t][session], by_deadline) for session, line in lines.items()]
+             for t, lines in tenants.items()}
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    projected = {t: shares.attained(t, now) / tenants[t][heaps[t][0][-1]][-1].level.weight for t in tenants}
+    return tenants, spent, heaps, projected
 
 
 def _session_key(session: object, line: list[W], spent: float, by_deadline: Callable[[W], tuple[float, int]]

@@ -44,7 +44,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from dcpserve.deployments.admission.bound_holds import DEFER_MARGIN_S, BoundHolds
 from dcpserve.deployments.admission.errors import (
@@ -56,7 +56,7 @@ from dcpserve.deployments.admission.errors import (
     QueueTimeout,
     Shed,
 )
-from dcpserve.deployments.admission.fair_share import TenantShares, admission_order
+from dcpserve.deployments.admission.fair_share import TenantShares, iter_admission_order
 from dcpserve.deployments.admission.latency_window import LatencyWindow
 from dcpserve.deployments.admission.ledger import Grant, ReplicaLedger
 from dcpserve.deployments.admission.pools import PoolChoice, choose, need_on, pools_of, smallest_blocks
@@ -373,10 +373,11 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
             self._waiters = deque(w for w in self._waiters if not w.future.done())
         closed: set[str] = set()
         pools = {replica.pool for replica in self.replicas.values()}
+        order: Iterable[Waiter]
         if self.order == "fifo":
             order = sorted(self._waiters, key=lambda w: (not w.front, w.seq))
         else:
-            order = admission_order(self._waiters, self.shares, now, self.session_shares)
+            order = iter_admission_order(self._waiters, self.shares, now, self.session_shares)
         gone: set[int] = set()  # granted or parked in this walk
         for waiter in order:
             usable = pools_of(waiter.need, self.replicas.values())

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dcpserve.deployments.admission.errors import DeadlineExceeded, LimitExceeded, QueueFull, QueueTimeout, Shed
-from dcpserve.deployments.admission.fair_share import TenantShares, admission_order
+from dcpserve.deployments.admission.fair_share import TenantShares, admission_order, iter_admission_order
 from dcpserve.deployments.admission.latency_window import LatencyWindow, nearest_rank
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.tenant_limits import Exceeded, Limits, TenantLimits
@@ -370,6 +370,14 @@ def test_fair_order_is_a_pure_function_of_waiters_shares_and_time() -> None:
     order = [w.seq for w in admission_order(waiters, shares, now=5.0)]
     assert order == [5, 4, 3, 1, 2]
     assert [w.seq for w in admission_order(waiters, shares, now=5.0)] == order  # same state, same order
+    # The queue's walk takes it one request at a time, granting as it goes: the grants it makes during the walk do
+    # not reorder the rest (the order read the shares before its first request).
+    walk = iter_admission_order(waiters, shares, now=5.0)
+    taken = [next(walk).seq, next(walk).seq]
+    shares.grant("idle", 10_000, now=5.0)
+    assert taken + [w.seq for w in walk] == order
+    assert [w.seq for w in admission_order(waiters, shares, now=5.0)] != order  # read afresh, it changes
+    shares.release("idle", 10_000, now=5.0)
     # Decay: the busy tenant's 160 tokens x 1 s charge plus 10 s held (tau = 10 / ln 2), at 20 s.
     shares.release("busy", 160, now=10.0)
     assert shares.attained("busy", 20.0) == pytest.approx(
