@@ -170,8 +170,8 @@ def _pair(values: dict[str, float], fmt: str) -> str:
 
 def format_section(results: dict[Case, dict[str, Any]], args: argparse.Namespace, argv: list[str]) -> str:
     gpus = args.nodes * GPUS_PER_NODE
-    kv = ", ".join(f"{case.label.split(',')[0]} {result['kv_tokens']:,}" for case, result in results.items()
-                   if case.host_kv is None) or "-"
+    layouts = {case.label.split(",")[0]: result["kv_tokens"] for case, result in results.items()}  # tier or not
+    kv = ", ".join(f"{layout} {tokens:,}" for layout, tokens in layouts.items()) or "-"
     lines = [f"## The host KV tier at {gpus} GPUs in the simulator (`{SCRIPT}`)", "",
              f"`{bench_command('simulate_tier', argv)}`. Kimi K2 (nvfp4 weights, fp8 KV, 256k context) on {gpus} x "
              f"B200, replicas of tp=8; the `agentic` preset closed loop at {args.concurrency} clients per node, "
