@@ -161,9 +161,23 @@ class TieredBlockManager(BlockManager):
         """Blocks the tier let go: gone from the replica unless the device holds them (then it reports their state)."""
         reporter = self._tier_reporter
         for block in dropped:
+            self._forget_readers(block)  # a waiting request's run through it ends before it now
             if reporter.state.get(block) == HOSTED:
                 self.num_host_evictions += 1
                 PrefixReporter.set(reporter, block, EVICTED)
+
+    def hosted_run(self, request: Request, device_hits: int) -> int:
+        """The blocks continuing the request's cached run in this tier, as admit would reload them (and the engine's
+        tier counts its own): the ledger's prefill estimate of a waiting request leaves them out."""
+        if not len(self.tier) or not self._can_look_up(request):
+            return 0
+        hashes = self.block_hashes(request, max_hit_blocks(request.num_tokens, self.tokens_per_block))
+        count = 0
+        for block in hashes[device_hits:]:
+            if block not in self.tier:
+                break
+            count += 1
+        return count
 
     def admit(self, request: Request, reserve_tokens: int, keep_free: int = 0) -> bool:
         """BlockManager.admit, then the blocks that continue the request's cached run in the host tier: allocated

@@ -245,10 +245,15 @@ class BlockManager:
             slots.append(slot)
         return slots
 
+    def hosted_run(self, request: Request, device_hits: int) -> int:
+        """How many blocks of the request's cached run continue in the host tier past its device_hits (what
+        find_hosted finds; a block manager with a tier of its own counts its own)."""
+        return len(self.find_hosted(request, device_hits))
+
     def hit_blocks(self, request: Request) -> int:
         """Blocks of the request's cached run, on device and in the host tier: what it will not compute."""
         device = len(self.find_cached(request))
-        return device + len(self.find_hosted(request, device))
+        return device + self.hosted_run(request, device)
 
     def pinned_hits(self, request: Request) -> int:
         """Of the request's cached run, the blocks other requests reference now (taking them adds no KV)."""
@@ -267,7 +272,7 @@ class BlockManager:
         hits = self.find_cached(request)
         ref_count = self._ref_count
         pinned = sum(1 for block_id in hits if ref_count[block_id] > 0)
-        hit_blocks = len(hits) + len(self.find_hosted(request, len(hits)))
+        hit_blocks = len(hits) + self.hosted_run(request, len(hits))
         if self.enable_prefix_caching:
             read = request.block_hashes[:hit_blocks + 1]
             self._runs[request_id] = (request.num_tokens, hit_blocks, pinned, read)
@@ -294,12 +299,16 @@ class BlockManager:
 
     def _report(self, block: int, state: int) -> None:
         """A cached block changed state: to the reporter, and the waiting runs that read it are looked up again."""
+        self._forget_readers(block)
+        if self.reporter is not None:
+            self.reporter.set(block, state)
+
+    def _forget_readers(self, block: int) -> None:
+        """The block changed state: the remembered runs that read it (cached_run) are looked up again."""
         holders = self._readers.pop(block, None)
         if holders:
             for request_id in holders:
                 self._forget_run(request_id)
-        if self.reporter is not None:
-            self.reporter.set(block, state)
 
     def _take(self, request: Request, block_id: int) -> None:
         if self._ref_count[block_id] == 0:

@@ -15,6 +15,7 @@ from dcpserve.engine.core.request import Request, RequestStatus
 from dcpserve.engine.core.scheduler import Scheduler
 from dcpserve.engine.protocol import KvLedger
 from dcpserve.engine.sampling_params import SamplingParams
+from dcpserve.simulator.host_tier import HostTierShape, TieredBlockManager
 
 EOS = 0
 
@@ -31,16 +32,23 @@ def fresh_ledger(scheduler: Scheduler) -> KvLedger:
         prefill_tokens=sum(scheduler._prefill_left(r) for r in requests))
 
 
-@pytest.mark.parametrize("host_slots", [0, 24])
+def block_manager(tier: str) -> BlockManager:
+    """No tier, the engine's host tier, or the simulator's (dcpserve/simulator/host_tier.py: its own pool, counted
+    in the ledger through hosted_run)."""
+    if tier == "simulator":
+        return TieredBlockManager(48, 4, 2, HostTierShape(24, 1, 1.0, 1.0))
+    return BlockManager(48, 4, 2, enable_prefix_caching=True, host_tier=HostTier(24) if tier == "engine" else None)
+
+
+@pytest.mark.parametrize("tier", ["none", "engine", "simulator"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_ledger_from_remembered_runs_equals_fresh_lookups(seed: int, host_slots: int) -> None:
+def test_the_ledger_from_remembered_runs_equals_fresh_lookups(seed: int, tier: str) -> None:
     rng = random.Random(seed)
     config = SchedulerConfig(max_model_len=4096, max_num_seqs=6, max_num_batched_tokens=96, admission="usage")
-    manager = BlockManager(48, 4, 2, enable_prefix_caching=True,
-                           host_tier=HostTier(host_slots) if host_slots else None)
+    manager = block_manager(tier)
     scheduler = Scheduler(config, manager, frozenset({EOS}))
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(8, 60))] for _ in range(5)]
-    remembered = 0
+    remembered = hosted = 0
     for index in range(160):
         if rng.random() < 0.6:  # a new request: a shared prefix (often) and a tail of its own
             prompt = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
@@ -55,11 +63,14 @@ def test_the_ledger_from_remembered_runs_equals_fresh_lookups(seed: int, host_sl
             scheduler.update(output, sampled)
             assert scheduler.kv_ledger() == fresh_ledger(scheduler)
             remembered += len(manager._runs)
+            hosted += sum(manager.hosted_run(r, len(manager.find_cached(r))) > 0
+                          for r in scheduler.requests.values() if r.status is RequestStatus.WAITING)
     while scheduler.has_unfinished:
         output = scheduler.schedule()
         scheduler.update(output, {e.request_id: rng.randrange(1, 50) for e in output.scheduled if e.sample})
         assert scheduler.kv_ledger() == fresh_ledger(scheduler)
     assert scheduler.num_preemptions > 0
     assert remembered > 0  # waiting requests' runs were remembered between steps
+    assert (hosted > 0) == (tier != "none")  # waiting requests' runs went on into a host tier
     assert not manager._runs and not manager._readers  # nothing kept for requests that are gone
     assert all(r.status is not RequestStatus.WAITING for r in scheduler.requests.values())
