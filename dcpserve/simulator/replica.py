@@ -31,6 +31,7 @@ from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
 from dcpserve.engine.core.request import Request
 from dcpserve.engine.core.scheduler import Scheduler, TokenUpdate
+from dcpserve.engine.protocol import KvLedger
 from dcpserve.simulator.decode_lane import LaneScheduler
 from dcpserve.simulator.host_tier import HostTierShape, TieredBlockManager
 from dcpserve.simulator.step_time import StepTimeModel, StepWork
@@ -111,6 +112,7 @@ class SimReplica:
         else:
             self.scheduler = Scheduler(shape.scheduler, self.block_manager, frozenset({EOS_TOKEN}))
         self._last_step_end = 0.0  # when the last step ended: the lane's tokens' previous token
+        self._ledger: KvLedger | None = None  # kv_ledger's, until the scheduler's state changes
         self._work = asyncio.Event()
         self._prefix_position: tuple[str | None, int] = (None, 0)
         self.probes = 1  # Serve's controller has probed it: grantable from its first report
@@ -142,15 +144,26 @@ class SimReplica:
         KvFull (no room now: the caller gives the grant back) or RequestRejected (it can never run here)."""
         scheduler = self.scheduler
         need = scheduler.committed_blocks(request)
-        scheduler.kv_ledger().require(need)
+        ledger = self.kv_ledger()
+        ledger.require(need)
         scheduler.add_request(request)
+        self._ledger = scheduler.ledger_with(ledger, request, need)
         self.output_lengths[request.request_id] = output_length
         self._work.set()
         return need
 
+    def kv_ledger(self) -> KvLedger:
+        """The scheduler's ledger, built once between two changes of its state (a schedule, an update, an abort; an
+        accept extends it, Scheduler.ledger_with): accepts and reports between two steps read the same one, as the
+        served core's adds in one batch do, instead of walking every request each."""
+        if self._ledger is None:
+            self._ledger = self.scheduler.kv_ledger()
+        return self._ledger
+
     def abort(self, request_id: str) -> None:
         self.output_lengths.pop(request_id, None)
         if self.scheduler.abort_request(request_id):
+            self._ledger = None
             self._work.set()
         self._lane_left()
 
@@ -177,6 +190,7 @@ class SimReplica:
                 self._work.clear()
                 await self._work.wait()
             output = scheduler.schedule()
+            self._ledger = None
             lane_rows = lane_context = 0
             if lane is not None:
                 self._lane_left()
@@ -215,6 +229,7 @@ class SimReplica:
                 for entry in output.scheduled if entry.sample and entry.request_id in output_lengths
             }
             updates = scheduler.update(output, sampled)
+            self._ledger = None
             for update in updates:
                 if update.finished:
                     output_lengths.pop(update.request.request_id, None)
@@ -232,7 +247,7 @@ class SimReplica:
 
     def report(self) -> None:
         """The replica's KV report to the admission queue (EngineReplica._report_loop's, without the network)."""
-        ledger = self.scheduler.kv_ledger()
+        ledger = self.kv_ledger()
         reporter = self.block_manager.reporter
         prefix = None if reporter is None else reporter.report(*self._prefix_position)
         self.queue.report(KvReport(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,6 +162,34 @@ def test_kv_full_refuses_and_nothing_is_lost(engine) -> None:
         tokens, _ = await _collect(client, prompt, params, "one-more", check_kv=True)
         assert len(tokens) == 56
         assert client.stats().num_preemptions == 0  # "full": what it accepted always fit
+
+    loop.run_until_complete(run())
+
+
+def test_a_burst_of_adds_is_checked_one_after_another(engine) -> None:
+    """Submits that reach the core together are checked in one batch, each against the ledger after the ones before
+    it (Scheduler.ledger_with): exactly as many are accepted as fit, whatever the batching."""
+    loop, client = engine
+    capacity = client.kv_ledger().capacity_blocks
+    per_request = 8  # blocks: 200 prompt + 56 max_tokens = 256 tokens ("full")
+    num_fill = capacity // per_request
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=56, ignore_eos=True)
+
+    async def submit(i: int) -> Any:
+        try:
+            return await client.submit(sampling_params=params, prompt_token_ids=[298 + i] + list(range(21, 220)),
+                                       request_id=f"burst-{i}", check_kv=True)
+        except KvFull as err:
+            return err
+
+    async def run() -> None:
+        answers = await asyncio.gather(*(submit(i) for i in range(num_fill + 3)))
+        streams = [a for a in answers if not isinstance(a, KvFull)]
+        assert len(streams) == num_fill and client.kv_ledger().committed_blocks == num_fill * per_request
+        for stream in streams:
+            assert sum([len(d.new_token_ids) async for d in stream]) == 56
+        await _settle(client)
+        assert client.kv_ledger().committed_blocks == 0
 
     loop.run_until_complete(run())
 

@@ -13,10 +13,11 @@ from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
 from dcpserve.engine.core.request import Request, RequestStatus
 from dcpserve.engine.core.scheduler import Scheduler
+from dcpserve.engine.protocol import KvLedger
 from dcpserve.engine.sampling_params import SamplingParams
 from dcpserve.simulator.decode_lane import LaneScheduler
 from dcpserve.simulator.host_tier import HostTierShape, TieredBlockManager
-from dcpserve.simulator.replica import EOS_TOKEN, FILLER_TOKEN, ReplicaShape
+from dcpserve.simulator.replica import EOS_TOKEN, FILLER_TOKEN, ReplicaShape, SimReplica
 from dcpserve.simulator.run import ServeSettings, Simulation, SimulationConfig
 from dcpserve.simulator.step_fit import LinearStepModel
 from dcpserve.simulator.step_time import StepWork
@@ -183,3 +184,43 @@ def test_a_simulation_gives_the_same_records_with_and_without_the_lane(name: str
     for replica in lane.replicas.values():
         assert replica.block_manager.usage().used == 0
         assert all(r.status is not RequestStatus.RUNNING for r in replica.scheduler.requests.values())
+
+
+LEDGER_CASES = {  # CASES' agentic and timeouts, smaller: every ledger read is checked against a fresh one
+    "agentic+tier": Case(1200, 64, True, lambda: generate(PRESETS["agentic"], 24, seed=1), concurrency=8),
+    "timeouts": Case(400, 16, False, lambda: _single_turns(120, 20.0, 600), request_timeout_s=6.0),
+}
+
+
+@pytest.mark.parametrize("use_lane", [False, True])
+@pytest.mark.parametrize("name", sorted(LEDGER_CASES))
+def test_the_ledger_a_replica_keeps_between_steps_is_the_one_it_would_build(
+        name: str, use_lane: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SimReplica.kv_ledger builds the ledger once between two changes of the scheduler's state and extends it at
+    each accept: every time an accept or a report reads it, it equals the scheduler's own, built then."""
+    case = LEDGER_CASES[name]
+    scheduler = SchedulerConfig(max_model_len=262144, max_num_seqs=64, max_num_batched_tokens=2048, admission="usage")
+    shape = ReplicaShape(tp=2, dcp=2, num_blocks=case.num_blocks, block_size=case.block_size, scheduler=scheduler,
+                         host_tier=TIER if case.host_tier else None)
+    # Reports more often than steps (the shortest is 2 ms): every step's ledger is read, also after the last one.
+    serve = ServeSettings(max_queued_requests=100_000, queue_timeout_s=1e9, request_timeout_s=case.request_timeout_s,
+                          kv_report_period_s=1.5e-3)
+    kept = 0
+    kv_ledger = SimReplica.kv_ledger
+
+    def checked(replica: SimReplica) -> KvLedger:
+        nonlocal kept
+        kept += replica._ledger is not None
+        ledger = kv_ledger(replica)
+        assert ledger == replica.scheduler.kv_ledger()
+        return ledger
+
+    monkeypatch.setattr(SimReplica, "kv_ledger", checked)
+    config = SimulationConfig(shape, num_replicas=2, serve=serve, concurrency=case.concurrency, decode_lane=use_lane)
+    simulation = Simulation(config, STEP_MODEL)
+    summary = simulation.run(case.trace())
+    assert kept > 0  # reads between two steps found the ledger kept
+    if name == "timeouts":
+        assert summary["refused"].get("request_timeout", 0) > 0
+    for replica in simulation.replicas.values():  # idle after its last step: what a report would read now
+        assert not replica.kv_ledger().per_request

@@ -243,29 +243,38 @@ class EngineCore:
         admissions: list[Admission] = []
         replies: list[tuple[int, object]] = []
         changed = False
+        ledger: KvLedger | None = None  # the ledger as of the last add of this batch (rebuilt after anything else)
         for message in inputs:
             if isinstance(message, AddRequest):
-                admissions.append(self._add(message))
+                admission, ledger = self._add(message, ledger)
+                admissions.append(admission)
                 changed = True
             elif isinstance(message, AbortRequest):
-                changed |= engine.abort_request(message.request_id)
+                if engine.abort_request(message.request_id):
+                    changed, ledger = True, None
             elif isinstance(message, (AdmissionNeedQuery, PrefixReportQuery, CallQuery)):
                 replies.append((message.query_id, self._answer(message)))
+                if isinstance(message, CallQuery):
+                    ledger = None  # it may change anything
         if not (admissions or replies or changed):
             return None
         return CoreOutputs(snapshot(engine), admissions=tuple(admissions), replies=tuple(replies))
 
-    def _add(self, message: AddRequest) -> Admission:
+    def _add(self, message: AddRequest, ledger: KvLedger | None) -> tuple[Admission, KvLedger | None]:
+        """Adds the request if its need fits the ledger (`ledger`: the one after this batch's adds so far, None to
+        build it); the answer, and the ledger after it. A burst of adds in one batch builds the ledger once."""
         engine = self.engine
         request = message.request
         try:
             need = engine.admission_need(request)
             if message.check_kv:
-                engine.kv_ledger().require(need)
+                ledger = ledger or engine.kv_ledger()
+                ledger.require(need)
             engine.add(request)
         except (KvFull, ValueError) as err:  # RequestRejected is a ValueError: the caller's answer, not a failure
-            return Admission(request.request_id, 0, err)
-        return Admission(request.request_id, need)
+            return Admission(request.request_id, 0, err), None  # rebuilt at the next add: rare
+        return Admission(request.request_id, need), (None if ledger is None
+                                                     else engine.scheduler.ledger_with(ledger, request, need))
 
     def _answer(self, message: Query) -> object:
         engine = self.engine

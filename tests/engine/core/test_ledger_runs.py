@@ -1,6 +1,7 @@
 """The KV ledger's remembered cached runs of waiting requests (BlockManager.cached_run): after any sequence of
 admissions, steps, evictions, host-tier moves, preemptions and aborts, the ledger built from them equals the one
-every request's fresh lookup gives."""
+every request's fresh lookup gives; and the ledger a burst of adds is checked against (Scheduler.ledger_with, one add
+at a time) equals the one built after them."""
 
 from __future__ import annotations
 
@@ -50,10 +51,15 @@ def test_the_ledger_from_remembered_runs_equals_fresh_lookups(seed: int, tier: s
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(8, 60))] for _ in range(5)]
     remembered = hosted = 0
     for index in range(160):
-        if rng.random() < 0.6:  # a new request: a shared prefix (often) and a tail of its own
+        ledger = scheduler.kv_ledger()
+        for burst in range(rng.choice([0, 0, 1, 1, 3])):  # new requests: a shared prefix (often), a tail of its own
             prompt = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
             prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
-            scheduler.add_request(Request(f"r{index}", prompt, SamplingParams(max_tokens=rng.randrange(1, 160))))
+            request = Request(f"r{index}.{burst}", prompt, SamplingParams(max_tokens=rng.randrange(1, 160)))
+            need = scheduler.committed_blocks(request)
+            scheduler.add_request(request)
+            ledger = scheduler.ledger_with(ledger, request, need)  # the engine core's check of a burst of adds
+            assert ledger == scheduler.kv_ledger()
         if scheduler.requests and rng.random() < 0.08:  # an abort, running or waiting
             scheduler.abort_request(rng.choice(sorted(scheduler.requests)))
         for _ in range(rng.randrange(1, 4)):
