@@ -11,6 +11,7 @@ from __future__ import annotations
 # name -> what it measures, in one line (`python -m bench` prints these).
 BENCHMARKS: dict[str, str] = {
     "admission": "admission full vs usage on one burst of early-stopping requests through the deployed app",
+    "admission_scale": "admission's cost per request: the queue's grant at 8-64 replicas, the core's burst check",
     "agentic": "multi-turn agentic sessions through the deployed app: the host KV tier off vs on, TTFT by turn",
     "burst": "a burst of long sampled requests against a running `make serve`: statuses, then responsiveness",
     "capacity": "KV capacity and throughput of dcp=1 vs dcp=4 through the deployed app (the claim DCP exists for)",
