@@ -190,14 +190,11 @@ class TieredBlockManager(BlockManager):
             return True
         tokens_per_block = self.tokens_per_block
         device_hits = request.num_cached_blocks
-        limit = max_hit_blocks(request.num_tokens, tokens_per_block)
-        run: list[int] = []
-        for block in self.block_hashes(request, limit)[device_hits:]:
-            if block not in self.tier:
-                break
-            run.append(block)
-        if not run:
+        hosted = self.hosted_run(request, device_hits)
+        if not hosted:
             return True
+        limit = max_hit_blocks(request.num_tokens, tokens_per_block)
+        run = self.block_hashes(request, limit)[device_hits:device_hits + hosted]
         for block in run:
             self.tier.hold(block)
         allocated = self.allocate(request, (device_hits + len(run)) * tokens_per_block)
