@@ -171,13 +171,18 @@ class TieredBlockManager(BlockManager):
         tier counts its own): the ledger's prefill estimate of a waiting request leaves them out."""
         if not len(self.tier) or not self._can_look_up(request):
             return 0
-        hashes = self.block_hashes(request, max_hit_blocks(request.num_tokens, self.tokens_per_block))
-        count = 0
-        for block in hashes[device_hits:]:
+        return len(self._tier_run(request, device_hits))
+
+    def _tier_run(self, request: Request, device_hits: int) -> list[int]:
+        """The hashes of the blocks after the request's first device_hits that the tier holds, up to the first it
+        does not (before the prompt's last token)."""
+        run: list[int] = []
+        limit = max_hit_blocks(request.num_tokens, self.tokens_per_block)
+        for block in self.block_hashes(request, limit)[device_hits:]:
             if block not in self.tier:
                 break
-            count += 1
-        return count
+            run.append(block)
+        return run
 
     def admit(self, request: Request, reserve_tokens: int, keep_free: int = 0) -> bool:
         """BlockManager.admit, then the blocks that continue the request's cached run in the host tier: allocated
@@ -190,11 +195,9 @@ class TieredBlockManager(BlockManager):
             return True
         tokens_per_block = self.tokens_per_block
         device_hits = request.num_cached_blocks
-        hosted = self.hosted_run(request, device_hits)
-        if not hosted:
+        run = self._tier_run(request, device_hits)  # after its device hits were taken: not hosted_run's look-up
+        if not run:
             return True
-        limit = max_hit_blocks(request.num_tokens, tokens_per_block)
-        run = self.block_hashes(request, limit)[device_hits:device_hits + hosted]
         for block in run:
             self.tier.hold(block)
         allocated = self.allocate(request, (device_hits + len(run)) * tokens_per_block)
