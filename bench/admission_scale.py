@@ -26,15 +26,17 @@ import time
 from bench.harness.docs_section import DocsSection, bench_command
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.replica_choice import ReplicaKv
-from dcpserve.deployments.messages import KvReport
+from dcpserve.deployments.messages import KvReport, PrefixAsk
 from dcpserve.engine.config import SchedulerConfig
 from dcpserve.engine.core.block_manager import BlockManager
+from dcpserve.engine.core.prefix_cache import CACHED, PrefixReporter, chain_hashes
 from dcpserve.engine.core.request import Request
 from dcpserve.engine.core.scheduler import Scheduler
 from dcpserve.engine.sampling_params import SamplingParams
 
 SECTION = "admission_scale"
 TOKENS_PER_BLOCK = 64
+SEED = b"admission_scale"
 
 
 def summed(replica: ReplicaKv) -> int:
@@ -46,19 +48,38 @@ def summed(replica: ReplicaKv) -> int:
     return granted + ahead + sequences
 
 
-def queue_case(replicas: int, grants: int, requests: int) -> tuple[float, float]:
-    """(us per acquire + release, us per grant of the old sums over every replica) at that size."""
+def preamble_ask(preamble: list[int], i: int) -> PrefixAsk | None:
+    """Request i's prompt: the preamble's blocks, then 8 of its own."""
+    if not preamble:
+        return None
+    own = 1_000_000 + i * 8 * TOKENS_PER_BLOCK  # its own tokens, past the preamble's
+    tokens = [*range(len(preamble) * TOKENS_PER_BLOCK), *range(own, own + 8 * TOKENS_PER_BLOCK)]
+    hashes = chain_hashes(tokens, TOKENS_PER_BLOCK, SEED, preamble)
+    return PrefixAsk(tuple(hashes), TOKENS_PER_BLOCK, SEED, len(tokens) + 1)
+
+
+def queue_case(replicas: int, grants: int, requests: int, preamble_blocks: int = 0) -> tuple[float, float]:
+    """(us per acquire + release, us per grant of the old sums over every replica) at that size. preamble_blocks > 0:
+    every replica reports caching a preamble of that many blocks, and every prompt starts with it."""
+    preamble = chain_hashes(list(range(preamble_blocks * TOKENS_PER_BLOCK)), TOKENS_PER_BLOCK, SEED)
+    prefix = None
+    if preamble:
+        reporter = PrefixReporter(TOKENS_PER_BLOCK, SEED)
+        for block in preamble:
+            reporter.set(block, CACHED)
+        prefix = reporter.report(None, 0)
 
     async def run() -> tuple[float, float]:
         queue = AdmissionQueue(max_queued=10, leak_grace_s=1e9)
         for r in range(replicas):
             queue.report(KvReport(replica_id=f"r{r}", capacity=100 * grants, tokens_per_block=TOKENS_PER_BLOCK,
-                                  held={}, prefill_tokens=0))
+                                  held={}, prefill_tokens=0, prefix=prefix))
         for i in range(replicas * grants):  # the held sequences: granted round the replicas by the queue itself
             await queue.acquire(f"held{i}", 8, 1.0)
+        asks = [preamble_ask(preamble, i) for i in range(requests)]
         start = time.perf_counter()
         for i in range(requests):
-            await queue.acquire(f"t{i}", 8, 1.0)
+            await queue.acquire(f"t{i}", 8, 1.0, ask=asks[i])
             queue.release(f"t{i}")
         per_grant = (time.perf_counter() - start) / requests
         start = time.perf_counter()
@@ -101,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--grants", type=int, nargs="+", default=[64, 512], help="sequences held per replica")
     parser.add_argument("--requests", type=int, default=400, help="acquire + release pairs timed per case")
+    parser.add_argument("--preamble-blocks", type=int, default=192,
+                        help="the cached preamble every prompt starts with, in the prefix rows (default 192: the "
+                             "agentic preset's 12k-token tool preamble in TP8's 64-token blocks); 0: no prefix rows")
     parser.add_argument("--held", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--burst", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
@@ -116,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             grant_us, sums_us = queue_case(replicas, grants, args.requests)
             queue_rows.append(f"| {replicas} | {grants} | {replicas * grants:,} | {grant_us:,.0f} | {sums_us:,.0f} |")
             print(queue_rows[-1], flush=True)
+    prefix_rows = []
+    for replicas in args.replicas if args.preamble_blocks > 0 else ():
+        grant_us, _ = queue_case(replicas, min(args.grants), args.requests, args.preamble_blocks)
+        prefix_rows.append(f"| {replicas} | {min(args.grants)} | {grant_us:,.0f} |")
+        print(prefix_rows[-1], flush=True)
     burst_rows = []
     for held in args.held:
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -136,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "before the totals cost over the same state, once per replica (the least one grant paid then).", "",
         "| replicas | sequences per replica | sequences | us per acquire + release | the old sums, us per grant |",
         "|---|---|---|---|---|", *queue_rows, "",
+        *([f"The same grant with prefix routing over a shared preamble: every replica reports caching "
+           f"{args.preamble_blocks} blocks, and every prompt is those and 8 blocks of its own, so the choice walks the "
+           f"preamble on every replica (`PrefixIndex.match`).", "",
+           "| replicas | sequences per replica | us per acquire + release |", "|---|---|---|", *prefix_rows, ""]
+          if prefix_rows else []),
         f"**The engine core's check of a burst.** {args.burst} requests of 2,000 tokens added to a scheduler holding "
         f"H (half running), each checked against the KV ledger; medians of {args.rounds} rounds, alternated.", "",
         "| held | burst | the burst checked, ledger rebuilt per add: ms | extended per add: ms | ratio |",

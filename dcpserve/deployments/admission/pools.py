@@ -124,17 +124,18 @@ def gpu_seconds_per_token(replica: ReplicaKv, blocks: int, step_s: float) -> flo
 
 def choose(replicas: Iterable[ReplicaKv], need: Need, ask: PrefixAsk | None, prefix_routing: bool,
            open_pools: set[str] | None = None, *, home: str | None = None, ttft_bound_s: float = 0.0,
-           may_wait_s: float = 0.0, now: float = 0.0, prefix_hold: tuple[float, float] | None = None
-           ) -> PoolChoice | None:
+           may_wait_s: float = 0.0, now: float = 0.0, prefix_hold: tuple[float, float] | None = None,
+           holding: set[str] | None = None) -> PoolChoice | None:
     """The pool and replica to grant now (module doc), among open_pools (None: every pool); None if no open pool
     has room for the request. home, ttft_bound_s, may_wait_s, now, prefix_hold: pick_replica's (the session's last
     replica, the TTFT bound, the prefix hold). Pools whose pick starts the request within the bound go first (a
     prefix hold's pick counts as within it); when none does, the pool whose backlog drains under the bound soonest
-    (a wait), else the one where it starts soonest."""
+    (a wait), else the one where it starts soonest. `holding`: pools_of(need, replicas) when the caller has it."""
     by_pool: dict[str, list[ReplicaKv]] = {}
     for replica in replicas:
         by_pool.setdefault(replica.pool, []).append(replica)
-    holding = pools_of(need, (r for members in by_pool.values() for r in members))
+    if holding is None:
+        holding = pools_of(need, (r for members in by_pool.values() for r in members))
     candidates = []
     for pool, members in sorted(by_pool.items()):
         pool_need = need_on(need, ask, pool)

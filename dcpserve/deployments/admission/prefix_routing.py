@@ -11,9 +11,10 @@ replica caches, so a conversation's next turn, sent the moment the answer ends, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from dcpserve.deployments.messages import PrefixAsk
-from dcpserve.engine.core.prefix_cache import PrefixIndex, PrefixMatch
+from dcpserve.engine.core.prefix_cache import NO_MATCH, PrefixIndex, PrefixMatch
 
 # A finished grant's prompt is dropped at the second report after the finish: the first may have left the replica
 # before the request ended.
@@ -65,12 +66,9 @@ class ReplicaPrefix:
         flight here share with it (a routing preference, not KV the request may count on). Asks in another block
         unit or seed match nothing."""
         if ask is None:
-            return PrefixMatch(), 0
+            return NO_MATCH, 0
         reported = self.index.match(ask.hashes, ask.tokens_per_block, ask.seed)
-        inflight = 0  # a hash names its block unit and seed too: prompts hashed otherwise share none
-        if self._inflight_blocks:
-            for block in ask.hashes:
-                if block not in self._inflight_blocks:
-                    break
-                inflight += 1
-        return reported, inflight
+        # a hash names its block unit and seed too: prompts hashed otherwise share none
+        inflight = self._inflight_blocks
+        run = len(list(takewhile(inflight.__contains__, ask.hashes))) if inflight else 0
+        return reported, run

@@ -385,7 +385,7 @@ class AdmissionQueue(QueueViews, ReplicaLedger):
             choice = choose(self.replicas.values(), waiter.need, waiter.ask, self.prefix_routing, open_pools,
                             home=self.homes.home(session_of(waiter.level), now), ttft_bound_s=self.holds.bound_s,
                             may_wait_s=self.holds.may_wait(waiter, now), now=now,
-                            prefix_hold=self._prefix_hold(waiter, now)) if open_pools else None
+                            prefix_hold=self._prefix_hold(waiter, now), holding=usable) if open_pools else None
             if choice is None:
                 closed |= usable
                 if closed >= pools:

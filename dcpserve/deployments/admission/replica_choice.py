@@ -64,10 +64,11 @@ soonest. Every pick says why (`Pick.reason`, messages.DECISION_REASONS).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import overload
 
 from dcpserve.deployments.admission.prefix_routing import ReplicaPrefix
 from dcpserve.deployments.admission.ttft_bound import BOUND_TOLERANCE_S, StartEstimate, bound_decision
@@ -282,6 +283,8 @@ def prefix_credit(replica: ReplicaKv, match: PrefixMatch) -> float:
     """What a cached run saves there, in blocks of prefill: a block on device its whole recompute, a block only in the
     host tier its recompute less its reload (seconds saved = this x recompute_s_per_block). A host block still needs
     its device block, like a miss: the KV need counts it (only pinned blocks are shared)."""
+    if not match.host_blocks:
+        return float(match.hit_blocks)
     host = min(match.host_blocks, match.hit_blocks)
     return (match.hit_blocks - host) + host * (1.0 - reload_fraction(replica))
 
@@ -376,6 +379,41 @@ def option_starts(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | Non
             for replica, reported, inflight, _ in _options(replicas, need, ask)]
 
 
+# A ranked option: (its key, the replica, the request's own prefill blocks there, its need there, the run routing
+# counts there)
+_Ranked = tuple[tuple[bool, float, int, int], ReplicaKv, float, int, int]
+
+
+class _LazyStarts(Sequence[StartEstimate]):
+    """The ranked options' start estimates, each computed when bound_decision first reads it: with the bound off
+    it reads none, and a request some replica starts within it reads the ranking only down to that replica, not
+    every replica of the cluster at every grant."""
+
+    def __init__(self, ranked: list[_Ranked], now: float) -> None:
+        self._ranked = ranked
+        self._now = now
+        self._done: dict[int, StartEstimate] = {}
+
+    def __len__(self) -> int:
+        return len(self._ranked)
+
+    @overload
+    def __getitem__(self, index: int) -> StartEstimate: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[StartEstimate]: ...
+
+    def __getitem__(self, index: int | slice) -> StartEstimate | Sequence[StartEstimate]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # bounds and negative indices, as a list's
+        estimate = self._done.get(index)
+        if estimate is None:
+            _, replica, own, _, _ = self._ranked[index]
+            estimate = self._done[index] = start_estimate(replica, own, self._now)
+        return estimate
+
+
 def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None, prefix_routing: bool, *,
                  home: str | None = None, ttft_bound_s: float = 0.0, may_wait_s: float = 0.0,
                  now: float = 0.0, prefix_hold: tuple[float, float] | None = None) -> Pick | None:
@@ -384,20 +422,21 @@ def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
     off), the fewest steps before its first token, the most KV free after the grant (module doc); then the TTFT
     bound (ttft_bound.bound_decision; 0: off) over that ranking, with `may_wait_s` the wait the request has left for
     it; then the prefix hold (`prefix_hold`: how long the request has been held for a prefix, and how much longer it
-    may wait in the queue at all; None: off; module doc). None if no replica has room now."""
-    ranked: list[tuple[tuple[bool, float, int, int], Pick, StartEstimate]] = []
+    may wait in the queue at all; None: off; module doc). None if no replica has room now.
+
+    It runs at every grant over every replica, so each option costs its key alone: the winner's Pick is built once,
+    and the start estimates only as far down the ranking as the bound reads them (`_LazyStarts`)."""
+    ranked: list[_Ranked] = []
     roomless: list[_Option] | None = [] if prefix_hold is not None and prefix_routing and ask is not None else None
+    prompt = prompt_blocks(need, ask)
     for replica, reported, inflight, need_here in _options(replicas, need, ask, roomless):
         # What routing counts on there: the blocks it reported cached, or those its grants in flight (or
         # finished since its last report) are computing, whichever run is longer.
-        hit_blocks = max(reported.hit_blocks, inflight)
         credit = max(prefix_credit(replica, reported), float(inflight))
-        own = _own_blocks(replica, reported, inflight, need, ask)
         routed = credit if prefix_routing else 0.0
         key = (prefix_routing and home == replica.replica_id, routed,
-               -steps_to_start(replica, _whole(prompt_blocks(need, ask) - routed)), replica.free - need_here)
-        pick = Pick(need_here, replica, hit_blocks, prefill_blocks=_whole(own), reason="")
-        ranked.append((key, pick, start_estimate(replica, own, now)))
+               -steps_to_start(replica, _whole(prompt - routed)), replica.free - need_here)
+        ranked.append((key, replica, max(prompt - credit, 0.0), need_here, max(reported.hit_blocks, inflight)))
     if not ranked:
         return None
     ranked.sort(key=lambda entry: entry[0], reverse=True)
@@ -406,10 +445,12 @@ def pick_replica(replicas: Iterable[ReplicaKv], need: int, ask: PrefixAsk | None
     else:
         first, second = ranked[0][0], ranked[1][0]
         reason = next((name for name, a, b in zip(RANKING_REASONS, first, second, strict=True) if a != b), "most_free")
-    decision = bound_decision([estimate for *_, estimate in ranked], ttft_bound_s, may_wait_s)
-    key, pick, estimate = ranked[decision.index]
+    starts = _LazyStarts(ranked, now)
+    decision = bound_decision(starts, ttft_bound_s, may_wait_s)
+    key, replica, own, need_here, hit_blocks = ranked[decision.index]
+    estimate = starts[decision.index]
     within = ttft_bound_s <= 0 or decision.reason in ("preferred", "backlog_rerouted")
-    chosen = Pick(pick.need, pick.replica, pick.hit_blocks, pick.prefill_blocks,
+    chosen = Pick(need_here, replica, hit_blocks, _whole(own),
                   reason if decision.reason == "preferred" else decision.reason, estimate.start_s, decision.wait_s,
                   within)
     if roomless and prefix_hold is not None and decision.wait_s <= 0:

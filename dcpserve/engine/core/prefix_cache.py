@@ -25,6 +25,9 @@ import uuid
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 from pathlib import Path
 
 PINNED = 1  # cached and referenced by at least one request of the replica
@@ -140,7 +143,7 @@ class PrefixReporter:
             return PrefixReport(self.epoch, self.version, 0, True, dict(self.state), self.tokens_per_block, self.seed)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefixMatch:
     """What a replica's cache holds of a request's prompt: the longest run of its blocks from the start (on device
     or in the host tier), how many of those are pinned (held by a request now: taking them adds no KV), and how many
@@ -149,6 +152,12 @@ class PrefixMatch:
     hit_blocks: int = 0
     pinned_blocks: int = 0
     host_blocks: int = 0
+
+
+# The match of a prompt a replica caches nothing of: what the admission queue finds on most replicas for most
+# requests, at every grant (shared: a match is never changed).
+NO_MATCH = PrefixMatch()
+_IS_CACHED = partial(is_not, None)  # a block's state in an index: present
 
 
 @dataclass
@@ -178,14 +187,11 @@ class PrefixIndex:
     def match(self, hashes: Iterable[int], tokens_per_block: int, seed: bytes) -> PrefixMatch:
         """The longest cached run of `hashes` (computed with tokens_per_block and seed: a replica of another layout
         or model matches nothing)."""
-        result = PrefixMatch()
         if tokens_per_block != self.tokens_per_block or seed != self.seed:
-            return result
-        for block in hashes:
-            state = self.blocks.get(block)
-            if state is None:
-                break
-            result.hit_blocks += 1
-            result.pinned_blocks += state == PINNED
-            result.host_blocks += state == HOSTED
-        return result
+            return NO_MATCH
+        # The run's states, walked in C: the admission queue matches every prompt on every replica at each grant, and
+        # prompts of an agentic trace share runs of hundreds of blocks (a tool preamble) that every replica caches.
+        states = list(takewhile(_IS_CACHED, map(self.blocks.get, hashes)))
+        if not states:
+            return NO_MATCH
+        return PrefixMatch(len(states), states.count(PINNED), states.count(HOSTED))

@@ -52,7 +52,7 @@ def resolve_prompt_token_ids(prompt: str | None, prompt_token_ids: list[int] | N
     return list(prompt_token_ids)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One sequence being generated.
 

@@ -5,11 +5,13 @@ request's grant time is exact."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from dcpserve.deployments.admission import replica_choice
 from dcpserve.deployments.admission.queue import AdmissionQueue
 from dcpserve.deployments.admission.replica_choice import ReplicaKv, recompute_s_per_block, start_estimate
 from dcpserve.deployments.admission.ttft_bound import BoundDecision, StartEstimate, bound_decision
@@ -203,3 +205,70 @@ def test_the_bound_acts_on_the_replicas_measured_prefill_price_where_the_step_me
     assert run_simulated(run(0.0)) == (("a", 0.0), "only_choice")
     (replica_id, at), _ = run_simulated(run(0.1 / TOKENS))
     assert replica_id == "a" and at == pytest.approx(30 * 0.1 + 0.1 - 2.0)  # held until 3.1 s - 2 s
+
+
+# ---- the estimates read lazily ------------------------------------------------------------------------------------
+
+def _cluster(rng: random.Random, size: int) -> list[ReplicaKv]:
+    """Replicas of random free KV, sequences, backlog and cached runs of PROMPT_HISTORY's blocks."""
+    replicas = []
+    for r in range(size):
+        replica = ReplicaKv(f"r{r}", capacity=200, tokens_per_block=TOKENS, step_s=STEP_S, step_tokens=STEP_TOKENS,
+                            prefill_tokens=rng.randrange(0, 200) * TOKENS, last_report=rng.uniform(0.0, 1.0))
+        for g in range(rng.randrange(0, 4)):
+            replica.add_grant(f"r{r}g{g}", rng.randrange(1, 60), 0.0, rng.randrange(0, 20))
+        cached = rng.randrange(0, len(LAZY_HASHES) + 1)
+        reporter = PrefixReporter(TOKENS, SEED)
+        for block in LAZY_HASHES[:cached]:
+            reporter.set(block, CACHED)
+        replica.prefix.index.apply(reporter.report(None, 0))
+        replicas.append(replica)
+    return replicas
+
+
+LAZY_PROMPT = list(range(3, 3 + 12 * TOKENS)) + [1, 2]
+LAZY_HASHES = chain_hashes(LAZY_PROMPT, TOKENS, SEED)
+LAZY_ASK = PrefixAsk(tuple(prompt_hashes(LAZY_PROMPT, TOKENS, SEED)), TOKENS, SEED, len(LAZY_PROMPT))
+
+
+@pytest.mark.parametrize("bound_s", [0.0, 0.5, 2.0, 6.0])
+def test_the_choice_reads_start_estimates_only_as_far_down_the_ranking_as_the_bound_needs(
+        bound_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pick_replica computes the start estimates lazily, as bound_decision reads them: its answer is the one every
+    estimate computed up front gives, and with the bound off it computes only the chosen replica's."""
+    rng = random.Random(51)
+    calls: list[str] = []
+
+    def counted(replica: ReplicaKv, own_blocks: float, now: float) -> StartEstimate:
+        calls.append(replica.replica_id)
+        return start_estimate(replica, own_blocks, now)
+
+    class Eager(list):  # every estimate computed up front: what the choice did before it read them lazily
+        def __init__(self, ranked: list[Any], now: float) -> None:
+            super().__init__(start_estimate(replica, own, now) for _, replica, own, _, _ in ranked)
+
+    reads = []
+    for case in range(40):
+        replicas = _cluster(rng, 16)
+        now = rng.uniform(0.0, 3.0)
+        kwargs: dict[str, Any] = dict(ttft_bound_s=bound_s, may_wait_s=rng.choice([0.0, 1.0, 10.0]), now=now,
+                                      home=rng.choice([None, "r3"]))
+        need = rng.randrange(5, 40)
+        with monkeypatch.context() as patch:
+            patch.setattr(replica_choice, "_LazyStarts", Eager)
+            eager = replica_choice.pick_replica(replicas, need, LAZY_ASK, True, **kwargs)
+        calls.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(replica_choice, "start_estimate", counted)
+            lazy = replica_choice.pick_replica(replicas, need, LAZY_ASK, True, **kwargs)
+        assert lazy == eager, case
+        if lazy is None:
+            continue
+        assert len(calls) == len(set(calls)), "an estimate computed twice"
+        if bound_s == 0.0:
+            assert calls == [lazy.replica.replica_id]
+        reads.append(len(calls))
+    if bound_s == 0.0:
+        assert max(reads) == 1
+    else:  # some choice found a replica within the bound before reading every option's estimate
+        assert min(reads) < 16
