@@ -44,6 +44,8 @@ from dcpserve.deployments.admission.ttft_bound import BOUND_TOLERANCE_S
 
 # A held request is let go this long before its deadline or timeout would end its wait.
 DEFER_MARGIN_S = 0.05
+# The heaps are compacted once their entries pass twice the live ones at the last compaction plus this many.
+COMPACT_SLACK = 64
 
 
 class Held(Protocol):
@@ -82,7 +84,14 @@ class BoundHolds(Generic[H]):
         # for their need there (`_room_need`, by park id)
         self._room: dict[str, list[tuple[float, int]]] = {}
         self._room_need: dict[int, int] = {}
-        self._entries = 0  # heap entries, live or not (compacted when mostly stale)
+        # Heap entries pushed, live or stale (pops are not counted), and how many were live at the last compaction.
+        # A park pushes one entry per replica it watches (up to every replica of the app), so the live entries alone
+        # may be many times the parked requests: compacting when the entries outgrew a multiple of the parked ones
+        # compacted at every park, O(parked x replicas) each, quadratic in a deep queue at 64 replicas (the
+        # simulator at 512 GPUs). Compacting when they doubled since the last keeps the heaps within twice their
+        # live size plus one park's, at O(1) amortized per entry.
+        self._entries = 0
+        self._entries_compacted = 0
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -134,7 +143,7 @@ class BoundHolds(Generic[H]):
             if own < self.bound_s:  # draining never starts a prompt whose own prefill is past the bound within it
                 heapq.heappush(self._watch.setdefault(replica_id, []), (own - self.bound_s, park_id))
                 self._entries += 1
-        if self._entries > 4 * len(self._parked) + 64:
+        if self._entries > 2 * self._entries_compacted + COMPACT_SLACK:
             self._compact()
 
     def unpark(self, waiter: H) -> None:
@@ -192,7 +201,7 @@ class BoundHolds(Generic[H]):
         self._watch.clear()
         self._room.clear()
         self._room_need.clear()
-        self._entries = 0
+        self._entries = self._entries_compacted = 0
         return woken
 
     def _take(self, park_id: int, woken: dict[int, H]) -> None:
@@ -208,8 +217,8 @@ class BoundHolds(Generic[H]):
         heapq.heapify(self._ends)
         self._watch = self._live(self._watch)
         self._room = self._live(self._room)
-        self._entries = (len(self._ends) + sum(len(heap) for heap in self._watch.values())
-                         + sum(len(heap) for heap in self._room.values()))
+        self._entries = self._entries_compacted = (len(self._ends) + sum(len(heap) for heap in self._watch.values())
+                                                   + sum(len(heap) for heap in self._room.values()))
 
     def _live(self, watches: dict[str, list[tuple[K, int]]]) -> dict[str, list[tuple[K, int]]]:
         """The watch heaps with only the entries of waiters still parked (empty ones dropped)."""

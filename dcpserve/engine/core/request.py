@@ -52,7 +52,7 @@ def resolve_prompt_token_ids(prompt: str | None, prompt_token_ids: list[int] | N
     return list(prompt_token_ids)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False)  # an entity: equal only to itself (the scheduler's lists remove a request by identity)
 class Request:
     """One sequence being generated.
 

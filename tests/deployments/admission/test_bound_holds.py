@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import dcpserve.deployments.admission.queue as admission_queue
+from dcpserve.deployments.admission.bound_holds import COMPACT_SLACK, BoundHolds
 from dcpserve.deployments.admission.errors import QueueFull
 from dcpserve.deployments.admission.pools import choose as real_choose
 from dcpserve.deployments.admission.queue import AdmissionQueue
@@ -196,3 +197,44 @@ def test_a_held_request_does_not_watch_a_replica_within_the_bound_that_a_closed_
     replica_id, at = run_simulated(run())
     assert (replica_id, at) == ("y0", pytest.approx(0.6))  # 2.5 + 0.1 - 2.0: then y0 starts it within the bound
     assert calls[0] < 20
+
+
+class _Held:
+    def __init__(self, until: float) -> None:
+        self.timeout_at = 1e9
+        self.deadline_at: float | None = None
+        self.defer_end: float | None = until
+        self.defer_until: float | None = until
+
+
+def test_parking_many_requests_that_each_watch_every_replica_compacts_in_amortized_constant_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A park pushes one heap entry per replica it watches: at 64 replicas the live entries are 65 per parked request.
+    Compaction is paid by the entries pushed since the last one (each scanned O(1) times on average), not once per
+    park over every live entry; and parks that end leave at most as many stale entries as there are live ones."""
+    replicas = [f"r{i}" for i in range(64)]
+    holds: BoundHolds[_Held] = BoundHolds(2.0, lambda: None)
+    scanned = [0]
+    compact = BoundHolds._compact
+
+    def counted(self: BoundHolds[_Held]) -> None:
+        scanned[0] += self._entries
+        compact(self)
+
+    monkeypatch.setattr(BoundHolds, "_compact", counted)
+    waiters = [_Held(10.0 + i) for i in range(400)]
+    for waiter in waiters:
+        holds.park(waiter, [(replica, 0.5) for replica in replicas])
+    pushed = 400 * 65
+    assert len(holds) == 400
+    assert scanned[0] <= 3 * pushed  # each park compacting over every live entry scanned ~pushed x 200 here
+
+    def heap_entries() -> int:
+        return (len(holds._ends) + sum(map(len, holds._watch.values())) + sum(map(len, holds._room.values())))
+
+    for cycle, waiter in enumerate(waiters * 5):  # parked again and again: the entries of each earlier park go stale
+        holds.park(waiter, [(replica, 0.5) for replica in replicas])
+        assert heap_entries() <= 2 * 400 * 65 + 2 * 65 + COMPACT_SLACK, cycle
+    assert len(holds) == 400
+    # every parked request still wakes when its hold ends
+    assert len(holds.wake(1e6, {})) == 400
