@@ -63,6 +63,7 @@ class Case:
     itl_target_s: float
     admission_ttft_bound_s: float = PATIENT.admission_ttft_bound_s  # the queue's TTFT bound (0: off)
     prefix_hold: bool = PATIENT.admission_prefix_hold  # the queue's prefix hold (replica_choice.py)
+    progress_s: float = 0.0  # a progress line on stderr every this many seconds of wall time (0: none)
 
     @property
     def label(self) -> str:
@@ -90,7 +91,9 @@ def run_case(case: Case) -> dict[str, Any]:
     serve = replace(PATIENT, admission_ttft_bound_s=case.admission_ttft_bound_s,
                     admission_prefix_hold=case.prefix_hold)
     config = SimulationConfig(shape=shape, num_replicas=replicas, serve=serve,
-                              concurrency=case.concurrency_per_node * case.nodes)
+                              concurrency=case.concurrency_per_node * case.nodes,
+                              progress=sys.stderr if case.progress_s > 0 else None,
+                              progress_wall_s=case.progress_s, progress_label=case.label)
     trace = generate(PRESETS["agentic"], case.requests, seed=0)
     wall = time.perf_counter()
     simulation = Simulation(config, step_model)
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the admission queue's prefix hold off (admission_prefix_hold: false): a request goes "
                              "to the first replica with room, not waiting for the one that caches its prompt")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default 2)")
+    parser.add_argument("--progress-s", type=float, default=60.0,
+                        help="a progress line per case on stderr every this many seconds of wall time (default 60; "
+                             "0: none)")
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args(argv)
     # One section per cluster size: a run at more nodes adds its own instead of replacing the one-node section.
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = args.requests_per_client * args.concurrency * args.nodes
     tiers = {"both": (None, args.host_kv), "off": (None,), "on": (args.host_kv,)}[args.tier]
     cases = [Case(int(dcp), tier, args.nodes, args.concurrency, requests, args.ttft_target_s, args.itl_target_s,
-                  args.admission_ttft_bound_s, not args.no_prefix_hold)
+                  args.admission_ttft_bound_s, not args.no_prefix_hold, args.progress_s)
              for dcp in args.dcp.split(",") for tier in tiers]
     with ProcessPoolExecutor(max_workers=args.jobs) as executor:
         results = dict(zip(cases, executor.map(run_case, cases), strict=True))

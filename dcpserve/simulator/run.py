@@ -96,6 +96,7 @@ class SimulationConfig:
     request_latency_s: float = 0.0
     progress: TextIO | None = None  # where progress lines go (stderr in the CLI), every progress_wall_s of wall time
     progress_wall_s: float = 5.0
+    progress_label: str = ""  # names the run in its progress lines (runs in parallel write to one stream)
     # Layout pools: several shapes behind the one queue, each with its own autoscaling (shape, num_replicas and
     # autoscaling above are then unused); empty: one pool of `shape`, the app without pools.
     pools: tuple[SimPool, ...] = ()
@@ -434,7 +435,8 @@ class Simulation:
         if not final and wall - self._last_progress < self.config.progress_wall_s:
             return
         self._last_progress = wall
-        print(f"simulated {now:9.1f} s  sessions {self.units_done}/{self.num_units}  requests "
+        label = f"{self.config.progress_label}: " if self.config.progress_label else ""
+        print(f"{label}simulated {now:9.1f} s  sessions {self.units_done}/{self.num_units}  requests "
               f"{len(self.recorder.records)} sent  sequences {self.recorder.sequences}  replicas "
               f"{len(self.replicas)}  wall {wall - self._wall_start:.1f} s", file=out, flush=True)
 
