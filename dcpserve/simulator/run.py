@@ -197,6 +197,13 @@ class Simulation:
         scalers = [loop.create_task(self._autoscale_loop(name)) for name in self.scaling]
         units = sessions_of(trace)
         self.num_units = len(units)
+        clients = self.config.concurrency
+        if clients is not None and clients > len(units) and self.config.progress is not None:
+            # A closed loop runs below its concurrency from the start: the load the caller meant is not reached.
+            print(f"{self._label()}note: {len(units):,} sessions for {clients:,} clients: the closed loop runs "
+                  f"{clients - len(units):,} short of its concurrency (the trace's sessions run out first); more "
+                  f"requests per client fill it",
+                  file=self.config.progress, flush=True)
         if self.config.concurrency is None:
             await asyncio.gather(*(self._open_loop_unit(unit) for unit in units))
         else:
@@ -427,6 +434,9 @@ class Simulation:
         self.recorder.samples.append((now, len(replicas), used / len(replicas) if replicas else 0.0,
                                       self.recorder.sequences, queued))
 
+    def _label(self) -> str:
+        return f"{self.config.progress_label}: " if self.config.progress_label else ""
+
     def _progress(self, now: float, final: bool = False) -> None:
         out = self.config.progress
         if out is None:
@@ -435,8 +445,7 @@ class Simulation:
         if not final and wall - self._last_progress < self.config.progress_wall_s:
             return
         self._last_progress = wall
-        label = f"{self.config.progress_label}: " if self.config.progress_label else ""
-        print(f"{label}simulated {now:9.1f} s  sessions {self.units_done}/{self.num_units}  requests "
+        print(f"{self._label()}simulated {now:9.1f} s  sessions {self.units_done}/{self.num_units}  requests "
               f"{len(self.recorder.records)} sent  sequences {self.recorder.sequences}  replicas "
               f"{len(self.replicas)}  wall {wall - self._wall_start:.1f} s", file=out, flush=True)
 

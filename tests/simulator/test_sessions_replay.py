@@ -5,6 +5,7 @@ and Mooncake's 512, replayed with each later turn sent its think time after the 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -122,3 +123,22 @@ def test_each_turn_reaches_the_queue_with_its_session_key(tmp_path: Path, monkey
     monkeypatch.setattr(AdmissionQueue, "acquire_reply", spy)
     Simulation(SimulationConfig(shape(), num_replicas=2, serve=ServeSettings()), STEP_MODEL).run(requests)
     assert seen == ["agent-1"] * 3
+
+
+@pytest.mark.parametrize("clients", [1, 3])
+def test_a_closed_loop_with_more_clients_than_sessions_says_so_before_it_runs(tmp_path: Path, clients: int) -> None:
+    """Two sessions for three clients: one client never sends, so the run is not at the concurrency asked for; the
+    progress stream says how many sessions for how many clients (and nothing when every client has one)."""
+    rows = session_rows(512) + [{**row, "session_id": "agent-2"} for row in session_rows(512)]
+    requests = read_trace(write(tmp_path, rows), 512)
+    out = io.StringIO()
+    config = SimulationConfig(shape(), num_replicas=1, serve=ServeSettings(), concurrency=clients, progress=out,
+                              progress_label="case")
+    summary = Simulation(config, STEP_MODEL).run(requests)
+    assert summary["finished"] == 6
+    notes = [line for line in out.getvalue().splitlines() if "note:" in line]
+    if clients == 1:
+        assert notes == []
+    else:
+        assert notes == ["case: note: 2 sessions for 3 clients: the closed loop runs 1 short of its concurrency (the "
+                         "trace's sessions run out first); more requests per client fill it"]
