@@ -210,7 +210,7 @@ def test_the_bound_acts_on_the_replicas_measured_prefill_price_where_the_step_me
 # ---- the estimates read lazily ------------------------------------------------------------------------------------
 
 def _cluster(rng: random.Random, size: int) -> list[ReplicaKv]:
-    """Replicas of random free KV, sequences, backlog and cached runs of PROMPT_HISTORY's blocks."""
+    """Replicas of random free KV, sequences, backlog and cached runs of LAZY_PROMPT's blocks."""
     replicas = []
     for r in range(size):
         replica = ReplicaKv(f"r{r}", capacity=200, tokens_per_block=TOKENS, step_s=STEP_S, step_tokens=STEP_TOKENS,
